@@ -1,0 +1,220 @@
+"""Hugging Face / DeepSeek checkpoint -> the model's parameter tree, placed straight onto its shardings.
+
+Tensors are memory-mapped and read one at a time by ``jax.make_array_from_callback``: every device shard reads
+only its own slice (for stacked experts: only its experts), so a 671B checkpoint never sits in host RAM whole.
+FP8 weights (``F8_E4M3`` + ``weight_scale_inv``) are either kept with their scales (``quantized=True``) or
+dequantized exactly (fp8 * scale_inv per 128x128 block; DESIGN.md "FP8 checkpoints").
+
+Names follow DeepSeek's release: ``model.layers.{i}.self_attn.q_a_proj.weight``,
+``model.layers.{i}.mlp.experts.{e}.gate_proj.weight``, MTP module k at ``model.layers.{num_hidden_layers + k}``
+with ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` and the block's own tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from jaxinfer.checkpoint.errors import CheckpointError
+from jaxinfer.checkpoint.fp8 import dequantize_blockwise
+from jaxinfer.checkpoint.safetensors_io import SafetensorsCheckpoint
+from jaxinfer.config import ModelConfig
+
+FP8_NP = np.dtype("float8_e4m3fn")
+_FLOAT_KINDS = {np.dtype(np.float32), np.dtype(np.float16), np.dtype("bfloat16"), np.dtype(np.float64)}
+_EXPERT_PROJ = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where one parameter comes from: a tensor name, or per-expert names stacked on axis 0."""
+
+    names: tuple[str, ...]
+    stacked: bool = False
+    scale_names: tuple[str, ...] | None = None  # FP8 sibling scales to dequantize with
+
+
+def checkpoint_layout(config: ModelConfig, ckpt: SafetensorsCheckpoint) -> dict[str, Any]:
+    """Reads how the model must be built for this checkpoint: MTP presence and which weights are FP8."""
+    n = config.num_hidden_layers
+    mtp_layers = 0
+    for k in range(config.num_nextn_predict_layers):
+        if f"model.layers.{n + k}.eh_proj.weight" in ckpt:
+            mtp_layers += 1
+        else:
+            break
+    return dict(
+        num_mtp_layers=mtp_layers,
+        mtp_eh_proj_quantized=mtp_layers > 0 and f"model.layers.{n}.eh_proj.weight_scale_inv" in ckpt,
+        has_fp8=any(name.endswith("weight_scale_inv") for name in ckpt.names()),
+    )
+
+
+def _module_prefix(config: ModelConfig, path: tuple) -> tuple[str, tuple]:
+    """Model path -> (HF module prefix, remaining path inside that module)."""
+    top = path[0]
+    if top == "layers":
+        return f"model.layers.{path[1]}", path[2:]
+    if top == "mtp":
+        prefix = f"model.layers.{config.num_hidden_layers + path[1]}"
+        rest = path[2:]
+        if rest[0] == "block":
+            return prefix, rest[1:]
+        if rest[0] == "shared_head_norm":
+            return prefix + ".shared_head.norm", rest[1:]
+        return prefix, rest
+    if top == "embed_tokens":
+        return "model", ("embed_tokens", "weight")
+    if top == "norm":
+        return "model.norm", path[1:]
+    if top == "lm_head":
+        return "lm_head", path[1:]
+    raise KeyError(path)
+
+
+def source_for(config: ModelConfig, path: tuple, ckpt_names: set[str] | SafetensorsCheckpoint) -> Source:
+    """The checkpoint tensor(s) for one model parameter path (e.g. ('layers', 3, 'mlp', 'experts', 'up_proj'))."""
+    prefix, rest = _module_prefix(config, path)
+    rest = tuple(str(p) for p in rest)
+    if len(rest) >= 2 and rest[-2] == "experts":  # ('mlp', 'experts', 'gate_proj' | 'gate_proj_scale_inv')
+        proj = rest[-1].removesuffix("_scale_inv")
+        suffix = "weight_scale_inv" if rest[-1].endswith("_scale_inv") else "weight"
+        base = f"{prefix}.{'.'.join(rest[:-1])}"
+        names = tuple(f"{base}.{e}.{proj}.{suffix}" for e in range(config.n_routed_experts))
+        scales = None
+        if suffix == "weight" and all(f"{nm}_scale_inv" in ckpt_names for nm in names):
+            scales = tuple(f"{nm}_scale_inv" for nm in names)
+        return Source(names, stacked=True, scale_names=scales)
+    name = f"{prefix}.{'.'.join(rest)}"
+    scale = f"{name}_scale_inv"
+    if rest[-1] == "weight" and scale in ckpt_names:
+        return Source((name,), scale_names=(scale,))
+    return Source((name,))
+
+
+def ignorable(config: ModelConfig, name: str, num_mtp_layers: int) -> bool:
+    """Tensors a checkpoint may carry that the model does not read."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return True
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    if m and int(m.group(1)) >= config.num_hidden_layers:
+        k = int(m.group(1)) - config.num_hidden_layers
+        if k >= num_mtp_layers:
+            return True  # MTP modules we do not load (absent from the config, or disabled)
+        # DeepSeek's releases carry copies of the embedding and the head in each MTP layer
+        return name.endswith((".embed_tokens.weight", ".shared_head.head.weight"))
+    return False
+
+
+def _flatten(tree: dict, prefix: tuple = ()) -> list[tuple[tuple, Any]]:
+    out = []
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.extend(_flatten(value, prefix + (key,)))
+        else:
+            out.append((prefix + (key,), value))
+    return out
+
+
+def _unflatten(items: list[tuple[tuple, Any]]) -> dict:
+    root: dict = {}
+    for path, value in items:
+        node = root
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return root
+
+
+def _cast(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    if array.dtype == dtype:
+        return np.asarray(array)
+    if array.dtype == FP8_NP or dtype == FP8_NP:
+        return np.asarray(array.astype(np.float32).astype(dtype))
+    return np.asarray(array.astype(dtype))
+
+
+def _reader(ckpt: SafetensorsCheckpoint, src: Source, dtype: np.dtype) -> Callable[[tuple], np.ndarray]:
+    """A callback for make_array_from_callback: reads (and dequantizes) just the requested slice."""
+
+    def one(name: str, scale: str | None, index: tuple) -> np.ndarray:
+        raw = ckpt.read(name)
+        if scale is not None:
+            return _cast(dequantize_blockwise(raw, ckpt.read(scale))[index], dtype)
+        return _cast(raw[index], dtype)
+
+    done: dict[str, np.ndarray] = {}  # replicated shards ask for the same slice once per device
+
+    def read(index: tuple) -> np.ndarray:
+        key = repr(index)
+        if key not in done:
+            if not src.stacked:
+                done[key] = one(src.names[0], src.scale_names[0] if src.scale_names else None, index)
+            else:
+                experts = range(len(src.names))[index[0]]
+                done[key] = np.stack([one(src.names[e], src.scale_names[e] if src.scale_names else None,
+                                          index[1:]) for e in experts])
+        return done[key]
+
+    return read
+
+
+def _check(ckpt: SafetensorsCheckpoint, src: Source, shape: tuple, dtype: np.dtype, problems: dict) -> None:
+    want = shape[1:] if src.stacked else shape
+    for i, name in enumerate(src.names):
+        if name not in ckpt:
+            problems["missing"].append(name)
+            continue
+        info = ckpt.info(name)
+        if info.shape != tuple(want):
+            problems["wrong shape"].append(f"{name}: {list(info.shape)} (expected {list(want)})")
+            continue
+        if dtype == FP8_NP or info.dtype == FP8_NP:
+            if dtype == FP8_NP and info.dtype != FP8_NP:
+                problems["wrong dtype"].append(f"{name}: {info.dtype} (expected F8_E4M3 with weight_scale_inv)")
+            elif dtype != FP8_NP and not src.scale_names:
+                problems["wrong dtype"].append(f"{name}: F8_E4M3 without a weight_scale_inv sibling")
+            elif src.scale_names:
+                scale = ckpt.info(src.scale_names[i])
+                want_scale = tuple(-(-d // 128) for d in want)
+                if scale.shape != want_scale:
+                    problems["wrong shape"].append(
+                        f"{src.scale_names[i]}: {list(scale.shape)} (expected {list(want_scale)})")
+        elif info.dtype not in _FLOAT_KINDS and np.dtype(dtype) in _FLOAT_KINDS | {np.dtype("bfloat16")}:
+            problems["wrong dtype"].append(f"{name}: {info.dtype} (expected a float tensor)")
+
+
+def load_hf_params(config: ModelConfig, ckpt: SafetensorsCheckpoint, abstract: dict,
+                   sharding_for: Callable[[tuple, tuple], jax.sharding.Sharding], num_mtp_layers: int) -> dict:
+    """Fills the abstract parameter tree (pure dict of ShapeDtypeStruct) from the checkpoint.
+
+    sharding_for(path, shape) gives each parameter's target sharding. All problems (missing, unexpected,
+    wrong-shape, wrong-dtype tensors) are collected and raised together as one CheckpointError."""
+    names = set(ckpt.names())
+    problems: dict[str, list[str]] = {"missing": [], "unexpected": [], "wrong shape": [], "wrong dtype": []}
+    plan = []
+    used: set[str] = set()
+    for path, leaf in _flatten(abstract):
+        src = source_for(config, path, names)
+        used.update(src.names)
+        used.update(src.scale_names or ())
+        dtype = np.dtype(leaf.dtype)
+        _check(ckpt, src, tuple(leaf.shape), dtype, problems)
+        plan.append((path, leaf, src, dtype))
+    problems["unexpected"] = sorted(n for n in names - used if not ignorable(config, n, num_mtp_layers))
+    if any(problems.values()):
+        lines = [f"checkpoint {ckpt.path} does not match the model config:"]
+        for kind, items in problems.items():
+            if items:
+                shown = items[:20] + ([f"... and {len(items) - 20} more"] if len(items) > 20 else [])
+                lines.append(f"  {kind} ({len(items)}): " + ", ".join(shown))
+        raise CheckpointError("\n".join(lines))
+    out = []
+    for path, leaf, src, dtype in plan:
+        sharding = sharding_for(path, tuple(leaf.shape))
+        out.append((path, jax.make_array_from_callback(tuple(leaf.shape), sharding, _reader(ckpt, src, dtype))))
+    return _unflatten(out)

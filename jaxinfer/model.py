@@ -1,0 +1,242 @@
+"""``load_model``: a checkpoint directory (HF safetensors or jaxinfer's orbax form) -> a ``Model`` on a mesh.
+
+``Model.logits(token_ids)`` is the public contract (DESIGN.md): int [B, T] -> np.float32 [B, T, vocab], a causal
+forward from position 0, the batch split over every device of the mesh (data-parallel attention) and padded to a
+multiple of the DP size.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import pathlib
+import shutil
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxinfer.checkpoint.errors import CheckpointError
+from jaxinfer.checkpoint.hf_loader import _flatten, _unflatten, checkpoint_layout, load_hf_params
+from jaxinfer.checkpoint.orbax_io import is_orbax_dir, restore_pytree, save_pytree
+from jaxinfer.checkpoint.safetensors_io import SafetensorsCheckpoint
+from jaxinfer.config import ModelConfig
+from jaxinfer.models.deepseek import DeepseekForCausalLM
+from jaxinfer.parallel.mesh import MeshSpec, make_mesh
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+ORBAX_META = "jaxinfer.json"
+ORBAX_PARAMS = "params"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
+BATCH = P(("data", "expert"))  # the batch is split over all devices: each one is a DP rank
+
+
+def parse_dtype(dtype: Any) -> Any:
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        return DTYPES[dtype]
+    for v in DTYPES.values():
+        if np.dtype(dtype) == np.dtype(v):
+            return v
+    raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+
+
+def param_sharding(mesh: jax.sharding.Mesh, path: tuple, shape: tuple) -> NamedSharding:
+    """Where each parameter lives. Attention, dense layers, norms and embeddings: replicated on every DP rank.
+    Routed experts are replicated too until the expert-parallel MoE (shard_map dispatch) lands."""
+    del path, shape
+    return NamedSharding(mesh, P())
+
+
+def _build(config: ModelConfig, dtype, **layout) -> tuple[nnx.GraphDef, nnx.State]:
+    """The module's graph and an abstract state (no memory allocated)."""
+    abstract = nnx.eval_shape(lambda: DeepseekForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype, **layout))
+    return nnx.split(abstract)
+
+
+class Model:
+    """A DeepSeek model placed on a mesh, with its jitted forward functions."""
+
+    def __init__(self, config: ModelConfig, graphdef: nnx.GraphDef, state: nnx.State, mesh, dtype,
+                 layout: dict[str, Any], path: pathlib.Path | None = None):
+        self.config = config
+        self.mesh = mesh
+        self.dtype = dtype
+        self.layout = layout
+        self.path = path
+        self.graphdef = graphdef
+        self.state = state
+
+    # ---- construction ------------------------------------------------------------------------------
+    @classmethod
+    def random(cls, config: ModelConfig, mesh: MeshSpec = None, dtype="float32", seed: int = 0) -> Model:
+        """Random weights (normal, std 0.02): for smoke runs and benchmarks of architectures, not outputs."""
+        mesh, dtype = make_mesh(mesh), parse_dtype(dtype)
+        module = DeepseekForCausalLM(config, rngs=nnx.Rngs(seed), dtype=dtype)
+        graphdef, state = nnx.split(module)
+        pure = nnx.to_pure_dict(state)
+        placed = _unflatten([(p, jax.device_put(v, param_sharding(mesh, p, v.shape))) for p, v in _flatten(pure)])
+        nnx.replace_by_pure_dict(state, placed)
+        layout = dict(quantized=False, num_mtp_layers=config.num_nextn_predict_layers, mtp_eh_proj_quantized=False)
+        return cls(config, graphdef, state, mesh, dtype, layout)
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.layout["num_mtp_layers"] > 0
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.size
+
+    # ---- inputs ------------------------------------------------------------------------------------
+    def check_token_ids(self, token_ids, name: str = "token_ids") -> np.ndarray:
+        ids = np.asarray(token_ids)
+        if ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] < 1:
+            raise ValueError(f"{name} must be a non-empty 2-D integer array [B, T], got shape {ids.shape}")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"{name} must hold integers, got dtype {ids.dtype}")
+        bad = (ids < 0) | (ids >= self.config.vocab_size)
+        if bad.any():
+            b, t = np.argwhere(bad)[0]
+            raise ValueError(f"{name}[{b}, {t}] = {ids[b, t]} is outside the vocabulary [0, {self.config.vocab_size})"
+                             f" ({int(bad.sum())} such ids)")
+        if ids.shape[1] > self.config.max_position_embeddings:
+            raise ValueError(f"{name} has {ids.shape[1]} positions, more than max_position_embeddings="
+                             f"{self.config.max_position_embeddings}")
+        return ids.astype(np.int32)
+
+    def _shard_batch(self, *arrays: np.ndarray) -> list[jax.Array]:
+        """Pads B to a multiple of the DP size and splits it over all devices."""
+        b = arrays[0].shape[0]
+        padded = -(-b // self.dp_size) * self.dp_size
+        sharding = NamedSharding(self.mesh, BATCH)
+        return [jax.device_put(np.pad(a, [(0, padded - b)] + [(0, 0)] * (a.ndim - 1)), sharding) for a in arrays]
+
+    # ---- forward -----------------------------------------------------------------------------------
+    @functools.cached_property
+    def _jit_logits(self):
+        graphdef = self.graphdef
+
+        @jax.jit
+        def run(state, ids):
+            model = nnx.merge(graphdef, state)
+            positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
+            return model(ids, positions)[0]
+
+        return run
+
+    @functools.cached_property
+    def _jit_mtp(self):
+        graphdef = self.graphdef
+
+        @jax.jit
+        def run(state, ids, next_ids):
+            model = nnx.merge(graphdef, state)
+            positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
+            h, _ = model.hidden_states(ids, positions)
+            return model.mtp_logits(h, next_ids, positions)
+
+        return run
+
+    def logits(self, token_ids) -> np.ndarray:
+        """int [B, T] -> np.float32 [B, T, vocab]: causal forward from position 0."""
+        ids = self.check_token_ids(token_ids)
+        (dev_ids,) = self._shard_batch(ids)
+        out = self._jit_logits(self.state, dev_ids)
+        return np.asarray(jax.device_get(out))[: ids.shape[0]]
+
+    def mtp_logits(self, token_ids, next_token_ids) -> np.ndarray:
+        """Draft logits of the first MTP module: row t combines the main model's final-normed h_t with
+        embed(next_token_ids[:, t]) and predicts the token after next. int [B, T] x2 -> np.float32 [B, T, vocab]."""
+        if not self.has_mtp:
+            raise RuntimeError("this model has no MTP module (the checkpoint carries no MTP tensors, or the config "
+                               "sets num_nextn_predict_layers = 0)")
+        ids = self.check_token_ids(token_ids)
+        nxt = self.check_token_ids(next_token_ids, "next_token_ids")
+        if nxt.shape != ids.shape:
+            raise ValueError(f"next_token_ids shape {nxt.shape} must equal token_ids shape {ids.shape}")
+        dev_ids, dev_next = self._shard_batch(ids, nxt)
+        out = self._jit_mtp(self.state, dev_ids, dev_next)
+        return np.asarray(jax.device_get(out))[: ids.shape[0]]
+
+    # ---- orbax -------------------------------------------------------------------------------------
+    def save(self, out_dir) -> pathlib.Path:
+        """Writes jaxinfer's orbax form: config.json (HF form), jaxinfer.json (layout, dtype), params/ (orbax)
+        and the tokenizer files of the source checkpoint."""
+        out = pathlib.Path(out_dir)
+        if out.exists() and any(out.iterdir()):
+            raise CheckpointError(f"output directory {out} exists and is not empty")
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(self.config.to_hf_dict(), indent=2))
+        meta = dict(format="jaxinfer-orbax", version=1, dtype=np.dtype(self.dtype).name, **self.layout)
+        (out / ORBAX_META).write_text(json.dumps(meta, indent=2))
+        save_pytree(out / ORBAX_PARAMS, _str_keys(nnx.to_pure_dict(self.state)))
+        if self.path is not None:
+            for name in TOKENIZER_FILES:
+                if (self.path / name).is_file():
+                    shutil.copy(self.path / name, out / name)
+        return out
+
+
+def _str_keys(tree):
+    return {str(k): _str_keys(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
+
+
+def _with_int_keys(tree, like):
+    """Restores the integer list indices of ``like`` (nnx pure dicts) in a tree saved with string keys."""
+    if not isinstance(like, dict):
+        return tree
+    return {k: _with_int_keys(tree[str(k)], v) for k, v in like.items()}
+
+
+def load_model(path, mesh: MeshSpec = None, dtype="bfloat16", keep_fp8: bool = False) -> Model:
+    """Loads an HF checkpoint directory (config.json + safetensors) or a jaxinfer orbax directory.
+
+    dtype: "bfloat16" or "float32" (the compute and storage dtype of non-FP8 weights). keep_fp8: keep DeepSeek FP8
+    weights as e4m3 + block scales (dequantized exactly on the fly) instead of dequantizing them at load time.
+    """
+    path = pathlib.Path(path)
+    if not path.is_dir():
+        raise ValueError(f"model path {path} is not a directory")
+    dtype = parse_dtype(dtype)
+    config = ModelConfig.from_hf_config(path)
+    mesh = make_mesh(mesh)
+    if (path / ORBAX_META).is_file() and is_orbax_dir(path / ORBAX_PARAMS):
+        return _load_orbax(path, config, mesh, dtype)
+    ckpt = SafetensorsCheckpoint(path)
+    layout = checkpoint_layout(config, ckpt)
+    if config.num_nextn_predict_layers > layout["num_mtp_layers"]:
+        warnings.warn(f"config announces {config.num_nextn_predict_layers} MTP layer(s) but the checkpoint carries "
+                      f"{layout['num_mtp_layers']} (no model.layers.{config.num_hidden_layers + layout['num_mtp_layers']}"
+                      ".eh_proj.weight): MTP is disabled for the missing ones", stacklevel=2)
+    if keep_fp8 and not layout["has_fp8"]:
+        raise ValueError("keep_fp8=True needs an FP8 checkpoint (weight_scale_inv tensors); this one has none")
+    layout = dict(quantized=keep_fp8, num_mtp_layers=layout["num_mtp_layers"],
+                  mtp_eh_proj_quantized=keep_fp8 and layout["mtp_eh_proj_quantized"])
+    graphdef, state = _build(config, dtype, **layout)
+    abstract = nnx.to_pure_dict(state)
+    params = load_hf_params(config, ckpt, abstract, functools.partial(param_sharding, mesh), layout["num_mtp_layers"])
+    nnx.replace_by_pure_dict(state, params)
+    return Model(config, graphdef, state, mesh, dtype, layout, path)
+
+
+def _load_orbax(path: pathlib.Path, config: ModelConfig, mesh, dtype) -> Model:
+    meta = json.loads((path / ORBAX_META).read_text())
+    layout = {k: meta[k] for k in ("quantized", "num_mtp_layers", "mtp_eh_proj_quantized")}
+    saved_dtype = parse_dtype(meta["dtype"])
+    graphdef, state = _build(config, saved_dtype, **layout)
+    abstract = nnx.to_pure_dict(state)
+    wanted = _unflatten([(p, jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=param_sharding(mesh, p, v.shape)))
+                         for p, v in _flatten(abstract)])
+    params = _with_int_keys(restore_pytree(path / ORBAX_PARAMS, _str_keys(wanted)), abstract)
+    if saved_dtype != dtype:  # e.g. saved in bfloat16, asked for float32: cast floats, keep FP8 / fp32 router
+        graphdef, state = _build(config, dtype, **layout)
+        target = nnx.to_pure_dict(state)
+        params = _unflatten([(p, v.astype(dict(_flatten(target))[p].dtype)) for p, v in _flatten(params)])
+    nnx.replace_by_pure_dict(state, params)
+    return Model(config, graphdef, state, mesh, dtype, layout, path)

@@ -1,0 +1,125 @@
+"""The DeepSeek-V2/V3 causal LM (HF ``DeepseekV3ForCausalLM``) with its MTP module, in Flax NNX.
+
+One implementation serves inference and (later) training: the forward is a pure function of parameters,
+token ids and positions, plus an optional latent cache (one [B, S, C+R] array per layer, slot = position).
+"""
+
+from __future__ import annotations
+
+
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.models.layers import MLP, Linear, RMSNorm, _normal
+from jaxinfer.models.mla import MLA, AttnForm
+from jaxinfer.models.moe import MoE
+from jaxinfer.models.rope import rope_cos_sin
+
+Cache = tuple[jax.Array, ...]  # per layer [B, S, C+R]: [rms(c_kv) | roped k_pe], slot s holds position s
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: x += attn(norm(x)); x += ffn(norm(x)). MoE from layer first_k_dense_replace on."""
+
+    def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs, dtype, quantized: bool):
+        kw = dict(rngs=rngs, dtype=dtype, quantized=quantized)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.self_attn = MLA(config, **kw)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        if config.is_moe_layer(layer):
+            self.mlp = MoE(config, **kw)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, **kw)
+
+    def __call__(self, x, positions, cos, sin, cache: jax.Array | None, form: AttnForm):
+        """x [B, T, D], positions [B, T]; cache [B, S, C+R] or None. Returns (x, updated cache or None)."""
+        h = self.input_layernorm(x)
+        new = self.self_attn.latents(h, cos, sin)  # [B, T, C+R]
+        if cache is None:
+            kv = new
+            key_pos = positions  # [B, S=T]
+        else:
+            rows = jnp.arange(x.shape[0])[:, None]
+            kv = cache.at[rows, positions].set(new.astype(cache.dtype))
+            key_pos = jnp.broadcast_to(jnp.arange(cache.shape[1]), (x.shape[0], cache.shape[1]))
+        mask = key_pos[:, None, :] <= positions[:, :, None]  # [B, T, S] causal over positions
+        x = x + self.self_attn(h, cos, sin, kv, mask, form)
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, (None if cache is None else kv)
+
+
+class MTPLayer(nnx.Module):
+    """DeepSeek-V3 multi-token prediction module (V3 report sec. 2.2): combines h_t with embed(t+1)."""
+
+    def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs, dtype, quantized: bool,
+                 eh_proj_quantized: bool):
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.enorm = RMSNorm(d, eps, dtype=dtype)
+        self.hnorm = RMSNorm(d, eps, dtype=dtype)
+        self.eh_proj = Linear(2 * d, d, rngs=rngs, dtype=dtype, quantized=eh_proj_quantized)
+        self.block = DecoderLayer(config, layer, rngs=rngs, dtype=dtype, quantized=quantized)
+        self.shared_head_norm = RMSNorm(d, eps, dtype=dtype)
+
+
+class DeepseekForCausalLM(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, quantized: bool = False,
+                 num_mtp_layers: int | None = None, mtp_eh_proj_quantized: bool = False):
+        """quantized: keep projection weights in FP8 with block scales (dequantized exactly on the fly).
+        num_mtp_layers: defaults to config.num_nextn_predict_layers (0 disables MTP)."""
+        c = config
+        self.config = c
+        self.dtype = dtype
+        self.embed_tokens = nnx.Param(_normal(rngs, (c.vocab_size, c.hidden_size), dtype))
+        self.layers = nnx.List([DecoderLayer(c, i, rngs=rngs, dtype=dtype, quantized=quantized)
+                                for i in range(c.num_hidden_layers)])
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+        self.lm_head = nnx.data(
+            None if c.tie_word_embeddings else Linear(c.hidden_size, c.vocab_size, rngs=rngs, dtype=dtype))
+        n_mtp = c.num_nextn_predict_layers if num_mtp_layers is None else num_mtp_layers
+        self.mtp = nnx.List([MTPLayer(c, c.num_hidden_layers + k, rngs=rngs, dtype=dtype, quantized=quantized,
+                                      eh_proj_quantized=mtp_eh_proj_quantized) for k in range(n_mtp)])
+
+    def embed(self, ids: jax.Array) -> jax.Array:
+        return jnp.take(self.embed_tokens[...], ids, axis=0)  # [B, T, D]
+
+    def head(self, h: jax.Array) -> jax.Array:
+        """h [B, T, D] (normed) -> float32 logits [B, T, V]."""
+        w = self.embed_tokens[...] if self.lm_head is None else self.lm_head.kernel()
+        return jnp.einsum("btd,vd->btv", h, w, preferred_element_type=jnp.float32)
+
+    def hidden_states(self, ids: jax.Array, positions: jax.Array, cache: Cache | None = None,
+                      form: AttnForm = "expanded") -> tuple[jax.Array, Cache | None]:
+        """ids, positions [B, T] -> (final-normed hidden states [B, T, D], updated cache)."""
+        cos, sin = rope_cos_sin(self.config, positions)
+        x = self.embed(ids)
+        new_cache = []
+        for i, layer in enumerate(self.layers):
+            x, layer_cache = layer(x, positions, cos, sin, None if cache is None else cache[i], form)
+            new_cache.append(layer_cache)
+        return self.norm(x), (None if cache is None else tuple(new_cache))
+
+    def __call__(self, ids, positions, cache: Cache | None = None, form: AttnForm = "expanded"):
+        """ids, positions [B, T] -> (float32 logits [B, T, V], updated cache)."""
+        h, cache = self.hidden_states(ids, positions, cache, form)
+        return self.head(h), cache
+
+    def mtp_logits(self, h: jax.Array, next_ids: jax.Array, positions: jax.Array, depth: int = 0) -> jax.Array:
+        """MTP module ``depth``: h [B, T, D] (main model after its final norm), next_ids [B, T] (token t+1 for
+        row t), positions [B, T] -> float32 logits [B, T, V] for token t+2 (causal over the rows)."""
+        m = self.mtp[depth]
+        cos, sin = rope_cos_sin(self.config, positions)
+        x = m.eh_proj(jnp.concatenate([m.enorm(self.embed(next_ids)), m.hnorm(h.astype(self.dtype))], axis=-1))
+        x, _ = m.block(x, positions, cos, sin, None, "expanded")
+        return self.head(m.shared_head_norm(x))
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype, num_layers: int | None = None) -> Cache:
+    """A zeroed contiguous latent cache: per layer [B, S, C+R]."""
+    n = config.num_hidden_layers if num_layers is None else num_layers
+    width = config.kv_lora_rank + config.qk_rope_head_dim
+    return tuple(jnp.zeros((batch, max_len, width), dtype) for _ in range(n))
+
+

@@ -1,0 +1,80 @@
+"""Basic layers: RMSNorm, Linear (plain or DeepSeek FP8 block-quantized weights), the gated MLP.
+
+Weights keep the checkpoint layout ``[out, in]`` (PyTorch ``nn.Linear``, DeepGEMM's B operand), so loading is a
+copy and FP8 block scales ``[ceil(out/128), ceil(in/128)]`` line up with their weight without transposes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxinfer.checkpoint.fp8 import dequantize_blockwise_jnp
+
+FP8_DTYPE = jnp.float8_e4m3fn
+FP8_BLOCK = 128  # DeepSeek-V3 quantization_config.weight_block_size = [128, 128]
+
+
+def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
+    return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+def scale_shape(out_features: int, in_features: int) -> tuple[int, int]:
+    return (-(-out_features // FP8_BLOCK), -(-in_features // FP8_BLOCK))
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm as in HF DeepseekV3RMSNorm: normalise in float32, cast back, then scale by the weight."""
+
+    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * xf.astype(x.dtype)
+
+
+def dense_weight(weight: jax.Array, scale_inv: jax.Array | None, dtype) -> jax.Array:
+    """The compute-dtype weight: exact FP8 dequantization (fp8 * scale_inv per block) when scales are given."""
+    if scale_inv is None:
+        return weight.astype(dtype)
+    return dequantize_blockwise_jnp(weight, scale_inv, dtype=dtype)
+
+
+class Linear(nnx.Module):
+    """y = x @ W.T with W [out, in]; ``quantized`` keeps W in e4m3 with 128x128 block scales."""
+
+    def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
+                 quantized: bool = False):
+        self.dtype = dtype
+        self.quantized = quantized
+        if quantized:
+            self.weight = nnx.Param(_normal(rngs, (out_features, in_features), jnp.float32).astype(FP8_DTYPE))
+            self.weight_scale_inv = nnx.Param(jnp.ones(scale_shape(out_features, in_features), jnp.float32))
+        else:
+            self.weight = nnx.Param(_normal(rngs, (out_features, in_features), dtype))
+
+    def kernel(self) -> jax.Array:
+        scale = self.weight_scale_inv[...] if self.quantized else None
+        return dense_weight(self.weight[...], scale, self.dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w = self.kernel()  # [N, K]
+        y = jnp.einsum("...k,nk->...n", x.astype(self.dtype), w, preferred_element_type=jnp.float32)
+        return y.astype(self.dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)) (dense layers and shared experts)."""
+
+    def __init__(self, hidden: int, intermediate: int, *, rngs: nnx.Rngs, dtype=jnp.float32, quantized=False):
+        kw = dict(rngs=rngs, dtype=dtype, quantized=quantized)
+        self.gate_proj = Linear(hidden, intermediate, **kw)
+        self.up_proj = Linear(hidden, intermediate, **kw)
+        self.down_proj = Linear(intermediate, hidden, **kw)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,96 @@
+"""Multi-head Latent Attention (DeepSeek-V2 paper, sec. 2.1; HF DeepseekV3Attention).
+
+Per token: ``c = rms(kv_a(x)[:C])`` (the latent, C = kv_lora_rank) and ``k_pe = rope(kv_a(x)[C:])`` (R dims, one
+head shared by all heads) are all that is cached: C + R values (576 for V3). Two ways to attend over them:
+
+- expanded (prefill): K_nope = c @ W_UK, V = c @ W_UV per head, then ordinary attention;
+- absorbed (decode): q_lat = q_nope @ W_UK (per head, into latent space), scores = q_lat . c + q_pe . k_pe,
+  o_lat = P @ c, out = o_lat @ W_UV. Same math, re-associated; the cache is never expanded.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.models.layers import Linear, RMSNorm
+from jaxinfer.models.rope import apply_rope
+
+AttnForm = Literal["expanded", "absorbed"]
+LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the default eps in HF and DeepSeek's code
+
+
+class MLA(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, quantized: bool = False):
+        c = config
+        self.config = c
+        self.dtype = dtype
+        kw = dict(rngs=rngs, dtype=dtype, quantized=quantized)
+        h, dqk = c.num_attention_heads, c.qk_head_dim
+        if c.q_lora_rank is None:
+            self.q_proj = Linear(c.hidden_size, h * dqk, **kw)
+        else:
+            self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, **kw)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, LATENT_NORM_EPS, dtype=dtype)
+            self.q_b_proj = Linear(c.q_lora_rank, h * dqk, **kw)
+        self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, **kw)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, LATENT_NORM_EPS, dtype=dtype)
+        self.kv_b_proj = Linear(c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim), **kw)
+        self.o_proj = Linear(h * c.v_head_dim, c.hidden_size, **kw)
+
+    # ---- projections ---------------------------------------------------------------------------------
+    def queries(self, x, cos, sin):
+        """x [B, T, D] -> q_nope [B, T, H, N], q_pe [B, T, H, R] (roped)."""
+        c = self.config
+        q = self.q_proj(x) if c.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.reshape(*x.shape[:2], c.num_attention_heads, c.qk_head_dim)  # [B, T, H, N+R]
+        q_nope, q_pe = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
+        return q_nope, apply_rope(q_pe, cos, sin, c.rope_interleave)
+
+    def latents(self, x, cos, sin):
+        """x [B, T, D] -> the cache entries [B, T, C + R]: [rms(c_kv) | rope(k_pe)]."""
+        c = self.config
+        kv = self.kv_a_proj_with_mqa(x)  # [B, T, C+R]
+        c_kv = self.kv_a_layernorm(kv[..., : c.kv_lora_rank])
+        k_pe = apply_rope(kv[..., c.kv_lora_rank:], cos, sin, c.rope_interleave)
+        return jnp.concatenate([c_kv, k_pe], axis=-1)
+
+    def w_uk_uv(self):
+        """kv_b_proj split per head: W_UK [H, N, C], W_UV [H, V, C]."""
+        c = self.config
+        w = self.kv_b_proj.kernel().reshape(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim,
+                                            c.kv_lora_rank)
+        return w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim:]
+
+    # ---- attention -----------------------------------------------------------------------------------
+    def __call__(self, x, cos, sin, kv: jax.Array, mask: jax.Array, form: AttnForm = "expanded"):
+        """x [B, T, D]; kv [B, S, C+R]: latents of every key (the cache, already holding this step's tokens);
+        mask [B, T, S] bool (True = attend). Returns [B, T, D]."""
+        c = self.config
+        q_nope, q_pe = self.queries(x, cos, sin)
+        c_kv, k_pe = kv[..., : c.kv_lora_rank], kv[..., c.kv_lora_rank:]
+        w_uk, w_uv = self.w_uk_uv()
+        f32 = dict(preferred_element_type=jnp.float32)
+        rope_scores = jnp.einsum("bthr,bsr->bhts", q_pe, k_pe, **f32)
+        if form == "expanded":
+            k_nope = jnp.einsum("bsc,hnc->bshn", c_kv, w_uk, **f32).astype(self.dtype)
+            v = jnp.einsum("bsc,hvc->bshv", c_kv, w_uv, **f32).astype(self.dtype)
+            scores = jnp.einsum("bthn,bshn->bhts", q_nope, k_nope, **f32) + rope_scores
+        elif form == "absorbed":
+            q_lat = jnp.einsum("bthn,hnc->bthc", q_nope, w_uk, **f32).astype(self.dtype)
+            scores = jnp.einsum("bthc,bsc->bhts", q_lat, c_kv, **f32) + rope_scores
+        else:
+            raise ValueError(f"form must be 'expanded' or 'absorbed', got {form!r}")
+        scores = jnp.where(mask[:, None], scores * c.softmax_scale, -jnp.inf)  # [B, H, T, S]
+        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+        if form == "expanded":
+            out = jnp.einsum("bhts,bshv->bthv", probs, v, **f32)
+        else:
+            o_lat = jnp.einsum("bhts,bsc->bthc", probs, c_kv, **f32).astype(self.dtype)
+            out = jnp.einsum("bthc,hvc->bthv", o_lat, w_uv, **f32)
+        out = out.astype(self.dtype).reshape(*x.shape[:2], c.num_attention_heads * c.v_head_dim)
+        return self.o_proj(out)
