@@ -18,6 +18,7 @@ import orbax.checkpoint.experimental.v1 as ocp
 from jaxinfer.checkpoint.errors import CheckpointError
 
 _MAX_LISTED = 8  # mismatches listed in one error message
+_MARKERS = ("orbax.checkpoint", "_CHECKPOINT_METADATA", "_METADATA")
 
 
 def save_pytree(path: str | os.PathLike, tree) -> None:
@@ -32,9 +33,15 @@ def save_pytree(path: str | os.PathLike, tree) -> None:
 
 
 def is_orbax_dir(path: str | os.PathLike) -> bool:
-    """True if ``path`` is an orbax checkpoint directory (checks marker files only; an HF directory is not)."""
+    """True if ``path`` is a directory holding an orbax checkpoint's marker files (three stat calls).
+
+    Not ``ocp.is_orbax_checkpoint``: in 0.12.8 it also accepts any plain directory (its v0-layout check passes for
+    an empty or HF directory), so it cannot tell an orbax checkpoint from an HF one. The markers are those of the
+    v1 layout's ``matches_markers``: ``orbax.checkpoint`` (v1 indicator), ``_CHECKPOINT_METADATA`` (v1 and v0
+    composite) and ``_METADATA`` (a v0 pytree saved at the root).
+    """
     path = pathlib.Path(path)
-    return path.is_dir() and ocp.is_orbax_checkpoint(path)
+    return path.is_dir() and any((path / m).is_file() for m in _MARKERS)
 
 
 def _flat(tree) -> dict[str, object]:
@@ -43,24 +50,26 @@ def _flat(tree) -> dict[str, object]:
     return {jax.tree_util.keystr(keys, simple=True, separator="/"): leaf for keys, leaf in leaves}
 
 
-def _mismatches(saved: dict[str, object], wanted: dict[str, object]) -> list[str]:
+def _mismatches(saved: dict[str, object], wanted: dict[str, object], allow_dtype_cast: bool) -> list[str]:
     """Human-readable differences between the saved metadata leaves and the requested abstract leaves."""
     problems = [f"{k}: requested but not in the checkpoint" for k in wanted if k not in saved]
     problems += [f"{k}: in the checkpoint but not requested" for k in saved if k not in wanted]
     for key in wanted.keys() & saved.keys():
         want, have = wanted[key], saved[key]
         have_shape, have_dtype = tuple(getattr(have, "shape", ())), getattr(have, "dtype", None)
-        if tuple(want.shape) != have_shape or (have_dtype is not None and want.dtype != have_dtype):
+        dtype_differs = have_dtype is not None and want.dtype != have_dtype and not allow_dtype_cast
+        if tuple(want.shape) != have_shape or dtype_differs:
             problems.append(f"{key}: requested {want.dtype}{list(want.shape)}, saved {have_dtype}{list(have_shape)}")
     return sorted(problems)
 
 
-def restore_pytree(path: str | os.PathLike, abstract_tree):
+def restore_pytree(path: str | os.PathLike, abstract_tree, *, allow_dtype_cast: bool = False):
     """Restores the pytree saved at ``path`` onto the shardings of ``abstract_tree``.
 
     abstract_tree: the saved tree's structure with jax.ShapeDtypeStruct leaves carrying ``sharding=`` (any
     Sharding, e.g. a NamedSharding over a different mesh or partition than at save time). Shapes and dtypes must
-    equal the saved ones (no silent casts). Returns the tree of jax.Array placed on those shardings.
+    equal the saved ones, unless ``allow_dtype_cast`` (then orbax casts each leaf to the requested dtype while
+    restoring, e.g. bfloat16 -> float32). Returns the tree of jax.Array placed on those shardings.
     """
     path = pathlib.Path(path).absolute()
     if not path.exists():
@@ -75,7 +84,7 @@ def restore_pytree(path: str | os.PathLike, abstract_tree):
         saved = _flat(ocp.metadata(path).metadata)
     except (ValueError, OSError) as e:
         raise CheckpointError(f"cannot read the metadata of orbax checkpoint {path}: {e}") from e
-    problems = _mismatches(saved, wanted)
+    problems = _mismatches(saved, wanted, allow_dtype_cast)
     if problems:
         more = f"\n  ... and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
         raise CheckpointError(

@@ -239,9 +239,12 @@ class SafetensorsCheckpoint:
         try:
             return self._infos[name]
         except KeyError:
-            close = difflib.get_close_matches(str(name), self._infos, n=3)
+            parent = str(name).rpartition(".")[0]  # hint among siblings only: cheap even for ~100k names
+            siblings = [n for n in self._infos if n.startswith(parent)][:1000]
+            close = difflib.get_close_matches(str(name), siblings, n=3)
             hint = f"; close names: {close}" if close else ""
-            raise CheckpointError(f"tensor {name!r} not in checkpoint {self.path} ({len(self)} tensors){hint}") from None
+            raise CheckpointError(
+                f"tensor {name!r} not in checkpoint {self.path} ({len(self)} tensors){hint}") from None
 
     def read(self, name: str) -> np.ndarray:
         """Read-only array of one tensor, a view into the memory-mapped file (nothing is copied)."""
