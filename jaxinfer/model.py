@@ -26,6 +26,7 @@ from jaxinfer.checkpoint.orbax_io import is_orbax_dir, restore_pytree, save_pytr
 from jaxinfer.checkpoint.safetensors_io import SafetensorsCheckpoint
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.deepseek import DeepseekForCausalLM
+from jaxinfer.models.layers import RMSNorm
 from jaxinfer.parallel.mesh import MeshSpec, make_mesh
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -77,11 +78,10 @@ class Model:
     def random(cls, config: ModelConfig, mesh: MeshSpec = None, dtype="float32", seed: int = 0) -> Model:
         """Random weights (normal, std 0.02): for smoke runs and benchmarks of architectures, not outputs."""
         mesh, dtype = make_mesh(mesh), parse_dtype(dtype)
-        module = DeepseekForCausalLM(config, rngs=nnx.Rngs(seed), dtype=dtype)
-        graphdef, state = nnx.split(module)
-        pure = nnx.to_pure_dict(state)
-        placed = _unflatten([(p, jax.device_put(v, param_sharding(mesh, p, v.shape))) for p, v in _flatten(pure)])
-        nnx.replace_by_pure_dict(state, placed)
+        graphdef, state = _build(config, dtype)
+        params = random_params(nnx.merge(graphdef, state), seed)
+        nnx.replace_by_pure_dict(state, _unflatten(
+            [(p, jax.device_put(v, param_sharding(mesh, p, v.shape))) for p, v in _flatten(params)]))
         layout = dict(quantized=False, num_mtp_layers=config.num_nextn_predict_layers, mtp_eh_proj_quantized=False)
         return cls(config, graphdef, state, mesh, dtype, layout)
 
@@ -183,6 +183,25 @@ class Model:
         return out
 
 
+def random_params(abstract_module: nnx.Module, seed: int) -> dict:
+    """Host-side random weights for an abstract module: N(0, 0.02) matrices, unit norms, zero router biases.
+
+    Drawn with numpy because XLA:CPU compiles every jax.random call site separately (~1 s each), which made a
+    tiny preset take 10 s to initialise."""
+    rng = np.random.default_rng(seed)
+    norms = {path for path, node in nnx.iter_graph(abstract_module) if isinstance(node, RMSNorm)}
+    out = []
+    for path, leaf in _flatten(nnx.to_pure_dict(nnx.state(abstract_module))):
+        if path[:-1] in norms or str(path[-1]).endswith("scale_inv"):
+            value = np.ones(leaf.shape, np.float32)
+        elif path[-1] == "e_score_correction_bias":
+            value = np.zeros(leaf.shape, np.float32)
+        else:
+            value = 0.02 * rng.standard_normal(leaf.shape, np.float32)
+        out.append((path, value.astype(leaf.dtype)))
+    return _unflatten(out)
+
+
 def _str_keys(tree):
     return {str(k): _str_keys(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
 
@@ -228,15 +247,12 @@ def load_model(path, mesh: MeshSpec = None, dtype="bfloat16", keep_fp8: bool = F
 def _load_orbax(path: pathlib.Path, config: ModelConfig, mesh, dtype) -> Model:
     meta = json.loads((path / ORBAX_META).read_text())
     layout = {k: meta[k] for k in ("quantized", "num_mtp_layers", "mtp_eh_proj_quantized")}
-    saved_dtype = parse_dtype(meta["dtype"])
-    graphdef, state = _build(config, saved_dtype, **layout)
+    graphdef, state = _build(config, dtype, **layout)
     abstract = nnx.to_pure_dict(state)
     wanted = _unflatten([(p, jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=param_sharding(mesh, p, v.shape)))
                          for p, v in _flatten(abstract)])
-    params = _with_int_keys(restore_pytree(path / ORBAX_PARAMS, _str_keys(wanted)), abstract)
-    if saved_dtype != dtype:  # e.g. saved in bfloat16, asked for float32: cast floats, keep FP8 / fp32 router
-        graphdef, state = _build(config, dtype, **layout)
-        target = nnx.to_pure_dict(state)
-        params = _unflatten([(p, v.astype(dict(_flatten(target))[p].dtype)) for p, v in _flatten(params)])
-    nnx.replace_by_pure_dict(state, params)
+    # A model saved in bfloat16 may be asked for in float32 (and back): FP8 and float32 router leaves keep
+    # their dtype in both, so only the floating-point weights are cast.
+    restored = restore_pytree(path / ORBAX_PARAMS, _str_keys(wanted), allow_dtype_cast=True)
+    nnx.replace_by_pure_dict(state, _with_int_keys(restored, abstract))
     return Model(config, graphdef, state, mesh, dtype, layout, path)

@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.model import random_params
 from jaxinfer.models.deepseek import DeepseekForCausalLM, init_cache
 
 CONFIGS = {
@@ -24,13 +25,18 @@ CONFIGS = {
 
 
 def _model(config):
-    model = DeepseekForCausalLM(config, rngs=nnx.Rngs(3), dtype=jnp.float32)
-    # Non-trivial norms and router biases so that every term of the math matters.
-    for path, var in nnx.iter_graph(model):
-        if isinstance(var, nnx.Param) and path[-1] in ("weight", "e_score_correction_bias") and var.ndim == 1:
-            key = jax.random.PRNGKey(len(path) + sum(hash(str(p)) % 97 for p in path))
-            var[...] = var[...] + 0.3 * jax.random.normal(key, var.shape)
-    return model
+    """Random weights with non-trivial norms and router biases, so that every term of the math matters."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: DeepseekForCausalLM(config, rngs=nnx.Rngs(0))))
+    rng = np.random.default_rng(3)
+    params = random_params(nnx.merge(graphdef, state), seed=3)
+    for layer in params["layers"].values():
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            layer[norm]["weight"] = layer[norm]["weight"] + 0.3 * rng.standard_normal(config.hidden_size, np.float32)
+        if "e_score_correction_bias" in layer["mlp"].get("gate", {}):
+            layer["mlp"]["gate"]["e_score_correction_bias"] = 0.1 * rng.standard_normal(config.n_routed_experts,
+                                                                                       np.float32)
+    nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, params))
+    return nnx.merge(graphdef, state)
 
 
 def _jitted(model):
