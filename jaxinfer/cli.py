@@ -105,8 +105,12 @@ def _convert(args) -> None:
     from jaxinfer.checkpoint.safetensors_io import SafetensorsCheckpoint
     from jaxinfer.config import ModelConfig
 
+    from jaxinfer.model import is_jaxinfer_orbax
+
     keep_fp8 = args.keep_fp8
-    if keep_fp8 is None:
+    if keep_fp8 is None and is_jaxinfer_orbax(args.hf_dir):
+        keep_fp8 = False  # an orbax dir keeps the layout it was saved with
+    elif keep_fp8 is None:
         keep_fp8 = checkpoint_layout(ModelConfig.from_hf_config(args.hf_dir),
                                      SafetensorsCheckpoint(args.hf_dir))["has_fp8"]
     t0 = time.perf_counter()

@@ -213,6 +213,12 @@ def _with_int_keys(tree, like):
     return {k: _with_int_keys(tree[str(k)], v) for k, v in like.items()}
 
 
+def is_jaxinfer_orbax(path) -> bool:
+    """True for a directory written by ``Model.save`` / ``jaxinfer convert``."""
+    path = pathlib.Path(path)
+    return (path / ORBAX_META).is_file() and is_orbax_dir(path / ORBAX_PARAMS)
+
+
 def load_model(path, mesh: MeshSpec = None, dtype="bfloat16", keep_fp8: bool = False) -> Model:
     """Loads an HF checkpoint directory (config.json + safetensors) or a jaxinfer orbax directory.
 
@@ -225,7 +231,7 @@ def load_model(path, mesh: MeshSpec = None, dtype="bfloat16", keep_fp8: bool = F
     dtype = parse_dtype(dtype)
     config = ModelConfig.from_hf_config(path)
     mesh = make_mesh(mesh)
-    if (path / ORBAX_META).is_file() and is_orbax_dir(path / ORBAX_PARAMS):
+    if is_jaxinfer_orbax(path):
         return _load_orbax(path, config, mesh, dtype)
     ckpt = SafetensorsCheckpoint(path)
     layout = checkpoint_layout(config, ckpt)

@@ -1,0 +1,59 @@
+"""The `jaxinfer` command: score and convert, and one-line errors for bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import jaxinfer
+from jaxinfer.cli import main
+
+
+def test_quickstart_command_in_a_fresh_process():
+    """The README's first command (minus the install), with its own 8 simulated CPU devices."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-m", "jaxinfer.cli", "score", "--preset", "tiny", "--cpu-devices", "8",
+                           "--mesh", "1x8", "--token-ids", "1", "5", "9", "42", "7"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["token_ids"] == [1, 5, 9, 42, 7] and len(result["token_logprobs"]) == 5
+    assert "mesh 1x8" in proc.stderr
+
+
+def test_score_matches_model_logits(capsys):
+    ids = [3, 1, 4, 1, 5, 9]
+    assert main(["score", "--preset", "tiny", "--mesh", "1x1", "--dtype", "float32", "--token-ids",
+                 *map(str, ids)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    # Independent of the CLI's arithmetic: log-softmax of the model's own logits, computed here.
+    logits = jaxinfer.Model.random(jaxinfer.ModelConfig.tiny(), mesh="1x1", dtype="float32").logits([ids])[0]
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(
+        -1, keepdims=True)
+    np.testing.assert_allclose(result["token_logprobs"][1:], [logp[t - 1, ids[t]] for t in range(1, 6)], rtol=1e-5)
+    assert result["next_token_id"] == int(logits[-1].argmax())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["score", "--preset", "tiny", "--mesh", "1x1", "--token-ids", "1", "999"], "outside the vocabulary"),
+    (["score", "--preset", "nope", "--token-ids", "1"], "unknown preset"),
+    (["score", "--preset", "tiny", "--mesh", "3x3", "--token-ids", "1"], "needs 9 devices"),
+    (["score", "--preset", "tiny", "--mesh", "1x1", "some text"], "tokenizer.json"),
+])
+def test_bad_input_prints_one_line(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and err[0].startswith("jaxinfer score: error:")
+
+
+def test_convert_then_score_orbax(tmp_path, capsys):
+    model = jaxinfer.Model.random(jaxinfer.ModelConfig.tiny(num_hidden_layers=2), mesh="1x1", dtype="float32")
+    model.save(tmp_path / "a")  # an orbax dir is also a valid `convert` input
+    assert main(["convert", str(tmp_path / "a"), str(tmp_path / "b"), "--mesh", "1x1", "--dtype", "float32"]) == 0
+    assert capsys.readouterr().out.strip().endswith("b")
+    ids = [[2, 7, 1, 8]]
+    np.testing.assert_array_equal(jaxinfer.load_model(tmp_path / "b", mesh="1x1", dtype="float32").logits(ids),
+                                  model.logits(ids))
