@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from jaxinfer.checkpoint.errors import CheckpointError
-from jaxinfer.checkpoint.fp8 import dequantize_blockwise
+from jaxinfer.checkpoint.fp8 import dequantize_blockwise, scale_shape
 from jaxinfer.checkpoint.safetensors_io import SafetensorsCheckpoint
 from jaxinfer.config import ModelConfig
 
@@ -143,7 +143,7 @@ def _reader(ckpt: SafetensorsCheckpoint, src: Source, dtype: np.dtype) -> Callab
 
     def one(name: str, scale: str | None, index: tuple) -> np.ndarray:
         raw = ckpt.read(name)
-        if scale is not None:
+        if scale is not None and dtype != FP8_NP:  # dequantize, unless the model keeps FP8 weights
             return _cast(dequantize_blockwise(raw, ckpt.read(scale))[index], dtype)
         return _cast(raw[index], dtype)
 
@@ -180,7 +180,7 @@ def _check(ckpt: SafetensorsCheckpoint, src: Source, shape: tuple, dtype: np.dty
                 problems["wrong dtype"].append(f"{name}: F8_E4M3 without a weight_scale_inv sibling")
             elif src.scale_names:
                 scale = ckpt.info(src.scale_names[i])
-                want_scale = tuple(-(-d // 128) for d in want)
+                want_scale = scale_shape(tuple(want))
                 if scale.shape != want_scale:
                     problems["wrong shape"].append(
                         f"{src.scale_names[i]}: {list(scale.shape)} (expected {list(want_scale)})")

@@ -10,18 +10,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxinfer.checkpoint.fp8 import dequantize_blockwise_jnp
+from jaxinfer.checkpoint.fp8 import dequantize_blockwise_jnp, scale_shape
 
 FP8_DTYPE = jnp.float8_e4m3fn
-FP8_BLOCK = 128  # DeepSeek-V3 quantization_config.weight_block_size = [128, 128]
 
 
 def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
     return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
-
-
-def scale_shape(out_features: int, in_features: int) -> tuple[int, int]:
-    return (-(-out_features // FP8_BLOCK), -(-in_features // FP8_BLOCK))
 
 
 class RMSNorm(nnx.Module):
@@ -53,7 +48,7 @@ class Linear(nnx.Module):
         self.quantized = quantized
         if quantized:
             self.weight = nnx.Param(_normal(rngs, (out_features, in_features), jnp.float32).astype(FP8_DTYPE))
-            self.weight_scale_inv = nnx.Param(jnp.ones(scale_shape(out_features, in_features), jnp.float32))
+            self.weight_scale_inv = nnx.Param(jnp.ones(scale_shape((out_features, in_features)), jnp.float32))
         else:
             self.weight = nnx.Param(_normal(rngs, (out_features, in_features), dtype))
 

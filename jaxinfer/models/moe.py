@@ -11,7 +11,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.layers import FP8_DTYPE, MLP, _normal, dense_weight, scale_shape
+from jaxinfer.checkpoint.fp8 import scale_shape
+from jaxinfer.models.layers import FP8_DTYPE, MLP, _normal, dense_weight
 
 
 def route(config: ModelConfig, logits: jax.Array, bias: jax.Array | None) -> tuple[jax.Array, jax.Array]:
@@ -68,7 +69,7 @@ class Experts(nnx.Module):
             w = _normal(rngs, shape, jnp.float32)
             setattr(self, name, nnx.Param(w.astype(FP8_DTYPE if quantized else dtype)))
             if quantized:
-                setattr(self, name + "_scale_inv", nnx.Param(jnp.ones((e, *scale_shape(*shape[1:])), jnp.float32)))
+                setattr(self, name + "_scale_inv", nnx.Param(jnp.ones(scale_shape(shape), jnp.float32)))
 
     def weight(self, name: str) -> jax.Array:
         scale = getattr(self, name + "_scale_inv")[...] if self.quantized else None
