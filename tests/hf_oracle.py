@@ -29,6 +29,10 @@ from safetensors.torch import load_file, save_file
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
 
+# The reference models are tiny: one torch thread is ~10x faster than two on the 2-core test machines, where
+# torch's OpenMP workers otherwise contend with JAX's threads (measured: 0.9 s -> 0.012 s per forward under load).
+torch.set_num_threads(1)
+
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 BLOCK = 128  # DeepSeek's weight_block_size [128, 128]
 INDEX_NAME = "model.safetensors.index.json"
@@ -53,6 +57,7 @@ def hf_config(cfg: dict[str, Any]):
     cls = DeepseekV3Config if cfg.pop("model_type", "deepseek_v3") == "deepseek_v3" else DeepseekV2Config
     config = cls(**cfg)
     config._attn_implementation = "eager"  # plain softmax attention with an additive mask: the textbook oracle
+    config._experts_implementation = "eager"  # HF's per-expert loop, not torch._grouped_mm
     return config
 
 
@@ -61,9 +66,9 @@ def build_hf_model(cfg: dict[str, Any], seed: int = 0, std_scale: float = 0.5, h
     """A random float32 HF DeepSeek model whose outputs are far from flat.
 
     Every parameter is re-drawn (HF's default init, std 0.02 and unit norms, gives near-uniform logits and
-    near-identical experts): linear weights N(0, (std_scale / sqrt(fan_in))^2), so activations stay O(1) through the layers;
-    embeddings N(0, 1); RMSNorm weights 1 + N(0, 0.1) (so that swapping two norms changes the result); the lm_head
-    N(0, head_std / sqrt(hidden)) so logits spread over ~head_std; V3 routers get a NON-ZERO
+    near-identical experts): linear weights with std std_scale / sqrt(fan_in), so activations stay O(1) through
+    the layers; embeddings N(0, 1); RMSNorm weights 1 + N(0, 0.1) (so that swapping two norms changes the
+    result); the lm_head std head_std / sqrt(hidden) so logits spread over ~head_std; V3 routers get a NON-ZERO
     e_score_correction_bias N(0, bias_std) (a zero buffer by default), big enough to change the chosen experts of
     some tokens (``routing_stats`` measures it).
 
@@ -285,12 +290,12 @@ def convert_to_fp8(directory, scale_fmt: str | None = None, quantize_eh_proj: bo
 # ---- loading a checkpoint into HF --------------------------------------------------------------------------
 
 
-def load_hf_model(directory, cfg_overrides: dict[str, Any] | None = None):
-    """HF's own from_pretrained of a float checkpoint dir (float32, eager attention)."""
+def load_hf_model(directory, dtype: torch.dtype = torch.float32):
+    """HF's own from_pretrained of a float checkpoint dir (eager attention and experts)."""
     cfg = read_config(directory)
     cls = DeepseekV3ForCausalLM if cfg.get("model_type", "deepseek_v3") == "deepseek_v3" else DeepseekV2ForCausalLM
-    model = cls.from_pretrained(str(directory), dtype=torch.float32, attn_implementation="eager",
-                                **(cfg_overrides or {}))
+    model = cls.from_pretrained(str(directory), dtype=dtype, attn_implementation="eager",
+                                experts_implementation="eager")
     return model.eval()
 
 
@@ -387,6 +392,48 @@ def build_mtp_oracle(main, seed: int = 1, bias_std: float = 0.1) -> MtpOracle:
     return MtpOracle(main=main, layer=layer, tensors=tensors)
 
 
+def load_mtp_tensors(oracle: MtpOracle, tensors: dict[str, np.ndarray | torch.Tensor]) -> None:
+    """Writes DeepSeek-named layer-N tensors (``MtpOracle.tensors`` layout) back into the oracle's MtpLayer, the
+    inverse of ``build_mtp_oracle``; the embedding / head copies must equal the main model's (as released)."""
+    n = oracle.main.config.num_hidden_layers
+    pre = f"model.layers.{n}."
+    state = oracle.layer.state_dict()
+    fused: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    done = set()
+    expert = re.compile(r"(mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+    with torch.no_grad():
+        for name, value in tensors.items():
+            t = torch.as_tensor(np.asarray(value, np.float32) if isinstance(value, np.ndarray) else value).float()
+            inner = name[len(pre):]
+            if inner == "embed_tokens.weight":
+                torch.testing.assert_close(t, oracle.main.model.embed_tokens.weight, rtol=0, atol=0)
+                continue
+            if inner == "shared_head.head.weight":
+                torch.testing.assert_close(t, oracle.main.lm_head.weight, rtol=0, atol=0)
+                continue
+            if inner == "shared_head.norm.weight":
+                key = "post_norm.weight"
+            elif inner in ("enorm.weight", "hnorm.weight", "eh_proj.weight"):
+                key = inner
+            else:
+                m = expert.match(inner)
+                if m:
+                    fused.setdefault(int(m.group(2)), {})[m.group(3)] = t
+                    continue
+                key = "mtp_block." + inner
+            state[key].copy_(t)
+            done.add(key)
+        if fused:
+            num = len(fused)
+            state["mtp_block.mlp.experts.gate_up_proj"].copy_(torch.stack(
+                [torch.cat([fused[e]["gate_proj"], fused[e]["up_proj"]], 0) for e in range(num)]))
+            state["mtp_block.mlp.experts.down_proj"].copy_(torch.stack([fused[e]["down_proj"] for e in range(num)]))
+            done.update({"mtp_block.mlp.experts.gate_up_proj", "mtp_block.mlp.experts.down_proj"})
+    missing = set(state) - done
+    if missing:
+        raise KeyError(f"MTP tensors not provided for {sorted(missing)}")
+
+
 def add_mtp_to_checkpoint(directory, oracle: MtpOracle, filename: str = "model-mtp.safetensors") -> None:
     """MTP tensors as an extra safetensors file + index; ``num_nextn_predict_layers`` = 1 in config.json."""
     add_tensor_file(directory, oracle.tensors, filename)
@@ -418,13 +465,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
         routed_scaling_factor=2.5, rms_norm_eps=1e-6, max_position_embeddings=16384,
         rope_parameters=_yarn(4.0, mscale=1.0, mscale_all_dim=1.0), num_mtp_layers=0),
     # V3 without q_lora, default RoPE, n_group = 1, no top-k renormalisation, all layers MoE, 3 heads, 2 shared
-    # experts, top-3, odd vocab 97, rms eps 1e-5.
+    # experts, top-3, odd vocab 97. rms_norm_eps 1e-2 (large on purpose): using it for kv_a_layernorm (always
+    # 1e-6 in HF and DeepSeek) or 1e-6 for the block norms moves the logits by ~1e-3, far above the tolerance.
     "v3_noqlora_default": dict(
         model_type="deepseek_v3", vocab_size=97, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
         num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=3, q_lora_rank=None, kv_lora_rank=32,
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=2,
         num_experts_per_tok=3, n_group=1, topk_group=1, first_k_dense_replace=0, norm_topk_prob=False,
-        routed_scaling_factor=1.5, rms_norm_eps=1e-5, max_position_embeddings=2048,
+        routed_scaling_factor=1.5, rms_norm_eps=1e-2, max_position_embeddings=2048,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, num_mtp_layers=0),
     # V3 with 2 dense layers, 3 groups of 2 experts, YaRN with mscale != mscale_all_dim (so HF's cos/sin
     # attention_factor != 1 and the softmax scale uses mscale_all_dim only), theta 50000, v_head_dim > nope.
@@ -445,13 +493,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
         norm_topk_prob=False, routed_scaling_factor=1.0, rms_norm_eps=1e-6, max_position_embeddings=163840,
         rope_parameters=_yarn(40.0, mscale=0.707, mscale_all_dim=0.707)),
     # V2 family: group_limited_greedy (group score = max), q_lora, 5 heads, all layers MoE, YaRN without mscale
-    # keys (attention_factor = 0.1 ln(factor) + 1 on cos/sin, plain softmax scale).
+    # keys (attention_factor = 0.1 ln(factor) + 1 on cos/sin, plain softmax scale). norm_topk_prob true, which
+    # HF's V2 router ignores (so must jaxinfer); rms_norm_eps 1e-2 as above, here with q_a_layernorm too.
     "v2_group_limited": dict(
         model_type="deepseek_v2", vocab_size=97, hidden_size=80, intermediate_size=72, moe_intermediate_size=32,
         num_hidden_layers=2, num_attention_heads=5, num_key_value_heads=5, q_lora_rank=48, kv_lora_rank=32,
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1,
         num_experts_per_tok=3, n_group=4, topk_group=2, topk_method="group_limited_greedy",
-        first_k_dense_replace=0, norm_topk_prob=False, routed_scaling_factor=2.0, rms_norm_eps=1e-6,
+        first_k_dense_replace=0, norm_topk_prob=True, routed_scaling_factor=2.0, rms_norm_eps=1e-2,
         max_position_embeddings=8192, rope_parameters=_yarn(2.0)),
     # Written to disk in the legacy form (rope_theta + rope_scaling {"type": "yarn", ...}), see test_parity_hf.
     "v3_legacy_rope": dict(

@@ -94,7 +94,9 @@ class DeepseekForCausalLM(nnx.Module):
                       form: AttnForm = "expanded") -> tuple[jax.Array, Cache | None]:
         """ids, positions [B, T] -> (final-normed hidden states [B, T, D], updated cache)."""
         cos, sin = rope_cos_sin(self.config, positions)
-        x = self.embed(ids)
+        # The residual stream stays in float32 (sublayers still take bf16 inputs): cheap, and it keeps bf16
+        # rounding from accumulating over the layers.
+        x = self.embed(ids).astype(jnp.float32)
         new_cache = []
         for i, layer in enumerate(self.layers):
             x, layer_cache = layer(x, positions, cos, sin, None if cache is None else cache[i], form)
@@ -112,6 +114,7 @@ class DeepseekForCausalLM(nnx.Module):
         m = self.mtp[depth]
         cos, sin = rope_cos_sin(self.config, positions)
         x = m.eh_proj(jnp.concatenate([m.enorm(self.embed(next_ids)), m.hnorm(h.astype(self.dtype))], axis=-1))
+        x = x.astype(jnp.float32)  # float32 residual stream, as in the main layers
         x, _ = m.block(x, positions, cos, sin, None, "expanded")
         return self.head(m.shared_head_norm(x))
 
