@@ -48,6 +48,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ref.save_pretrained(tmp)
+        with torch.no_grad():
+            f32_logits = ref(torch.as_tensor(ids)).logits.numpy()  # the float32 reference
         ref = ref.to(torch_dtype)
         model = jaxinfer.load_model(tmp, mesh=args.mesh, dtype=args.dtype)
 
@@ -67,12 +69,17 @@ def main() -> None:
     hf_out, hf_s = timed(hf)
     jx_out, jx_s = timed(lambda: model.logits(ids))
     tokens = args.batch * args.seq
-    rel = float(np.abs(jx_out - hf_out).max() / np.abs(hf_out).max())
+    def err(x):
+        d = np.abs(x - f32_logits) / np.abs(f32_logits).max()
+        agree = (x.argmax(-1) == f32_logits.argmax(-1)).mean()
+        return f"max {d.max():.1e}, mean {d.mean():.1e}, argmax agreement {agree:.4f}"
+
     print(f"prefill forward, B={args.batch} T={args.seq} dtype={args.dtype} mesh={args.mesh} "
           f"(hidden 512, 4 layers, 16 experts top-4)")
     print(f"  transformers: {hf_s * 1e3:8.1f} ms  {tokens / hf_s:9.0f} tok/s")
     print(f"  jaxinfer:     {jx_s * 1e3:8.1f} ms  {tokens / jx_s:9.0f} tok/s  ({hf_s / jx_s:.2f}x)")
-    print(f"  logits max|diff|/max|ref| = {rel:.2e}")
+    print(f"  error vs transformers float32, |diff|/max|ref|: transformers {args.dtype}: {err(hf_out)}")
+    print(f"  {' ' * 46}jaxinfer {args.dtype}: {err(jx_out)}")
 
 
 if __name__ == "__main__":

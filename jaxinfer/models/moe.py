@@ -12,6 +12,7 @@ from flax import nnx
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.checkpoint.fp8 import scale_shape
+from jaxinfer.models.grouped_matmul import grouped_matmul, tile_plan
 from jaxinfer.models.layers import FP8_DTYPE, MLP, _normal, dense_weight
 
 
@@ -78,21 +79,22 @@ class Experts(nnx.Module):
     def __call__(self, x: jax.Array, weights: jax.Array, ids: jax.Array) -> jax.Array:
         """x [N, D], weights/ids [N, K] -> sum_k weights[n, k] * expert_{ids[n, k]}(x[n])  [N, D].
 
-        Assignments are sorted by expert so each expert's rows are contiguous, then ``ragged_dot`` runs one
-        grouped matmul per projection (no Python loop over experts)."""
+        Assignments are sorted by expert so each expert's rows are contiguous, then one grouped matmul per
+        projection (grouped_matmul.py; no Python loop over experts)."""
         n, k = ids.shape
         num_experts = self.gate_proj.shape[0]
         flat_ids = ids.reshape(-1)  # [N*K]
         order = jnp.argsort(flat_ids, stable=True)  # [N*K]
         token = order // k  # source token of each sorted row
         group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)  # [E]
+        plan = tile_plan(group_sizes, n * k)
         xs = x.astype(self.dtype)[token]  # [N*K, D]
-        f32 = dict(preferred_element_type=jnp.float32)
-        gate = jax.lax.ragged_dot(xs, self.weight("gate_proj").swapaxes(1, 2), group_sizes, **f32)  # [N*K, I]
-        up = jax.lax.ragged_dot(xs, self.weight("up_proj").swapaxes(1, 2), group_sizes, **f32)
-        act = (jax.nn.silu(gate.astype(self.dtype)) * up.astype(self.dtype))
-        out = jax.lax.ragged_dot(act, self.weight("down_proj").swapaxes(1, 2), group_sizes, **f32)  # [N*K, D]
-        out = out.astype(self.dtype).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+
+        def mm(a, name):
+            return grouped_matmul(a, self.weight(name), group_sizes, plan=plan).astype(self.dtype)
+
+        act = jax.nn.silu(mm(xs, "gate_proj")) * mm(xs, "up_proj")  # [N*K, I]
+        out = mm(act, "down_proj").astype(jnp.float32) * weights.reshape(-1)[order][:, None]  # [N*K, D]
         return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token].add(out)
 
 
