@@ -380,8 +380,6 @@ def from_hf_dict(d: dict[str, Any]) -> ModelConfig:
         kwargs["n_group"] = 1
     if kwargs.get("topk_group") is None:
         kwargs["topk_group"] = 1
-    if kwargs.get("q_lora_rank", "missing") is None:
-        kwargs["q_lora_rank"] = None
     if isinstance(kwargs.get("eos_token_id"), list):
         kwargs["eos_token_id"] = tuple(kwargs["eos_token_id"])
     if kwargs.get("n_routed_experts") is None and "n_routed_experts" in kwargs:
@@ -401,8 +399,6 @@ def to_hf_dict(c: ModelConfig) -> dict[str, Any]:
         "num_key_value_heads": c.num_attention_heads,
     }
     for name in _DIRECT:
-        if name in ("scoring_func",) and c.model_type == "deepseek_v2":
-            continue
         value = getattr(c, name)
         out[name] = list(value) if isinstance(value, tuple) else value
     r = c.rope
