@@ -27,7 +27,10 @@ from jaxinfer.checkpoint.safetensors_io import SafetensorsCheckpoint
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.deepseek import DeepseekForCausalLM
 from jaxinfer.models.layers import RMSNorm
+from jaxinfer.models.moe import Experts
 from jaxinfer.parallel.mesh import MeshSpec, make_mesh
+from jaxinfer.parallel.placement import check_slots, placement_values
+from jaxinfer.parallel.plan import ParallelPlan
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 ORBAX_META = "jaxinfer.json"
@@ -48,25 +51,32 @@ def parse_dtype(dtype: Any) -> Any:
 
 
 def param_sharding(mesh: jax.sharding.Mesh, path: tuple, shape: tuple) -> NamedSharding:
-    """Where each parameter lives. Attention, dense layers, norms and embeddings: replicated on every DP rank.
-    Routed experts are replicated too until the expert-parallel MoE (shard_map dispatch) lands."""
-    del path, shape
+    """Where each parameter lives (DESIGN.md "Mesh semantics"): routed-expert slots split over `expert` and
+    replicated over `data`; attention, dense layers, shared experts, norms, embeddings and the placement tables
+    replicated on every DP rank (data-parallel attention)."""
+    del shape
+    if len(path) >= 2 and path[-2] == "experts" and path[-1].removesuffix("_scale_inv") in Experts.PROJ:
+        return NamedSharding(mesh, P("expert"))
     return NamedSharding(mesh, P())
 
 
-def _build(config: ModelConfig, dtype, **layout) -> tuple[nnx.GraphDef, nnx.State]:
+def _build(config: ModelConfig, dtype, plan: ParallelPlan, **layout) -> tuple[nnx.GraphDef, nnx.State]:
     """The module's graph and an abstract state (no memory allocated)."""
-    abstract = nnx.eval_shape(lambda: DeepseekForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype, **layout))
+    if config.num_moe_layers or layout.get("num_mtp_layers"):
+        check_slots(config.n_routed_experts + plan.num_redundant_experts, plan.expert_ranks)
+    abstract = nnx.eval_shape(
+        lambda: DeepseekForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype, plan=plan, **layout))
     return nnx.split(abstract)
 
 
 class Model:
     """A DeepSeek model placed on a mesh, with its jitted forward functions."""
 
-    def __init__(self, config: ModelConfig, graphdef: nnx.GraphDef, state: nnx.State, mesh, dtype,
+    def __init__(self, config: ModelConfig, graphdef: nnx.GraphDef, state: nnx.State, plan: ParallelPlan, dtype,
                  layout: dict[str, Any], path: pathlib.Path | None = None):
         self.config = config
-        self.mesh = mesh
+        self.plan = plan
+        self.mesh = plan.mesh
         self.dtype = dtype
         self.layout = layout
         self.path = path
@@ -75,15 +85,17 @@ class Model:
 
     # ---- construction ------------------------------------------------------------------------------
     @classmethod
-    def random(cls, config: ModelConfig, mesh: MeshSpec = None, dtype="float32", seed: int = 0) -> Model:
-        """Random weights (normal, std 0.02): for smoke runs and benchmarks of architectures, not outputs."""
-        mesh, dtype = make_mesh(mesh), parse_dtype(dtype)
-        graphdef, state = _build(config, dtype)
+    def random(cls, config: ModelConfig, mesh: MeshSpec = None, dtype="float32", seed: int = 0,
+               **parallel) -> Model:
+        """Random weights (normal, std 0.02): for smoke runs and benchmarks of architectures, not outputs.
+        parallel: ParallelPlan options (fp8_dispatch, num_redundant_experts)."""
+        plan, dtype = ParallelPlan(make_mesh(mesh), **parallel), parse_dtype(dtype)
+        layout = dict(quantized=False, num_mtp_layers=config.num_nextn_predict_layers, mtp_eh_proj_quantized=False)
+        graphdef, state = _build(config, dtype, plan, **layout)
         params = random_params(nnx.merge(graphdef, state), seed)
         nnx.replace_by_pure_dict(state, _unflatten(
-            [(p, jax.device_put(v, param_sharding(mesh, p, v.shape))) for p, v in _flatten(params)]))
-        layout = dict(quantized=False, num_mtp_layers=config.num_nextn_predict_layers, mtp_eh_proj_quantized=False)
-        return cls(config, graphdef, state, mesh, dtype, layout)
+            [(p, jax.device_put(v, param_sharding(plan.mesh, p, v.shape))) for p, v in _flatten(params)]))
+        return cls(config, graphdef, state, plan, dtype, layout)
 
     @property
     def has_mtp(self) -> bool:
@@ -173,7 +185,8 @@ class Model:
             raise CheckpointError(f"output directory {out} exists and is not empty")
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(self.config.to_hf_dict(), indent=2))
-        meta = dict(format="jaxinfer-orbax", version=1, dtype=np.dtype(self.dtype).name, **self.layout)
+        meta = dict(format="jaxinfer-orbax", version=1, dtype=np.dtype(self.dtype).name,
+                    num_redundant_experts=self.plan.num_redundant_experts, **self.layout)
         (out / ORBAX_META).write_text(json.dumps(meta, indent=2))
         save_pytree(out / ORBAX_PARAMS, _str_keys(nnx.to_pure_dict(self.state)))
         if self.path is not None:
@@ -184,15 +197,20 @@ class Model:
 
 
 def random_params(abstract_module: nnx.Module, seed: int) -> dict:
-    """Host-side random weights for an abstract module: N(0, 0.02) matrices, unit norms, zero router biases.
+    """Host-side random weights for an abstract module: N(0, 0.02) matrices, unit norms, zero router biases,
+    the identity expert placement.
 
     Drawn with numpy because XLA:CPU compiles every jax.random call site separately (~1 s each), which made a
     tiny preset take 10 s to initialise."""
     rng = np.random.default_rng(seed)
     norms = {path for path, node in nnx.iter_graph(abstract_module) if isinstance(node, RMSNorm)}
+    flat = _flatten(nnx.to_pure_dict(nnx.state(abstract_module)))
+    placements = placement_values(abstract_module.config, dict(flat))
     out = []
-    for path, leaf in _flatten(nnx.to_pure_dict(nnx.state(abstract_module))):
-        if path[:-1] in norms or str(path[-1]).endswith("scale_inv"):
+    for path, leaf in flat:
+        if path in placements:
+            value = placements[path]
+        elif path[:-1] in norms or str(path[-1]).endswith("scale_inv"):
             value = np.ones(leaf.shape, np.float32)
         elif path[-1] == "e_score_correction_bias":
             value = np.zeros(leaf.shape, np.float32)
@@ -219,11 +237,14 @@ def is_jaxinfer_orbax(path) -> bool:
     return (path / ORBAX_META).is_file() and is_orbax_dir(path / ORBAX_PARAMS)
 
 
-def load_model(path, mesh: MeshSpec = None, dtype="bfloat16", keep_fp8: bool = False) -> Model:
+def load_model(path, mesh: MeshSpec = None, dtype="bfloat16", keep_fp8: bool = False, *,
+               fp8_dispatch: bool = False, num_redundant_experts: int | None = None) -> Model:
     """Loads an HF checkpoint directory (config.json + safetensors) or a jaxinfer orbax directory.
 
     dtype: "bfloat16" or "float32" (the compute and storage dtype of non-FP8 weights). keep_fp8: keep DeepSeek FP8
     weights as e4m3 + block scales (dequantized exactly on the fly) instead of dequantizing them at load time.
+    fp8_dispatch: send tokens to expert ranks in FP8 (DeepEP's format). num_redundant_experts: extra expert slots
+    (identity placement until EPLB fills them; default 0, or what an orbax checkpoint was saved with).
     """
     path = pathlib.Path(path)
     if not path.is_dir():
@@ -232,7 +253,8 @@ def load_model(path, mesh: MeshSpec = None, dtype="bfloat16", keep_fp8: bool = F
     config = ModelConfig.from_hf_config(path)
     mesh = make_mesh(mesh)
     if is_jaxinfer_orbax(path):
-        return _load_orbax(path, config, mesh, dtype)
+        return _load_orbax(path, config, mesh, dtype, fp8_dispatch, num_redundant_experts)
+    plan = ParallelPlan(mesh, fp8_dispatch, num_redundant_experts or 0)
     ckpt = SafetensorsCheckpoint(path)
     layout = checkpoint_layout(config, ckpt)
     if config.num_nextn_predict_layers > layout["num_mtp_layers"]:
@@ -243,17 +265,23 @@ def load_model(path, mesh: MeshSpec = None, dtype="bfloat16", keep_fp8: bool = F
         raise ValueError("keep_fp8=True needs an FP8 checkpoint (weight_scale_inv tensors); this one has none")
     layout = dict(quantized=keep_fp8, num_mtp_layers=layout["num_mtp_layers"],
                   mtp_eh_proj_quantized=keep_fp8 and layout["mtp_eh_proj_quantized"])
-    graphdef, state = _build(config, dtype, **layout)
+    graphdef, state = _build(config, dtype, plan, **layout)
     abstract = nnx.to_pure_dict(state)
     params = load_hf_params(config, ckpt, abstract, functools.partial(param_sharding, mesh), layout["num_mtp_layers"])
     nnx.replace_by_pure_dict(state, params)
-    return Model(config, graphdef, state, mesh, dtype, layout, path)
+    return Model(config, graphdef, state, plan, dtype, layout, path)
 
 
-def _load_orbax(path: pathlib.Path, config: ModelConfig, mesh, dtype) -> Model:
+def _load_orbax(path: pathlib.Path, config: ModelConfig, mesh, dtype, fp8_dispatch: bool,
+                num_redundant_experts: int | None) -> Model:
     meta = json.loads((path / ORBAX_META).read_text())
     layout = {k: meta[k] for k in ("quantized", "num_mtp_layers", "mtp_eh_proj_quantized")}
-    graphdef, state = _build(config, dtype, **layout)
+    saved_redundant = meta.get("num_redundant_experts", 0)
+    if num_redundant_experts not in (None, saved_redundant):
+        raise ValueError(f"{path} was saved with num_redundant_experts={saved_redundant}; load it with that "
+                         f"(got {num_redundant_experts}) or convert the HF checkpoint again")
+    plan = ParallelPlan(mesh, fp8_dispatch, saved_redundant)
+    graphdef, state = _build(config, dtype, plan, **layout)
     abstract = nnx.to_pure_dict(state)
     wanted = _unflatten([(p, jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=param_sharding(mesh, p, v.shape)))
                          for p, v in _flatten(abstract)])
@@ -261,4 +289,4 @@ def _load_orbax(path: pathlib.Path, config: ModelConfig, mesh, dtype) -> Model:
     # their dtype in both, so only the floating-point weights are cast.
     restored = restore_pytree(path / ORBAX_PARAMS, _str_keys(wanted), allow_dtype_cast=True)
     nnx.replace_by_pure_dict(state, _with_int_keys(restored, abstract))
-    return Model(config, graphdef, state, mesh, dtype, layout, path)
+    return Model(config, graphdef, state, plan, dtype, layout, path)

@@ -23,6 +23,7 @@ from jaxinfer.checkpoint.errors import CheckpointError
 from jaxinfer.checkpoint.fp8 import dequantize_blockwise, scale_shape
 from jaxinfer.checkpoint.safetensors_io import SafetensorsCheckpoint
 from jaxinfer.config import ModelConfig
+from jaxinfer.parallel.placement import identity_phy2log, placement_values
 
 FP8_NP = np.dtype("float8_e4m3fn")
 _FLOAT_KINDS = {np.dtype(np.float32), np.dtype(np.float16), np.dtype("bfloat16"), np.dtype(np.float64)}
@@ -76,15 +77,19 @@ def _module_prefix(config: ModelConfig, path: tuple) -> tuple[str, tuple]:
     raise KeyError(path)
 
 
-def source_for(config: ModelConfig, path: tuple, ckpt_names: set[str] | SafetensorsCheckpoint) -> Source:
-    """The checkpoint tensor(s) for one model parameter path (e.g. ('layers', 3, 'mlp', 'experts', 'up_proj'))."""
+def source_for(config: ModelConfig, path: tuple, ckpt_names: set[str] | SafetensorsCheckpoint,
+               num_slots: int | None = None) -> Source:
+    """The checkpoint tensor(s) for one model parameter path (e.g. ('layers', 3, 'mlp', 'experts', 'up_proj'));
+    stacked experts have num_slots physical slots (default: n_routed_experts)."""
     prefix, rest = _module_prefix(config, path)
     rest = tuple(str(p) for p in rest)
     if len(rest) >= 2 and rest[-2] == "experts":  # ('mlp', 'experts', 'gate_proj' | 'gate_proj_scale_inv')
         proj = rest[-1].removesuffix("_scale_inv")
         suffix = "weight_scale_inv" if rest[-1].endswith("_scale_inv") else "weight"
         base = f"{prefix}.{'.'.join(rest[:-1])}"
-        names = tuple(f"{base}.{e}.{proj}.{suffix}" for e in range(config.n_routed_experts))
+        # physical slot s holds expert phy2log[s]; checkpoints are loaded in the identity placement (s mod E)
+        num_slots = num_slots or config.n_routed_experts
+        names = tuple(f"{base}.{e}.{proj}.{suffix}" for e in identity_phy2log(config.n_routed_experts, num_slots))
         scales = None
         if suffix == "weight" and all(f"{nm}_scale_inv" in ckpt_names for nm in names):
             scales = tuple(f"{nm}_scale_inv" for nm in names)
@@ -198,8 +203,12 @@ def load_hf_params(config: ModelConfig, ckpt: SafetensorsCheckpoint, abstract: d
     problems: dict[str, list[str]] = {"missing": [], "unexpected": [], "wrong shape": [], "wrong dtype": []}
     plan = []
     used: set[str] = set()
-    for path, leaf in _flatten(abstract):
-        src = source_for(config, path, names)
+    flat = _flatten(abstract)
+    placements = placement_values(config, dict(flat))  # not in checkpoints: the identity placement
+    for path, leaf in flat:
+        if path in placements:
+            continue
+        src = source_for(config, path, names, num_slots=leaf.shape[0] if leaf.shape else None)
         used.update(src.names)
         used.update(src.scale_names or ())
         dtype = np.dtype(leaf.dtype)
@@ -213,7 +222,8 @@ def load_hf_params(config: ModelConfig, ckpt: SafetensorsCheckpoint, abstract: d
                 shown = items[:20] + ([f"... and {len(items) - 20} more"] if len(items) > 20 else [])
                 lines.append(f"  {kind} ({len(items)}): " + ", ".join(shown))
         raise CheckpointError("\n".join(lines))
-    out = []
+    out = [(path, jax.make_array_from_callback(value.shape, sharding_for(path, value.shape),
+                                               lambda index, v=value: v[index])) for path, value in placements.items()]
     for path, leaf, src, dtype in plan:
         sharding = sharding_for(path, tuple(leaf.shape))
         out.append((path, jax.make_array_from_callback(tuple(leaf.shape), sharding, _reader(ckpt, src, dtype))))

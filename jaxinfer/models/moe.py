@@ -6,6 +6,8 @@ Router semantics follow HF ``DeepseekV3TopkRouter`` / ``DeepseekV2TopkRouter`` (
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -14,6 +16,9 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.checkpoint.fp8 import scale_shape
 from jaxinfer.models.grouped_matmul import grouped_matmul, tile_plan
 from jaxinfer.models.layers import FP8_DTYPE, MLP, _normal, dense_weight
+from jaxinfer.parallel.dispatch import expert_parallel
+from jaxinfer.parallel.placement import default_tables
+from jaxinfer.parallel.plan import ParallelPlan
 
 
 def route(config: ModelConfig, logits: jax.Array, bias: jax.Array | None) -> tuple[jax.Array, jax.Array]:
@@ -52,66 +57,116 @@ class Router(nnx.Module):
         if config.scoring_func == "sigmoid":
             self.e_score_correction_bias = nnx.Param(jnp.zeros((config.n_routed_experts,), jnp.float32))
 
-    def __call__(self, x: jax.Array):
-        logits = jnp.einsum("nd,ed->ne", x.astype(jnp.float32), self.weight[...],
-                            precision=jax.lax.Precision.HIGHEST)  # [N, E]
-        bias = self.e_score_correction_bias[...] if self.config.scoring_func == "sigmoid" else None
-        return route(self.config, logits, bias)
+    def params(self) -> dict:
+        out = {"weight": self.weight[...]}
+        if self.config.scoring_func == "sigmoid":
+            out["e_score_correction_bias"] = self.e_score_correction_bias[...]
+        return out
+
+
+def router_logits(params: dict, x: jax.Array) -> jax.Array:
+    """x [N, D] -> float32 logits [N, E] (the router runs in float32, as in HF)."""
+    return jnp.einsum("nd,ed->ne", x.astype(jnp.float32), params["weight"], precision=jax.lax.Precision.HIGHEST)
+
+
+class Placement(nnx.Variable):
+    """Expert placement tables (integers, not trained): filled by EPLB, identity by default."""
+
+
+def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, dtype) -> jax.Array:
+    """x [M, D], weights/ids [M, K] (ids: slot in ``params``, -1 = not here) -> float32 [M, D]:
+    sum_k weights[m, k] * expert_{ids[m, k]}(x[m]).
+
+    params: gate_proj/up_proj [S, I, D], down_proj [S, D, I] (+ ``*_scale_inv`` block scales for FP8).
+    Assignments are sorted by slot so each slot's rows are contiguous, then one grouped matmul per projection
+    (grouped_matmul.py; no Python loop over experts). Assignments with id -1 sort last and are never computed."""
+    m, k = ids.shape
+    num_slots = params["gate_proj"].shape[0]
+    flat_ids = jnp.where(ids < 0, num_slots, ids).reshape(-1)  # [M*K]
+    order = jnp.argsort(flat_ids, stable=True)  # [M*K]
+    token = order // k  # source row of each sorted assignment
+    group_sizes = jnp.bincount(flat_ids, length=num_slots + 1)[:num_slots].astype(jnp.int32)  # [S]
+    plan = tile_plan(group_sizes, m * k)
+    xs = x.astype(dtype)[token]  # [M*K, D]
+
+    def mm(a, name):
+        w = dense_weight(params[name], params.get(name + "_scale_inv"), dtype)
+        return grouped_matmul(a, w, group_sizes, plan=plan).astype(dtype)
+
+    act = jax.nn.silu(mm(xs, "gate_proj")) * mm(xs, "up_proj")  # [M*K, I]
+    out = mm(act, "down_proj").astype(jnp.float32) * weights.reshape(-1)[order][:, None]  # [M*K, D]
+    return jnp.zeros((m, x.shape[-1]), jnp.float32).at[token].add(out)
 
 
 class Experts(nnx.Module):
-    """Routed experts stacked: gate_proj/up_proj [E, I, D], down_proj [E, D, I] (+ FP8 block scales)."""
+    """Routed experts in physical slots: gate_proj/up_proj [S, I, D], down_proj [S, D, I] (+ FP8 block scales),
+    S = n_routed_experts + redundant slots, with the placement tables that map experts to slots."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, quantized=False):
+    PROJ = ("gate_proj", "up_proj", "down_proj")
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, quantized=False,
+                 num_redundant: int = 0):
         e, d, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        s = e + num_redundant
         self.dtype = dtype
         self.quantized = quantized
-        for name, shape in (("gate_proj", (e, i, d)), ("up_proj", (e, i, d)), ("down_proj", (e, d, i))):
+        for name, shape in zip(self.PROJ, ((s, i, d), (s, i, d), (s, d, i))):
             w = _normal(rngs, shape, jnp.float32)
             setattr(self, name, nnx.Param(w.astype(FP8_DTYPE if quantized else dtype)))
             if quantized:
                 setattr(self, name + "_scale_inv", nnx.Param(jnp.ones(scale_shape(shape), jnp.float32)))
+        placement = default_tables(e, s)
+        self.phy2log = Placement(jnp.asarray(placement["phy2log"]))  # [S]
+        self.log2phy = Placement(jnp.asarray(placement["log2phy"]))  # [E, max_replicas], -1 padded
+        self.logcnt = Placement(jnp.asarray(placement["logcnt"]))  # [E]
 
-    def weight(self, name: str) -> jax.Array:
-        scale = getattr(self, name + "_scale_inv")[...] if self.quantized else None
-        return dense_weight(getattr(self, name)[...], scale, self.dtype)
+    def params(self) -> dict:
+        names = self.PROJ + (tuple(p + "_scale_inv" for p in self.PROJ) if self.quantized else ())
+        return {name: getattr(self, name)[...] for name in names}
 
-    def __call__(self, x: jax.Array, weights: jax.Array, ids: jax.Array) -> jax.Array:
-        """x [N, D], weights/ids [N, K] -> sum_k weights[n, k] * expert_{ids[n, k]}(x[n])  [N, D].
+    def placement(self) -> dict:
+        return {"log2phy": self.log2phy[...], "logcnt": self.logcnt[...]}
 
-        Assignments are sorted by expert so each expert's rows are contiguous, then one grouped matmul per
-        projection (grouped_matmul.py; no Python loop over experts)."""
-        n, k = ids.shape
-        num_experts = self.gate_proj.shape[0]
-        flat_ids = ids.reshape(-1)  # [N*K]
-        order = jnp.argsort(flat_ids, stable=True)  # [N*K]
-        token = order // k  # source token of each sorted row
-        group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)  # [E]
-        plan = tile_plan(group_sizes, n * k)
-        xs = x.astype(self.dtype)[token]  # [N*K, D]
 
-        def mm(a, name):
-            return grouped_matmul(a, self.weight(name), group_sizes, plan=plan).astype(self.dtype)
-
-        act = jax.nn.silu(mm(xs, "gate_proj")) * mm(xs, "up_proj")  # [N*K, I]
-        out = mm(act, "down_proj").astype(jnp.float32) * weights.reshape(-1)[order][:, None]  # [N*K, D]
-        return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token].add(out)
+def physical_slots(placement: dict, ids: jax.Array) -> jax.Array:
+    """Logical expert ids [N, K] -> physical slots [N, K]: replica (n + k) mod copies of the expert, with n the
+    token's index on its DP rank: deterministic, and spread over the copies of a hot expert."""
+    n, k = ids.shape
+    replica = (jnp.arange(n)[:, None] + jnp.arange(k)[None, :]) % placement["logcnt"][ids]
+    return placement["log2phy"][ids, replica]
 
 
 class MoE(nnx.Module):
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, quantized=False):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, quantized=False,
+                 plan: ParallelPlan | None = None):
         self.dtype = dtype
+        self.plan = plan
         self.gate = Router(config, rngs=rngs)
-        self.experts = Experts(config, rngs=rngs, dtype=dtype, quantized=quantized)
+        self.experts = Experts(config, rngs=rngs, dtype=dtype, quantized=quantized,
+                               num_redundant=plan.num_redundant_experts if plan else 0)
         shared = config.moe_intermediate_size * config.n_shared_experts
         self.shared_experts = nnx.data(
             MLP(config.hidden_size, shared, rngs=rngs, dtype=dtype, quantized=quantized) if shared else None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [B, T, D] -> [B, T, D]."""
-        flat = x.reshape(-1, x.shape[-1])  # [N, D]
-        weights, ids = self.gate(flat)
-        y = self.experts(flat, weights, ids).astype(self.dtype).reshape(x.shape)
+        config = self.gate.config
+
+        def route_fn(params, flat):  # [N, D] -> weights, physical slots [N, K]
+            weights, ids = route(config, router_logits(params["router"], flat),
+                                 params["router"].get("e_score_correction_bias"))
+            return weights, physical_slots(params["placement"], ids)
+
+        route_params = {"router": self.gate.params(), "placement": self.experts.placement()}
+        ffn = functools.partial(expert_ffn, dtype=self.dtype)
+        if self.plan is None:  # one device: route all tokens, every slot is local
+            b, t, d = x.shape
+            flat = x.reshape(b * t, d)
+            y = ffn(self.experts.params(), flat, *route_fn(route_params, flat)).reshape(x.shape)
+        else:
+            y = expert_parallel(self.plan.mesh, x, route_params, self.experts.params(), route_fn, ffn,
+                                fp8=self.plan.fp8_dispatch)
+        y = y.astype(self.dtype)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y

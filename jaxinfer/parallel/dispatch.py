@@ -1,0 +1,94 @@
+"""Expert-parallel MoE: dispatch tokens to the expert ranks that hold their experts, compute, combine back.
+
+Runs inside ``jax.shard_map`` over the mesh: the batch is split over all devices (DP ranks), routed-expert slots
+over the ``expert`` axis. DeepEP's rule: a token goes at most once to each expert rank that holds one of its
+chosen experts, whatever the number of its experts there; the receiver applies all of them and sends back one
+weighted sum. Buffers are worst case, [R peers, N local tokens, D]: fixed shapes, nothing ever dropped.
+
+FP8 dispatch quantizes each token per 128 channels (e4m3 + float32 scales, DeepEP's low-latency format); the
+combine is sent in the model dtype (BF16 in deployment).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxinfer.checkpoint.fp8 import FP8_MAX
+
+EXPERT_AXIS = "expert"
+BATCH_AXES = ("data", "expert")
+QUANT_GROUP = 128  # DeepEP / DeepGEMM activation scaling granularity: per token per 128 channels
+SCALE_FLOOR = 1e-4  # DeepSeek-V3 act_quant: amax floor
+
+
+def quantize_per_token(x: jax.Array, group: int = QUANT_GROUP) -> tuple[jax.Array, jax.Array]:
+    """x [N, D] -> (e4m3 [N, D], float32 scales [N, ceil(D/group)]): s = max(amax, 1e-4) / 448 per group."""
+    n, d = x.shape
+    groups = -(-d // group)
+    xp = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, groups * group - d))).reshape(n, groups, group)
+    scale = jnp.maximum(jnp.abs(xp).max(-1), SCALE_FLOOR) / FP8_MAX  # [N, G]
+    q = jnp.clip(xp / scale[..., None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    return q.reshape(n, groups * group)[:, :d], scale
+
+
+def dequantize_per_token(q: jax.Array, scale: jax.Array, dtype, group: int = QUANT_GROUP) -> jax.Array:
+    """Inverse of quantize_per_token: [N, D] e4m3, [N, G] -> [N, D] in dtype."""
+    n, d = q.shape
+    s = jnp.repeat(scale, group, axis=-1)[:, :d]
+    return (q.astype(jnp.float32) * s).astype(dtype)
+
+
+def dispatch_combine(x: jax.Array, weights: jax.Array, slots: jax.Array, expert_params: dict,
+                     expert_fn: Callable, *, slots_per_rank: int, fp8: bool) -> jax.Array:
+    """Per device (inside shard_map). x [N, D] local tokens, weights/slots [N, K] (physical slot ids),
+    expert_params: this rank's slots [S_loc, ...]; expert_fn(params, x [M, D], w [M, K], local ids [M, K] with
+    -1 = not here) -> float32 [M, D]. Returns float32 [N, D]: sum_k weights * expert(x)."""
+    ranks = jax.lax.axis_size(EXPERT_AXIS)
+    n, d = x.shape
+    dest = slots // slots_per_rank  # [N, K] expert rank of each choice
+    peer = jnp.arange(ranks)[:, None, None]  # [R, 1, 1]
+    mine = dest[None] == peer  # [R, N, K]
+    send_ids = jnp.where(mine, (slots % slots_per_rank)[None], -1)  # [R, N, K]
+    send_w = jnp.where(mine, weights[None], 0.0)  # [R, N, K]
+    needed = mine.any(-1)[..., None]  # [R, N, 1]: send the token to this peer at all?
+
+    a2a = functools.partial(jax.lax.all_to_all, axis_name=EXPERT_AXIS, split_axis=0, concat_axis=0, tiled=True)
+    if fp8:
+        q, scale = quantize_per_token(x)  # [N, D] e4m3, [N, G]
+        recv_q = a2a(jnp.where(needed, q[None], jnp.zeros((), q.dtype)))  # [R, N, D]
+        recv_s = a2a(jnp.where(needed, scale[None], 0.0))  # [R, N, G]
+        recv_x = dequantize_per_token(recv_q.reshape(ranks * n, d), recv_s.reshape(ranks * n, -1), x.dtype)
+    else:
+        recv_x = a2a(jnp.where(needed, x[None], jnp.zeros((), x.dtype))).reshape(ranks * n, d)
+    recv_ids = a2a(send_ids).reshape(ranks * n, -1)  # [R*N, K]
+    recv_w = a2a(send_w).reshape(ranks * n, -1)
+    y = expert_fn(expert_params, recv_x, recv_w, recv_ids)  # [R*N, D] float32, zero where nothing is mine
+    back = a2a(y.astype(x.dtype).reshape(ranks, n, d))  # combine in the model dtype: [R, N, D]
+    return back.astype(jnp.float32).sum(0)
+
+
+def expert_parallel(mesh, x: jax.Array, route_params: dict, expert_params: dict, route_fn: Callable,
+                    expert_fn: Callable, *, fp8: bool) -> jax.Array:
+    """Global view: x [B, T, D] with the batch split over all devices. Each device routes its own tokens
+    (route_fn(route_params, x [N, D]) -> weights, slots [N, K]; route_params replicated), then dispatches and
+    combines over `expert`. expert_params: slots on axis 0, split over `expert`. Returns float32 [B, T, D]."""
+    num_slots = next(iter(expert_params.values())).shape[0]
+    slots_per_rank = num_slots // mesh.shape[EXPERT_AXIS]
+    batch = P(BATCH_AXES)
+
+    def local(x, route_params, expert_params):
+        b, t, d = x.shape
+        flat = x.reshape(b * t, d)
+        weights, slots = route_fn(route_params, flat)
+        out = dispatch_combine(flat, weights, slots, expert_params, expert_fn, slots_per_rank=slots_per_rank,
+                               fp8=fp8)
+        return out.reshape(b, t, d)
+
+    in_specs = (batch, jax.tree.map(lambda _: P(), route_params), jax.tree.map(lambda _: P(EXPERT_AXIS),
+                                                                               expert_params))
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=batch)(x, route_params, expert_params)

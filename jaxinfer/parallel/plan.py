@@ -1,0 +1,26 @@
+"""How a model is laid out on its mesh: passed explicitly to the modules that need it (no global context)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax.sharding import Mesh
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelPlan:
+    """mesh: ('data', 'expert') mesh; routed-expert slots split over 'expert', the batch over all devices.
+    fp8_dispatch: send tokens to expert ranks in e4m3 with per-token-per-128 scales (combine stays in the model
+    dtype). num_redundant_experts: extra physical expert slots holding copies of hot experts (EPLB)."""
+
+    mesh: Mesh
+    fp8_dispatch: bool = False
+    num_redundant_experts: int = 0
+
+    def __post_init__(self):
+        if self.num_redundant_experts < 0:
+            raise ValueError(f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
+
+    @property
+    def expert_ranks(self) -> int:
+        return self.mesh.shape["expert"]
