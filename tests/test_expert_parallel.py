@@ -92,7 +92,7 @@ def test_fp8_dispatch_is_the_moe_of_fp8_tokens(mesh):
 
     mesh = make_mesh(mesh)
     run = jax.jit(functools.partial(expert_parallel, mesh, route_fn=route_fn, expert_fn=ffn, fp8=True))
-    got = np.asarray(run(jnp.asarray(x), {}, params))
+    got = np.asarray(run(jnp.asarray(x), {}, params)[0])
     flat = x.reshape(n_tok, d)
     slots = np.argsort(-flat[:, :e], axis=1, kind="stable")[:, :k]
     weights = 1 / (1 + np.exp(-np.take_along_axis(flat[:, :e], slots, 1)))
@@ -124,3 +124,21 @@ def test_compiled_moe_uses_all_to_all_and_gathers_no_tokens(tmp_path_factory):
     hlo = model._jit_logits.lower(model.state, ids).compile().as_text()
     assert hlo.count("all-to-all(") >= 3 * 2  # 2 MoE layers x (tokens, ids, weights, combine)
     assert "all-gather" not in hlo and "all-reduce" not in hlo
+
+
+def test_comm_accounting_fp8_vs_bf16():
+    from jaxinfer.parallel.comm import comm_stats, tokens_sent
+
+    config = jaxinfer.ModelConfig.tiny(hidden_size=200, num_hidden_layers=2)  # H=200: a partial scale group
+    ids = np.random.default_rng(0).integers(0, config.vocab_size, (8, 10))
+    bf16 = jaxinfer.Model.random(config, mesh="1x8", dtype="bfloat16")
+    fp8 = jaxinfer.Model.random(config, mesh="1x8", dtype="bfloat16", fp8_dispatch=True)
+    sent = tokens_sent(bf16, ids)
+    assert len(sent) == config.num_moe_layers and sent[0].shape == (8, 8)
+    per_device = sent[0].sum(1)  # 10 tokens per DP rank, each to >= 1 and <= top-k expert ranks
+    assert (per_device >= 10).all() and (per_device <= 10 * config.num_experts_per_tok).all()
+    a, b = comm_stats(bf16, ids), comm_stats(fp8, ids)
+    assert a.dispatch_bytes_per_send == 200 * 2 and b.dispatch_bytes_per_send == 200 + 4 * 2
+    assert b.combine_payload_bytes == 2 * 200 * b.remote_token_sends  # combine stays bf16
+    pure_dp = comm_stats(jaxinfer.Model.random(config, mesh="8x1", dtype="bfloat16"), ids)
+    assert pure_dp.remote_token_sends == 0 and pure_dp.dispatch_buffer_bytes == 0

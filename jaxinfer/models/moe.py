@@ -164,8 +164,10 @@ class MoE(nnx.Module):
             flat = x.reshape(b * t, d)
             y = ffn(self.experts.params(), flat, *route_fn(route_params, flat)).reshape(x.shape)
         else:
-            y = expert_parallel(self.plan.mesh, x, route_params, self.experts.params(), route_fn, ffn,
-                                fp8=self.plan.fp8_dispatch)
+            y, sent = expert_parallel(self.plan.mesh, x, route_params, self.experts.params(), route_fn, ffn,
+                                      fp8=self.plan.fp8_dispatch)
+            if hasattr(self, "__captures__"):  # only under nnx.capture (parallel/comm.py); no-op otherwise
+                self.sow(nnx.Intermediate, "tokens_sent", sent)  # [devices, R]
         y = y.astype(self.dtype)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)

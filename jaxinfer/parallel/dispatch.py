@@ -44,10 +44,11 @@ def dequantize_per_token(q: jax.Array, scale: jax.Array, dtype, group: int = QUA
 
 
 def dispatch_combine(x: jax.Array, weights: jax.Array, slots: jax.Array, expert_params: dict,
-                     expert_fn: Callable, *, slots_per_rank: int, fp8: bool) -> jax.Array:
+                     expert_fn: Callable, *, slots_per_rank: int, fp8: bool) -> tuple[jax.Array, jax.Array]:
     """Per device (inside shard_map). x [N, D] local tokens, weights/slots [N, K] (physical slot ids),
     expert_params: this rank's slots [S_loc, ...]; expert_fn(params, x [M, D], w [M, K], local ids [M, K] with
-    -1 = not here) -> float32 [M, D]. Returns float32 [N, D]: sum_k weights * expert(x)."""
+    -1 = not here) -> float32 [M, D]. Returns (float32 [N, D]: sum_k weights * expert(x), int32 [R]: the number
+    of tokens sent to each expert rank, for communication accounting)."""
     ranks = jax.lax.axis_size(EXPERT_AXIS)
     n, d = x.shape
     dest = slots // slots_per_rank  # [N, K] expert rank of each choice
@@ -69,14 +70,15 @@ def dispatch_combine(x: jax.Array, weights: jax.Array, slots: jax.Array, expert_
     recv_w = a2a(send_w).reshape(ranks * n, -1)
     y = expert_fn(expert_params, recv_x, recv_w, recv_ids)  # [R*N, D] float32, zero where nothing is mine
     back = a2a(y.astype(x.dtype).reshape(ranks, n, d))  # combine in the model dtype: [R, N, D]
-    return back.astype(jnp.float32).sum(0)
+    return back.astype(jnp.float32).sum(0), needed[..., 0].sum(1).astype(jnp.int32)
 
 
 def expert_parallel(mesh, x: jax.Array, route_params: dict, expert_params: dict, route_fn: Callable,
-                    expert_fn: Callable, *, fp8: bool) -> jax.Array:
+                    expert_fn: Callable, *, fp8: bool) -> tuple[jax.Array, jax.Array]:
     """Global view: x [B, T, D] with the batch split over all devices. Each device routes its own tokens
     (route_fn(route_params, x [N, D]) -> weights, slots [N, K]; route_params replicated), then dispatches and
-    combines over `expert`. expert_params: slots on axis 0, split over `expert`. Returns float32 [B, T, D]."""
+    combines over `expert`. expert_params: slots on axis 0, split over `expert`. Returns (float32 [B, T, D],
+    int32 [devices, R]: tokens each DP rank sent to each expert rank)."""
     num_slots = next(iter(expert_params.values())).shape[0]
     slots_per_rank = num_slots // mesh.shape[EXPERT_AXIS]
     batch = P(BATCH_AXES)
@@ -85,10 +87,11 @@ def expert_parallel(mesh, x: jax.Array, route_params: dict, expert_params: dict,
         b, t, d = x.shape
         flat = x.reshape(b * t, d)
         weights, slots = route_fn(route_params, flat)
-        out = dispatch_combine(flat, weights, slots, expert_params, expert_fn, slots_per_rank=slots_per_rank,
-                               fp8=fp8)
-        return out.reshape(b, t, d)
+        out, sent = dispatch_combine(flat, weights, slots, expert_params, expert_fn,
+                                     slots_per_rank=slots_per_rank, fp8=fp8)
+        return out.reshape(b, t, d), sent[None]
 
     in_specs = (batch, jax.tree.map(lambda _: P(), route_params), jax.tree.map(lambda _: P(EXPERT_AXIS),
                                                                                expert_params))
-    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=batch)(x, route_params, expert_params)
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(batch, batch))(
+        x, route_params, expert_params)
