@@ -24,7 +24,12 @@ def main() -> None:
     p.add_argument("--mesh", default="1x1")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (the CPU machines have 2 cores)")
+    p.add_argument("--cpu-devices", type=int, default=8, help="simulated CPU devices (meshes up to 8 devices)")
     args = p.parse_args()
+
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", args.cpu_devices)
 
     import numpy as np
     import torch
