@@ -21,7 +21,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxinfer.checkpoint.errors import CheckpointError
-from jaxinfer.checkpoint.hf_loader import _flatten, _unflatten, checkpoint_layout, load_hf_params
+from jaxinfer.checkpoint.hf_loader import checkpoint_layout, load_hf_params
+from jaxinfer.checkpoint.tree import flatten_tree, unflatten_tree
 from jaxinfer.checkpoint.orbax_io import is_orbax_dir, restore_pytree, save_pytree
 from jaxinfer.checkpoint.safetensors_io import SafetensorsCheckpoint
 from jaxinfer.config import ModelConfig
@@ -93,8 +94,8 @@ class Model:
         layout = dict(quantized=False, num_mtp_layers=config.num_nextn_predict_layers, mtp_eh_proj_quantized=False)
         graphdef, state = _build(config, dtype, plan, **layout)
         params = random_params(nnx.merge(graphdef, state), seed)
-        nnx.replace_by_pure_dict(state, _unflatten(
-            [(p, jax.device_put(v, param_sharding(plan.mesh, p, v.shape))) for p, v in _flatten(params)]))
+        nnx.replace_by_pure_dict(state, unflatten_tree(
+            [(p, jax.device_put(v, param_sharding(plan.mesh, p, v.shape))) for p, v in flatten_tree(params)]))
         return cls(config, graphdef, state, plan, dtype, layout)
 
     @property
@@ -204,7 +205,7 @@ def random_params(abstract_module: nnx.Module, seed: int) -> dict:
     tiny preset take 10 s to initialise."""
     rng = np.random.default_rng(seed)
     norms = {path for path, node in nnx.iter_graph(abstract_module) if isinstance(node, RMSNorm)}
-    flat = _flatten(nnx.to_pure_dict(nnx.state(abstract_module)))
+    flat = flatten_tree(nnx.to_pure_dict(nnx.state(abstract_module)))
     placements = placement_values(abstract_module.config, dict(flat))
     out = []
     for path, leaf in flat:
@@ -217,7 +218,7 @@ def random_params(abstract_module: nnx.Module, seed: int) -> dict:
         else:
             value = 0.02 * rng.standard_normal(leaf.shape, np.float32)
         out.append((path, value.astype(leaf.dtype)))
-    return _unflatten(out)
+    return unflatten_tree(out)
 
 
 def _str_keys(tree):
@@ -283,8 +284,8 @@ def _load_orbax(path: pathlib.Path, config: ModelConfig, mesh, dtype, fp8_dispat
     plan = ParallelPlan(mesh, fp8_dispatch, saved_redundant)
     graphdef, state = _build(config, dtype, plan, **layout)
     abstract = nnx.to_pure_dict(state)
-    wanted = _unflatten([(p, jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=param_sharding(mesh, p, v.shape)))
-                         for p, v in _flatten(abstract)])
+    wanted = unflatten_tree([(p, jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=param_sharding(mesh, p, v.shape)))
+                         for p, v in flatten_tree(abstract)])
     # A model saved in bfloat16 may be asked for in float32 (and back): FP8 and float32 router leaves keep
     # their dtype in both, so only the floating-point weights are cast.
     restored = restore_pytree(path / ORBAX_PARAMS, _str_keys(wanted), allow_dtype_cast=True)

@@ -7,11 +7,11 @@ from flax import nnx
 
 import jaxinfer
 from jaxinfer.checkpoint import CheckpointError
-from jaxinfer.checkpoint.hf_loader import _flatten
+from jaxinfer.checkpoint.tree import flatten_tree
 
 
 def _leaves(model):
-    return {p: np.asarray(jax.device_get(v)) for p, v in _flatten(nnx.to_pure_dict(model.state))}
+    return {p: np.asarray(jax.device_get(v)) for p, v in flatten_tree(nnx.to_pure_dict(model.state))}
 
 
 @pytest.mark.parametrize("dtype, save_mesh, load_mesh", [("float32", "1x8", "2x4"), ("bfloat16", "1x1", "4x2")])

@@ -22,6 +22,7 @@ import numpy as np
 from jaxinfer.checkpoint.errors import CheckpointError
 from jaxinfer.checkpoint.fp8 import dequantize_blockwise, scale_shape
 from jaxinfer.checkpoint.safetensors_io import SafetensorsCheckpoint
+from jaxinfer.checkpoint.tree import flatten_tree, unflatten_tree
 from jaxinfer.config import ModelConfig
 from jaxinfer.parallel.placement import identity_phy2log, placement_values
 
@@ -115,26 +116,6 @@ def ignorable(config: ModelConfig, name: str, num_mtp_layers: int) -> bool:
     return False
 
 
-def _flatten(tree: dict, prefix: tuple = ()) -> list[tuple[tuple, Any]]:
-    out = []
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.extend(_flatten(value, prefix + (key,)))
-        else:
-            out.append((prefix + (key,), value))
-    return out
-
-
-def _unflatten(items: list[tuple[tuple, Any]]) -> dict:
-    root: dict = {}
-    for path, value in items:
-        node = root
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = value
-    return root
-
-
 def _cast(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
     if array.dtype == dtype:
         return np.asarray(array)
@@ -203,7 +184,7 @@ def load_hf_params(config: ModelConfig, ckpt: SafetensorsCheckpoint, abstract: d
     problems: dict[str, list[str]] = {"missing": [], "unexpected": [], "wrong shape": [], "wrong dtype": []}
     plan = []
     used: set[str] = set()
-    flat = _flatten(abstract)
+    flat = flatten_tree(abstract)
     placements = placement_values(config, dict(flat))  # not in checkpoints: the identity placement
     for path, leaf in flat:
         if path in placements:
@@ -227,4 +208,4 @@ def load_hf_params(config: ModelConfig, ckpt: SafetensorsCheckpoint, abstract: d
     for path, leaf, src, dtype in plan:
         sharding = sharding_for(path, tuple(leaf.shape))
         out.append((path, jax.make_array_from_callback(tuple(leaf.shape), sharding, _reader(ckpt, src, dtype))))
-    return _unflatten(out)
+    return unflatten_tree(out)
