@@ -1,0 +1,88 @@
+"""MLA decode benchmark on FlashMLA's sweep, in FlashMLA's units (tests/test_flash_mla.py, README).
+
+    PYTHONPATH=. python benchmarks/kernels_mla.py [--out results.txt] [--implementation pallas|xla] [--iters 20]
+
+Sweep: b=128; s_k 4096, 8192; h_q 16, 32, 64, 128; s_q 1, 2 (causal for s_q=2); h_kv 1; d 576; dv 512; page 64;
+every sequence at full length s_k. Metrics (FlashMLA's formulas, DESIGN.md):
+  bytes = (sum(seqlen) * h_kv * 576 + b * s_q * h_q * 576 + b * s_q * h_q * 512) * 2  -> GB/s
+  FLOPs = 2 * s_q * sum(seqlen) * h_q * (576 + 512)                                  -> TFLOPS
+Published (FlashMLA README, H800 SXM5, CUDA 12.8): up to 3000 GB/s memory-bound, 580-660 TFLOPS compute-bound.
+Runs only where a CUDA GPU exists; each case is guarded so one failure does not stop the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import time
+
+PUBLISHED_H800 = "FlashMLA H800: up to 3000 GB/s (memory-bound), 580-660 TFLOPS (compute-bound)"
+
+
+def run_case(b, s_k, h_q, s_q, implementation, iters):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kernels_pallas import mla_decode
+
+    d, dv, h_kv, page = 576, 512, 1, 64
+    pages_per_seq = s_k // page
+    key = jax.random.PRNGKey(0)
+    kq, kk = jax.random.split(key)
+    q = jax.random.normal(kq, (b, s_q, h_q, d), jnp.bfloat16)
+    kv = jax.random.normal(kk, (b * pages_per_seq, page, h_kv, d), jnp.bfloat16)
+    table = jnp.asarray(np.random.default_rng(0).permutation(b * pages_per_seq).reshape(b, pages_per_seq),
+                        jnp.int32)
+    seqlens = jnp.full((b,), s_k, jnp.int32)
+    causal = s_q > 1
+    f = jax.jit(lambda q, kv, t, s: mla_decode(q, kv, t, s, head_dim_v=dv, causal=causal,
+                                               implementation=implementation))
+    jax.block_until_ready(f(q, kv, table, seqlens))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(q, kv, table, seqlens))
+        times.append(time.perf_counter() - t0)
+    t = float(np.median(times))
+    total = b * s_k
+    nbytes = (total * h_kv * 576 + b * s_q * h_q * 576 + b * s_q * h_q * 512) * 2
+    flops = 2 * s_q * total * h_q * (576 + 512)
+    return t, nbytes / t / 1e9, flops / t / 1e12
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None, help="append result lines to this file")
+    p.add_argument("--implementation", default="pallas", choices=("pallas", "xla"))
+    p.add_argument("--iters", type=int, default=20)
+    args = p.parse_args()
+
+    import jax
+
+    dev = jax.devices()[0]
+    if dev.platform != "gpu":
+        print(f"kernels_mla.py needs a CUDA GPU (default device here: {dev.platform}); nothing measured.")
+        return
+    header = (f"# mla_decode {args.implementation} on {dev.device_kind}, jax {jax.__version__}, "
+              f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}; {PUBLISHED_H800}")
+    lines = [header]
+    print(header, flush=True)
+    for s_k in (4096, 8192):
+        for h_q in (16, 32, 64, 128):
+            for s_q in (1, 2):
+                name = f"b=128 s_k={s_k} h_q={h_q} s_q={s_q} h_kv=1 d=576 dv=512 causal={s_q > 1}"
+                try:
+                    t, gbs, tflops = run_case(128, s_k, h_q, s_q, args.implementation, args.iters)
+                    line = f"{name}: {t * 1e6:.1f} us  {gbs:.0f} GB/s  {tflops:.1f} TFLOPS"
+                except Exception as e:  # one failing case must not stop the sweep
+                    line = f"{name}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                print(line, flush=True)
+                lines.append(line)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

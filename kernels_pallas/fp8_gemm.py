@@ -1,0 +1,261 @@
+"""FP8 GEMM with fine-grained scales (DeepGEMM's contract), as a Mosaic GPU (Hopper) Pallas kernel.
+
+D[m, n] = sum over k-blocks kb of dot(A[m, kb], B[n, kb]) * As[m, kb] * Bs[n // 128, kb], fp32 accumulation
+(DeepGEMM README / tests/test_core.py; DESIGN.md "DeepGEMM FP8 contract"). A [m, k] e4m3 with per-token-per-128
+scales [m, ceil(k/128)]; B [n, k] e4m3 (checkpoint layout out x in) with 128x128 block scales
+[ceil(n/128), ceil(k/128)]. Partial last blocks are zero-padded.
+
+Four parts (DESIGN.md "Kernels"): ``_tile_kernel`` (body) -> ``tiled_fp8_gemm_pallas`` (``plgpu.kernel``
+wrapper) -> ``fp8_gemm`` (jitted entry, ``implementation=``, tuning knobs) -> ``fp8_gemm_reference`` (jnp, fp32).
+
+The kernel is shared with the grouped GEMMs (fp8_grouped_gemm.py): it multiplies row tiles of A, each tagged
+with the group whose weights it uses (-1: skip the tile, its output rows are left unwritten). The dense GEMM is
+the one-group case. Per output tile (block_m x block_n) and per k-step of 128 (so one A scale per row and one B
+scale per column): an fp8 wgmma into a fresh fp32 accumulator, then promotion into the main fp32 accumulator
+with the outer product of the A-row and B-column scales (DeepGEMM's two-level accumulation: the tensor cores'
+fp8 accumulation only ever sums 128 products). K-steps are TMA-pipelined ``stages`` deep (``plgpu.emit_pipeline``).
+B-scales are expanded on the host side to one per column ([G, kb, n], 1/32 byte per weight), so a tile may span
+two 128-blocks of n and the kernel needs no scalar shared-memory reads.
+
+GPU interpret mode (jax 0.10.2) cannot run ``wgmma`` on a transposed (K-major) B ref, nor ``plgpu.load`` with a
+layout or ``plgpu.layout_cast``; when interpreting, the k-step product is a value-level ``dot_general`` of the
+same two SMEM tiles and layouts are left implicit. Everything else (grid, tile->group lookup, skipped tiles, TMA
+pipeline, scale vectors, promotion, epilogue copies) is the same code in both modes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from kernels_pallas import _mosaic
+
+BLOCK_K = 128  # one scale per 128 channels (DeepGEMM); a k-step is exactly one scale block
+FP8 = jnp.float8_e4m3fn
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _round_up(a: int, b: int) -> int:
+    return _cdiv(a, b) * b
+
+
+# ----------------------------------------------------------------------------------------------- validation
+def check_operands(a, a_scale, b, b_scale, *, a_batch: tuple[int, ...] = (), b_batch: tuple[int, ...] = ()):
+    """Validate A [*a_batch, m, k] / B [*b_batch, n, k] and their scales; returns (m, n, k). Raises ValueError."""
+    for name, x, want in (("a", a, FP8), ("b", b, FP8), ("a_scale", a_scale, jnp.float32),
+                          ("b_scale", b_scale, jnp.float32)):
+        if jnp.dtype(x.dtype) != jnp.dtype(want):
+            raise ValueError(f"{name} must be {jnp.dtype(want).name}, got {jnp.dtype(x.dtype).name}")
+    if a.ndim != len(a_batch) + 2 or b.ndim != len(b_batch) + 2:
+        raise ValueError(f"a must have {len(a_batch) + 2} dims and b {len(b_batch) + 2}, got {a.shape=} {b.shape=}")
+    *ab, m, k = a.shape
+    *bb, n, k2 = b.shape
+    if tuple(ab) != tuple(a_batch) or tuple(bb) != tuple(b_batch):
+        raise ValueError(f"batch dims: expected a {a_batch} and b {b_batch}, got {a.shape=} {b.shape=}")
+    if k != k2:
+        raise ValueError(f"contraction dims differ: a has k={k}, b has k={k2}")
+    kb, nb = _cdiv(k, BLOCK_K), _cdiv(n, BLOCK_K)
+    if a_scale.shape != (*a_batch, m, kb):
+        raise ValueError(f"a_scale must be {(*a_batch, m, kb)} (ceil(k/128) = {kb}), got {a_scale.shape}")
+    if b_scale.shape != (*b_batch, nb, kb):
+        raise ValueError(f"b_scale must be {(*b_batch, nb, kb)} (ceil(n/128) = {nb}), got {b_scale.shape}")
+    return m, n, k
+
+
+def resolve(implementation, interpret):
+    """implementation None -> "pallas" on a CUDA GPU, "xla" elsewhere; interpret None -> per backend."""
+    if implementation is None:
+        implementation = "xla" if _mosaic.default_interpret() else "pallas"
+    if implementation not in ("pallas", "xla"):
+        raise ValueError(f"implementation must be None, 'pallas' or 'xla', got {implementation!r}")
+    if interpret is None:
+        interpret = _mosaic.default_interpret()
+    return implementation, bool(interpret)
+
+
+# ----------------------------------------------------------------------------------------------- reference
+def _block_product(a, a_scale, b, b_scale):
+    """fp32 [m, n] = sum_kb (A_kb @ B_kb^T) * As[:, kb] * Bs[n // 128, kb], one k-block at a time (contract)."""
+    m, k = a.shape
+    n = b.shape[0]
+    kb = _cdiv(k, BLOCK_K)
+    ap = jnp.pad(a.astype(jnp.float32), ((0, 0), (0, kb * BLOCK_K - k))).reshape(m, kb, BLOCK_K)  # (m, kb, 128)
+    bp = jnp.pad(b.astype(jnp.float32), ((0, 0), (0, kb * BLOCK_K - k))).reshape(n, kb, BLOCK_K)  # (n, kb, 128)
+    bs_col = jnp.repeat(b_scale, BLOCK_K, axis=0)[:n]                                              # (n, kb)
+
+    def step(acc, j):
+        part = jnp.dot(ap[:, j], bp[:, j].T, precision=lax.Precision.HIGHEST)                       # (m, n)
+        return acc + part * a_scale[:, j, None] * bs_col[None, :, j], None
+
+    acc, _ = lax.scan(step, jnp.zeros((m, n), jnp.float32), jnp.arange(kb))
+    return acc
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype",))
+def fp8_gemm_reference(a, a_scale, b, b_scale, *, out_dtype=jnp.bfloat16):
+    """Plain-jnp fp32 reference of fp8_gemm: a [m, k] e4m3, b [n, k] e4m3 -> [m, n] out_dtype."""
+    check_operands(a, a_scale, b, b_scale)
+    return _block_product(a, a_scale, b, b_scale).astype(out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------- xla path
+def dequantize_a(a, a_scale):
+    """[..., m, k] e4m3 * per-token-per-128 scales -> float32."""
+    k = a.shape[-1]
+    return a.astype(jnp.float32) * jnp.repeat(a_scale, BLOCK_K, axis=-1)[..., :k]
+
+
+def dequantize_b(b, b_scale):
+    """[..., n, k] e4m3 * 128x128 block scales -> float32."""
+    n, k = b.shape[-2:]
+    s = jnp.repeat(jnp.repeat(b_scale, BLOCK_K, axis=-2), BLOCK_K, axis=-1)[..., :n, :k]
+    return b.astype(jnp.float32) * s
+
+
+def _fp8_gemm_xla(a, a_scale, b, b_scale, out_dtype):
+    """Dequantize blockwise (exact in fp32) and one fp32 dot: the contract's sum, reassociated."""
+    out = jnp.dot(dequantize_a(a, a_scale), dequantize_b(b, b_scale).T, precision=lax.Precision.HIGHEST,
+                  preferred_element_type=jnp.float32)                                              # (m, n)
+    return out.astype(out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------- kernel
+def _tile_kernel(tile_group_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, o_gmem, o_smem, *,
+                 block_m, block_n, num_k, stages, sim):
+    """One (block_m, block_n) output tile of row tile ti, group tile_group[ti] (-1: skip).
+
+  a_gmem [T*bm, kp] e4m3, as_gmem [kb, T*bm] f32 (A scales, transposed), b_gmem [G, np, kp] e4m3,
+  bs_gmem [G, kb, np] f32 (B scales per column), o_gmem [T*bm, np]; o_smem (bm, bn) scratch.
+  """
+    ti, ni = lax.axis_index("m"), lax.axis_index("n")
+    g = tile_group_gmem[ti]
+    swizzle = 128  # 128 fp8 = 128 bytes per k-row of a tile
+    tiles = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
+
+    @pl.when(g >= 0)
+    def _():
+        gg = jnp.maximum(g, 0)
+
+        def k_step(_, a_smem, b_smem, as_smem, bs_smem, acc):
+            if sim:   # interpret mode: same tiles, value-level product (see module docstring)
+                part = lax.dot_general(a_smem[...], b_smem[...], (((1,), (1,)), ((), ())),
+                                       preferred_element_type=jnp.float32)                          # (bm, bn)
+                sa, sb = as_smem[...], bs_smem[...]                                                  # (bm,), (bn,)
+            else:
+                def mma(acc_ref):
+                    plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_smem, (1, 0)))                 # fp8, K-major B
+                    return acc_ref[...]
+                part = pl.run_scoped(mma, plgpu.ACC((block_m, block_n), jnp.float32))               # (bm, bn)
+                sa = plgpu.load(as_smem, (), layout=plgpu.Layout.WGMMA.reduce(1))                  # (bm,) rows
+                sb = plgpu.load(bs_smem, (), layout=plgpu.Layout.WGMMA.reduce(0))                  # (bn,) columns
+            shape = (block_m, block_n)
+            scale = lax.broadcast_in_dim(sa, shape, [0]) * lax.broadcast_in_dim(sb, shape, [1])  # As x Bs
+            return acc + part * scale                                                              # promotion
+
+        acc0 = jnp.zeros((block_m, block_n), jnp.float32)
+        if not sim:
+            acc0 = plgpu.layout_cast(acc0, plgpu.Layout.WGMMA)
+        rows, cols = pl.ds(ti * block_m, block_m), pl.ds(ni * block_n, block_n)
+        acc = plgpu.emit_pipeline(
+            k_step,
+            grid=(num_k,),
+            in_specs=[
+                plgpu.BlockSpec((block_m, BLOCK_K), lambda k: (0, k), transforms=tiles),
+                plgpu.BlockSpec((block_n, BLOCK_K), lambda k: (0, k), transforms=tiles),
+                plgpu.BlockSpec((None, block_m), lambda k: (k, 0)),
+                plgpu.BlockSpec((None, block_n), lambda k: (k, 0)),
+            ],
+            max_concurrent_steps=stages,
+            init_carry=acc0,
+        )(a_gmem.at[rows], b_gmem.at[gg, cols], as_gmem.at[:, rows], bs_gmem.at[gg, :, cols])
+        o_smem[...] = acc.astype(o_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[rows, cols])
+        plgpu.wait_smem_to_gmem(0)
+
+
+def tiled_fp8_gemm_pallas(tile_group, a, a_scale_t, b, b_scale_cols, *, block_m, block_n, stages, out_dtype,
+                          interpret):
+    """Pallas wrapper. tile_group [T] int32; a [T*bm, kp]; a_scale_t [kb, T*bm]; b [G, np, kp];
+  b_scale_cols [G, kb, np] -> [T*bm, np] out_dtype (rows of skipped tiles unwritten). kp = kb*128, np % bn = 0."""
+    (t,) = tile_group.shape
+    rows, kp = a.shape
+    _, n_pad, _ = b.shape
+    kernel = plgpu.kernel(
+        functools.partial(_tile_kernel, block_m=block_m, block_n=block_n, num_k=kp // BLOCK_K, stages=stages,
+                          sim=bool(interpret)),
+        out_type=jax.ShapeDtypeStruct((rows, n_pad), out_dtype),
+        scratch_types=[plgpu.SMEM((block_m, block_n), out_dtype)],
+        grid=(t, n_pad // block_n),
+        grid_names=("m", "n"),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=_mosaic.interpret_params() if interpret else False,
+    )
+    return kernel(tile_group, a, a_scale_t, b, b_scale_cols)
+
+
+def check_tiling(block_m: int, block_n: int, stages: int):
+    if block_m not in (64, 128):
+        raise ValueError(f"block_m must be 64 or 128 (wgmma M granularity 64, one warpgroup), got {block_m=}")
+    if block_n % 16 or not 16 <= block_n <= 256:
+        raise ValueError(f"block_n must be a multiple of 16 in [16, 256] (wgmma N, 16-byte TMA rows), got {block_n=}")
+    if stages < 1:
+        raise ValueError(f"stages must be >= 1, got {stages=}")
+
+
+def prepare_b(b, b_scale, block_n):
+    """b [G, n, k], b_scale [G, nb, kb] -> padded b [G, np, kp] and per-column scales [G, kb, np]."""
+    _, n, k = b.shape
+    kb = _cdiv(k, BLOCK_K)
+    n_pad = _round_up(n, block_n)
+    b_p = jnp.pad(b, ((0, 0), (0, n_pad - n), (0, kb * BLOCK_K - k)))                          # (G, np, kp)
+    cols = jnp.repeat(b_scale, BLOCK_K, axis=1)[:, :n]                                          # (G, n, kb)
+    cols = jnp.pad(cols, ((0, 0), (0, n_pad - n), (0, 0))).swapaxes(1, 2)                       # (G, kb, np)
+    return b_p, cols
+
+
+def prepare_a(a, a_scale, rows):
+    """a [m, k], a_scale [m, kb] -> a [rows, kp] zero-padded, transposed scales [kb, rows]."""
+    m, k = a.shape
+    kb = _cdiv(k, BLOCK_K)
+    a_p = jnp.pad(a, ((0, rows - m), (0, kb * BLOCK_K - k)))                                    # (rows, kp)
+    return a_p, jnp.pad(a_scale, ((0, rows - m), (0, 0))).T                                     # (kb, rows)
+
+
+def default_block_m(m: int) -> int:
+    return 64 if m <= 64 else 128
+
+
+# ----------------------------------------------------------------------------------------------- entry
+@functools.partial(jax.jit, static_argnames=("out_dtype", "implementation", "interpret", "block_m", "block_n",
+                                             "block_k", "stages"))
+def fp8_gemm(a, a_scale, b, b_scale, *, out_dtype=jnp.bfloat16, implementation=None, interpret=None,
+             block_m=None, block_n=128, block_k=BLOCK_K, stages=4):
+    """D [m, n] = A [m, k] (e4m3, per-token-per-128 scales) x B [n, k]^T (e4m3, 128x128 block scales).
+
+  implementation None: "pallas" on a CUDA GPU, "xla" elsewhere. interpret None: interpret the kernel where the
+  backend cannot run it. Tuning: block_m (64 | 128; None: 64 for m <= 64), block_n (multiple of 16, <= 256),
+  block_k (must be 128: one scale per k-step), stages (TMA pipeline depth)."""
+    m, n, k = check_operands(a, a_scale, b, b_scale)
+    implementation, interpret = resolve(implementation, interpret)
+    if implementation == "xla":
+        return _fp8_gemm_xla(a, a_scale, b, b_scale, out_dtype)
+    if block_k != BLOCK_K:
+        raise ValueError(f"block_k must be {BLOCK_K} (one scale per k-step), got {block_k=}")
+    block_m = default_block_m(m) if block_m is None else block_m
+    check_tiling(block_m, block_n, stages)
+    rows = _round_up(m, block_m)
+    a_p, as_t = prepare_a(a, a_scale, rows)
+    b_p, bs_cols = prepare_b(b[None], b_scale[None], block_n)
+    tile_group = jnp.zeros((rows // block_m,), jnp.int32)
+    out = tiled_fp8_gemm_pallas(tile_group, a_p, as_t, b_p, bs_cols, block_m=block_m, block_n=block_n,
+                                stages=stages, out_dtype=out_dtype, interpret=interpret)
+    return out[:m, :n]

@@ -1,0 +1,402 @@
+"""MLA decode over a paged latent cache (FlashMLA's contract, DESIGN.md "FlashMLA decode contract").
+
+Four parts (DESIGN.md "Kernels"): ``_decode_kernel`` (Mosaic GPU body) -> ``_decode_pallas`` (``plgpu.kernel``
+wrapper + split combine) -> ``mla_decode`` (public entry, ``implementation="pallas" | "xla"``, tuning knobs) ->
+``mla_decode_reference`` (plain jnp, fp32). ``_decode_xla`` is the XLA path the engine uses on CPU.
+
+Shapes (letters used throughout): B batch, Q query tokens per sequence (s_q), N query heads (h_q), G kv heads
+(h_kv), M = N // G query heads per kv head, D = q/k head dim (576 for V3: 512 latent + 64 rope), V = head_dim_v
+(512; V = K[..., :V]), P pages per sequence (block_table width), S page size (64 in FlashMLA), R = Q * M rows of
+one kv head's queries (FlashMLA packs them the same way: row r is query r // M, head r % M).
+
+Semantics (FlashMLA tests/test_flash_mla.py): key t of sequence b lives at kv_cache[block_table[b, t // S], t % S];
+query i (of Q) sees keys t < seqlen[b] (causal: t < seqlen[b] - Q + i + 1); head n uses kv head n // M;
+out = softmax(q k^T * scale) v; lse = natural-log sum of exp(scores) over visible keys. A query that sees no key
+gets out 0 and lse -inf. Cache slots at or past a sequence's length are never read into the result (their values
+are masked, not only their scores, since 0 * NaN = NaN).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kernels_pallas import _mosaic
+
+_LOG2E = math.log2(math.e)
+_BLOCK_M = 64  # rows per program: the wgmma M of one warpgroup
+_NUM_SMS = 132  # H800/H100/H200 SXM multiprocessors (split heuristic; FlashMLA get_mla_metadata does the same)
+
+
+# ----------------------------------------------------------------------------------------------- validation
+def _check_inputs(q, kv_cache, block_table, cache_seqlens, head_dim_v):
+    """Validate shapes and dtypes; returns (B, Q, N, D, G, P, S)."""
+    if q.ndim != 4:
+        raise ValueError(f"q must be [b, s_q, h_q, d], got rank {q.ndim} shape {q.shape}")
+    if kv_cache.ndim != 4:
+        raise ValueError(f"kv_cache must be [num_pages, page_size, h_kv, d], got rank {kv_cache.ndim} "
+                         f"shape {kv_cache.shape}")
+    if block_table.ndim != 2:
+        raise ValueError(f"block_table must be [b, max_pages], got rank {block_table.ndim} "
+                         f"shape {block_table.shape}")
+    if cache_seqlens.ndim != 1:
+        raise ValueError(f"cache_seqlens must be [b], got rank {cache_seqlens.ndim} shape {cache_seqlens.shape}")
+    b, s_q, h_q, d = q.shape
+    _, page_size, h_kv, d_k = kv_cache.shape
+    if d_k != d:
+        raise ValueError(f"q head dim {d=} must equal kv_cache head dim {d_k}")
+    if not 0 < head_dim_v <= d:
+        raise ValueError(f"{head_dim_v=} must be in [1, d={d}]")
+    if h_kv < 1 or h_q % h_kv:
+        raise ValueError(f"{h_q=} must be a multiple of {h_kv=}")
+    if block_table.shape[0] != b or cache_seqlens.shape[0] != b:
+        raise ValueError(f"batch mismatch: q has b={b}, block_table {block_table.shape[0]}, "
+                         f"cache_seqlens {cache_seqlens.shape[0]}")
+    for name, x in (("block_table", block_table), ("cache_seqlens", cache_seqlens)):
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name} must be an integer array (int32), got dtype {x.dtype}")
+    for name, x in (("q", q), ("kv_cache", kv_cache)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name} must be a floating array, got dtype {x.dtype}")
+    if s_q < 1 or page_size < 1:
+        raise ValueError(f"{s_q=} and {page_size=} must be >= 1")
+    return b, s_q, h_q, d, h_kv, block_table.shape[1], page_size
+
+
+def _query_limits(cache_seqlens, s_q, causal):
+    """Number of visible keys per (sequence, query): [B, Q] int32."""
+    seqlens = cache_seqlens.astype(jnp.int32)[:, None]  # [B, 1]
+    if not causal:
+        return jnp.broadcast_to(seqlens, (seqlens.shape[0], s_q))
+    return seqlens - s_q + 1 + jnp.arange(s_q, dtype=jnp.int32)[None, :]  # [B, Q]
+
+
+# ----------------------------------------------------------------------------------------------- reference
+def mla_decode_reference(q, kv_cache, block_table, cache_seqlens, *, head_dim_v=512, softmax_scale=None,
+                         causal=False):
+    """Plain-jnp fp32 MLA decode: gather every page, mask values and scores, softmax. Returns (out, lse).
+
+    q [B, Q, N, D], kv_cache [pages, S, G, D], block_table [B, P] int32, cache_seqlens [B] int32 ->
+    out [B, Q, N, V] (q's dtype), lse [B, N, Q] float32 (natural log).
+    """
+    b, s_q, h_q, d, h_kv, p, ps = _check_inputs(q, kv_cache, block_table, cache_seqlens, head_dim_v)
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    m = h_q // h_kv
+    k = kv_cache[block_table].astype(jnp.float32).reshape(b, p * ps, h_kv, d)  # [B, T, G, D]
+    pos = jnp.arange(p * ps, dtype=jnp.int32)  # [T]
+    k = jnp.where((pos[None, :] < cache_seqlens[:, None])[:, :, None, None], k, 0.0)  # mask values
+    visible = pos[None, None, :] < _query_limits(cache_seqlens, s_q, causal)[:, :, None]  # [B, Q, T]
+    qg = q.astype(jnp.float32).reshape(b, s_q, h_kv, m, d)  # [B, Q, G, M, D]
+    s = jnp.einsum("bqgmd,btgd->bgmqt", qg, k, precision="highest") * scale  # [B, G, M, Q, T]
+    s = jnp.where(visible[:, None, None], s, -jnp.inf)
+    mx = jnp.max(s, axis=-1, keepdims=True)
+    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+    pr = jnp.exp(s - mx)  # [B, G, M, Q, T]
+    l = jnp.sum(pr, axis=-1, keepdims=True)  # [B, G, M, Q, 1]
+    o = jnp.einsum("bgmqt,btgv->bqgmv", pr, k[..., :head_dim_v], precision="highest")  # [B, Q, G, M, V]
+    l_o = jnp.moveaxis(l[..., 0], 3, 1)[..., None]  # [B, Q, G, M, 1]
+    o = jnp.where(l_o > 0, o / jnp.where(l_o > 0, l_o, 1.0), 0.0)
+    lse = jnp.log(l[..., 0]) + mx[..., 0]  # [B, G, M, Q]; -inf where nothing is visible
+    return o.reshape(b, s_q, h_q, head_dim_v).astype(q.dtype), lse.reshape(b, h_q, s_q)
+
+
+# ----------------------------------------------------------------------------------------------- XLA path
+def _decode_xla(q, kv_cache, block_table, cache_seqlens, *, head_dim_v, scale, causal, block_pages):
+    """XLA MLA decode: online softmax over chunks of ``block_pages`` pages (gathered per sequence), fp32 math.
+
+    Memory stays O(B * block_pages * S * G * D) whatever the context length; static shapes throughout.
+    """
+    b, s_q, h_q, d = q.shape
+    _, ps, h_kv, _ = kv_cache.shape
+    p = block_table.shape[1]
+    m = h_q // h_kv
+    cp = min(block_pages, p)  # pages per chunk
+    n_chunks = -(-p // cp)
+    table = jnp.pad(block_table.astype(jnp.int32), ((0, 0), (0, n_chunks * cp - p)))  # padded pages are masked
+    table = table.reshape(b, n_chunks, cp).transpose(1, 0, 2)  # [C, B, cp]
+    seqlens = cache_seqlens.astype(jnp.int32)
+    limits = _query_limits(seqlens, s_q, causal)  # [B, Q]
+    qg = (q.astype(jnp.float32) * (scale * _LOG2E)).reshape(b, s_q, h_kv, m, d)  # [B, Q, G, M, D], log2 units
+
+    def step(carry, xs):
+        acc, mx, l = carry  # [B, Q, G, M, V], [B, Q, G, M], [B, Q, G, M]
+        chunk, pages = xs  # scalar, [B, cp]
+        pos = chunk * cp * ps + jnp.arange(cp * ps, dtype=jnp.int32)  # [T]
+        k = kv_cache[pages].reshape(b, cp * ps, h_kv, d).astype(jnp.float32)  # [B, T, G, D]
+        k = jnp.where((pos[None, :] < seqlens[:, None])[:, :, None, None], k, 0.0)  # mask values (NaN-safe)
+        s = jnp.einsum("bqgmd,btgd->bqgmt", qg, k)  # [B, Q, G, M, T]
+        s = jnp.where((pos[None, None, :] < limits[:, :, None])[:, :, None, None], s, -jnp.inf)
+        mx_new = jnp.maximum(mx, jnp.max(s, axis=-1))
+        mx_use = jnp.where(mx_new == -jnp.inf, 0.0, mx_new)
+        alpha = jnp.exp2(mx - mx_use)
+        pr = jnp.exp2(s - mx_use[..., None])
+        l = l * alpha + jnp.sum(pr, axis=-1)
+        acc = acc * alpha[..., None] + jnp.einsum("bqgmt,btgv->bqgmv", pr, k[..., :head_dim_v])
+        return (acc, mx_new, l), None
+
+    init = (jnp.zeros((b, s_q, h_kv, m, head_dim_v), jnp.float32),
+            jnp.full((b, s_q, h_kv, m), -jnp.inf, jnp.float32), jnp.zeros((b, s_q, h_kv, m), jnp.float32))
+    (acc, mx, l), _ = lax.scan(step, init, (jnp.arange(n_chunks, dtype=jnp.int32), table))
+    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    lse = (jnp.where(mx == -jnp.inf, 0.0, mx) + jnp.log2(l)) / _LOG2E  # [B, Q, G, M]
+    return out.reshape(b, s_q, h_q, head_dim_v).astype(q.dtype), lse.reshape(b, s_q, h_q).transpose(0, 2, 1)
+
+
+# ----------------------------------------------------------------------------------------------- kernel
+# The two tensor-core steps. Natively they are wgmmas (sm90). GPU interpret mode on jax 0.10.2 simulates wgmma only
+# with both operands in SMEM and neither transposed (no ``transpose_ref`` B, no register A, no ``pl.run_state``),
+# so there the same products are taken from the SMEM contents with dot_general: interpret mode checks the data
+# movement, paging, masking and softmax of this kernel; the wgmma calls are checked by lowering for cuda (and on a
+# GPU).
+def _scores(q_smem, k_page, interpret):
+    """S = Q K^T: q_smem [64, D], k_page [S, D] (both SMEM) -> [64, S] f32."""
+    if interpret:
+        return lax.dot_general(q_smem[...], k_page[...], (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+
+    def qk(s_ref):
+        plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_page, (1, 0)))
+        return s_ref[...]
+
+    return pl.run_scoped(qk, plgpu.ACC((q_smem.shape[0], k_page.shape[0]), jnp.float32))
+
+
+def _accumulate_pv(acc, p16, v_page, interpret):
+    """acc + P V: acc [64, Vb] f32, p16 [64, S] (registers), v_page [S, Vb] (SMEM) -> [64, Vb] f32."""
+    if interpret:
+        return acc + lax.dot_general(p16, v_page[...], (((1,), (0,)), ((), ())),
+                                     preferred_element_type=jnp.float32)
+    return pl.run_state(lambda o_ref: plgpu.wgmma(o_ref, p16, v_page))(plgpu.ACC.init(acc))
+
+
+def _decode_kernel(seqlens_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref, q_smem, k_smem, q_bar, k_bars,
+                   consumed_bars, sync_bar, *, s_q, m, block_dv, num_wg, num_stages, scale, causal, interpret):
+    """One program = one (sequence, 64-row block of one kv head's R = Q * M query rows, KV split).
+
+    Warpgroups 0..num_wg-1 compute (each owns V columns [w * block_dv, (w + 1) * block_dv) of the output and
+    recomputes the 64 x 64 scores of each page); warpgroup num_wg is the producer: it TMA-copies q once and the
+    split's pages (looked up in the block table) into a ring of ``num_stages`` SMEM slots.
+
+    seqlens_ref [B] i32, table_ref [B, P] i32, q_ref [B, G, R_pad, D], kv_ref [pages, 64, G, D] (all GMEM);
+    o_ref [B, splits, G, R_pad, V] f32 and lse_ref [B, splits, G, R_pad] f32 (log2 units) receive this split's
+    partial (normalised) output and log-sum-exp.
+    """
+    bi = lax.axis_index("b")
+    hb = lax.axis_index("hb")  # kv head * row blocks + row block
+    split = lax.axis_index("split")
+    wg = lax.axis_index("wg")
+    n_rb = q_ref.shape[2] // _BLOCK_M
+    num_splits = o_ref.shape[1]
+    kvh, rb = lax.div(hb, n_rb), lax.rem(hb, n_rb)
+    ps = kv_ref.shape[1]
+
+    seqlen = seqlens_ref[bi]
+    n_pages = lax.div(seqlen + ps - 1, ps)
+    per_split = lax.div(n_pages + num_splits - 1, num_splits)
+    start = jnp.minimum(split * per_split, n_pages)
+    n_steps = jnp.minimum(start + per_split, n_pages) - start  # pages of this split (may be 0)
+
+    # Register budget (65536 per SM): the producer drops to 40 per thread, compute warpgroups take the rest
+    # (232 each with two of them, as in JAX's attention_mgpu; setmaxnreg wants multiples of 8 in [24, 256]).
+    compute_regs = min(240, (65536 - 40 * 128) // (128 * num_wg) // 8 * 8)
+
+    @pl.when(wg == num_wg)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+        plgpu.copy_gmem_to_smem(q_ref.at[bi, kvh, pl.ds(rb * _BLOCK_M, _BLOCK_M)], q_smem, q_bar)
+
+        @pl.loop(0, n_steps)
+        def _(t):
+            slot = lax.rem(t, num_stages)
+
+            @pl.when(t >= num_stages)
+            def _():
+                plgpu.barrier_wait(consumed_bars.at[slot])  # every compute warpgroup is done with this slot
+
+            page = table_ref[bi, start + t]
+            plgpu.copy_gmem_to_smem(kv_ref.at[page, :, kvh], k_smem.at[slot], k_bars.at[slot])
+
+        @pl.loop(jnp.maximum(n_steps - num_stages, 0), n_steps)
+        def _(t):  # observe the last releases too, so every phase of consumed_bars is seen by its waiter
+            plgpu.barrier_wait(consumed_bars.at[lax.rem(t, num_stages)])
+
+    def compute(w):
+        vcols = pl.ds(w * block_dv, block_dv)
+        plgpu.set_max_registers(compute_regs, action="increase")
+        plgpu.barrier_wait(q_bar)
+        rows = plgpu.broadcasted_iota(jnp.int32, (_BLOCK_M, ps), 0, layout=plgpu.Layout.WGMMA)
+        cols = plgpu.broadcasted_iota(jnp.int32, (_BLOCK_M, ps), 1, layout=plgpu.Layout.WGMMA)
+        if causal:  # row r of the block is query (rb * 64 + r) // M; padding rows are clamped to seqlen
+            limit = jnp.minimum(seqlen - s_q + 1 + lax.div(rows + rb * _BLOCK_M, m), seqlen)
+        else:
+            limit = seqlen
+        m_i = plgpu.layout_cast(jnp.full((_BLOCK_M,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        l_i = plgpu.layout_cast(jnp.full((_BLOCK_M,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        acc = plgpu.layout_cast(jnp.full((_BLOCK_M, block_dv), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+        def step(t, carry):
+            acc, m_i, l_i = carry
+            slot = lax.rem(t, num_stages)
+            page_start = (start + t) * ps
+            k_page = k_smem.at[slot]
+            plgpu.barrier_wait(k_bars.at[slot])
+
+            s = _scores(q_smem, k_page, interpret)  # [64, S] f32
+
+            @pl.when(seqlen - page_start < ps)  # the sequence's last, partial page: zero V rows past seqlen
+            def _():
+                plgpu.barrier_arrive(sync_bar)  # every warpgroup's QK read of this slot is done
+                plgpu.barrier_wait(sync_bar)
+                v = k_page.at[:, vcols][...]  # [64, block_dv], WGMMA layout
+                vrows = plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=plgpu.Layout.WGMMA)
+                k_page.at[:, vcols][...] = jnp.where(vrows < seqlen - page_start, v, jnp.zeros_like(v))
+                plgpu.commit_smem()  # order the stores before the tensor cores read them
+
+            s = jnp.where(cols + page_start < limit, s * (scale * _LOG2E), -jnp.inf)
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2(m_i - m_use)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+            l_i = l_i * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            p16 = p.astype(k_smem.dtype)
+            v_page = k_page.at[:, vcols]
+            acc = _accumulate_pv(acc, p16, v_page, interpret)
+            plgpu.barrier_arrive(consumed_bars.at[slot])
+            return acc, m_new, l_i
+
+        acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
+        l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
+        o_ref.at[bi, split, kvh, pl.ds(rb * _BLOCK_M, _BLOCK_M), vcols][...] = (
+            acc / lax.broadcast_in_dim(l_safe, acc.shape, [0]))
+        if w == 0:  # lse in log2 units; -inf where this split saw no key
+            lse_ref.at[bi, split, kvh, pl.ds(rb * _BLOCK_M, _BLOCK_M)][...] = (
+                jnp.where(m_i == -jnp.inf, 0.0, m_i) + jnp.log2(l_i))
+
+    for w in range(num_wg):
+        pl.when(wg == w)(functools.partial(compute, w))
+
+
+def _decode_pallas(q, kv_cache, block_table, cache_seqlens, *, head_dim_v, scale, causal, num_splits, block_dv,
+                   num_stages, interpret):
+    """Pack q rows, run ``_decode_kernel`` on grid (B, G * row blocks, splits), merge the splits in jnp."""
+    b, s_q, h_q, d = q.shape
+    _, ps, h_kv, _ = kv_cache.shape
+    m = h_q // h_kv
+    r = s_q * m
+    r_pad = -(-r // _BLOCK_M) * _BLOCK_M
+    n_rb = r_pad // _BLOCK_M
+    num_wg = head_dim_v // block_dv
+    q_rows = q.reshape(b, s_q, h_kv, m, d).transpose(0, 2, 1, 3, 4).reshape(b, h_kv, r, d)  # [B, G, R, D]
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, r_pad - r), (0, 0))).astype(kv_cache.dtype)
+    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    dt = kv_cache.dtype
+    kernel = functools.partial(_decode_kernel, s_q=s_q, m=m, block_dv=block_dv, num_wg=num_wg,
+                               num_stages=num_stages, scale=scale, causal=causal, interpret=interpret is not None)
+    o_part, lse_part = plgpu.kernel(
+        kernel,
+        out_type=(jax.ShapeDtypeStruct((b, num_splits, h_kv, r_pad, head_dim_v), jnp.float32),
+                  jax.ShapeDtypeStruct((b, num_splits, h_kv, r_pad), jnp.float32)),
+        grid=(b, h_kv * n_rb, num_splits),
+        grid_names=("b", "hb", "split"),
+        num_threads=num_wg + 1,
+        thread_name="wg",
+        scratch_types=(
+            plgpu.SMEM((_BLOCK_M, d), dt, transforms=tiled),  # q_smem
+            plgpu.SMEM((num_stages, ps, d), dt, transforms=tiled),  # k_smem: ring of pages
+            plgpu.Barrier(num_arrivals=1),  # q_bar
+            plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),  # k_bars: page landed
+            plgpu.Barrier(num_arrivals=num_wg, num_barriers=num_stages),  # consumed_bars: slot free
+            plgpu.Barrier(num_arrivals=num_wg),  # sync_bar: before zeroing a partial page's V rows
+        ),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+    )(cache_seqlens.astype(jnp.int32), block_table.astype(jnp.int32), q_rows, kv_cache)
+    # Combine the splits (flash-decoding): weights 2^(lse_s - lse), lse = log2 sum_s 2^lse_s.
+    lse_part = lse_part[..., :r]  # [B, splits, G, R]
+    mx = jnp.max(lse_part, axis=1, keepdims=True)
+    mx = jnp.where(mx == -jnp.inf, 0.0, mx)
+    wts = jnp.exp2(lse_part - mx)  # [B, splits, G, R]
+    tot = jnp.sum(wts, axis=1)  # [B, G, R]
+    out = jnp.einsum("bsgr,bsgrv->bgrv", wts, o_part[..., :r, :]) / jnp.where(tot > 0, tot, 1.0)[..., None]
+    lse = (jnp.log2(tot) + mx[:, 0]) / _LOG2E  # [B, G, R]
+    out = out.reshape(b, h_kv, s_q, m, head_dim_v).transpose(0, 2, 1, 3, 4).reshape(b, s_q, h_q, head_dim_v)
+    lse = lse.reshape(b, h_kv, s_q, m).transpose(0, 1, 3, 2).reshape(b, h_q, s_q)
+    return out.astype(q.dtype), lse
+
+
+# ----------------------------------------------------------------------------------------------- entry
+def default_num_splits(batch, h_kv, rows, max_pages):
+    """KV splits per sequence so that about one wave of programs fills the GPU (FlashMLA's get_mla_metadata idea:
+    num_sm_parts = SMs / h_kv / cdiv(rows, 64)); never more splits than pages."""
+    programs = batch * h_kv * (-(-rows // _BLOCK_M))
+    return max(1, min(max_pages, -(-_NUM_SMS // programs)))
+
+
+def _pallas_constraints(d, head_dim_v, page_size, block_dv, num_stages):
+    if page_size != 64:
+        raise ValueError(f"implementation='pallas' needs {page_size=} == 64 (FlashMLA's page size)")
+    if d % 64 or head_dim_v % block_dv or block_dv % 64:
+        raise ValueError(f"implementation='pallas' needs d={d} divisible by 64 and head_dim_v={head_dim_v} "
+                         f"divisible by {block_dv=}, itself a multiple of 64")
+    if num_stages < 1:
+        raise ValueError(f"{num_stages=} must be >= 1")
+
+
+@functools.partial(jax.jit, static_argnames=("head_dim_v", "softmax_scale", "causal", "implementation",
+                                             "interpret", "num_splits", "block_dv", "num_stages",
+                                             "block_pages"))
+def _mla_decode_jit(q, kv_cache, block_table, cache_seqlens, *, head_dim_v, softmax_scale, causal,
+                    implementation, interpret, num_splits, block_dv, num_stages, block_pages):
+    if implementation == "xla":
+        return _decode_xla(q, kv_cache, block_table, cache_seqlens, head_dim_v=head_dim_v, scale=softmax_scale,
+                           causal=causal, block_pages=block_pages)
+    return _decode_pallas(q, kv_cache, block_table, cache_seqlens, head_dim_v=head_dim_v, scale=softmax_scale,
+                          causal=causal, num_splits=num_splits, block_dv=block_dv, num_stages=num_stages,
+                          interpret=interpret)
+
+
+def mla_decode(q, kv_cache, block_table, cache_seqlens, *, head_dim_v=512, softmax_scale=None, causal=False,
+               implementation=None, interpret=None, num_splits=None, block_dv=None, num_stages=2,
+               block_pages=16):
+    """MLA decode over a paged latent cache (FlashMLA ``flash_mla_with_kvcache`` semantics). Returns (out, lse).
+
+    q [B, Q, N, D]; kv_cache [pages, S, G, D]; block_table [B, P] int32; cache_seqlens [B] int32 (>= Q when
+    causal); V = kv_cache[..., :head_dim_v]. out [B, Q, N, head_dim_v] in q's dtype, lse [B, N, Q] float32.
+    softmax_scale None = D ** -0.5. causal: query i sees keys < seqlen - Q + i + 1.
+
+    implementation: None = "pallas" on a CUDA GPU, "xla" elsewhere. interpret (pallas only): None = GPU interpret
+    mode where the backend cannot run Mosaic GPU natively; True/False force it.
+    Tuning knobs (pallas): num_splits (KV splits per sequence; None = ``default_num_splits``), block_dv (output
+    columns per compute warpgroup; None = min(256, head_dim_v)), num_stages (pages in flight; 2 fits D = 576 in
+    SMEM). xla: block_pages (pages per online-softmax step).
+    """
+    b, s_q, h_q, d, h_kv, p, ps = _check_inputs(q, kv_cache, block_table, cache_seqlens, head_dim_v)
+    if implementation is None:
+        implementation = "xla" if _mosaic.default_interpret() else "pallas"
+    if implementation not in ("pallas", "xla"):
+        raise ValueError(f"implementation must be None, 'pallas' or 'xla', got {implementation!r}")
+    scale = float(d ** -0.5 if softmax_scale is None else softmax_scale)
+    if implementation == "pallas":
+        block_dv = min(256, head_dim_v) if block_dv is None else block_dv
+        _pallas_constraints(d, head_dim_v, ps, block_dv, num_stages)
+        if num_splits is None:
+            num_splits = default_num_splits(b, h_kv, s_q * (h_q // h_kv), p)
+        if num_splits < 1:
+            raise ValueError(f"{num_splits=} must be >= 1")
+        if interpret is None:
+            interpret = _mosaic.default_interpret()
+        interpret = _mosaic.interpret_params() if interpret else None
+    elif block_pages < 1:
+        raise ValueError(f"{block_pages=} must be >= 1")
+    return _mla_decode_jit(q, kv_cache, block_table, cache_seqlens, head_dim_v=head_dim_v, softmax_scale=scale,
+                           causal=bool(causal), implementation=implementation, interpret=interpret,
+                           num_splits=num_splits, block_dv=block_dv, num_stages=num_stages,
+                           block_pages=block_pages)

@@ -1,0 +1,325 @@
+"""FP8 quantization and block-scaled FP8 GEMMs (dense, grouped contiguous, grouped masked).
+
+Oracles, each written here in numpy: the scale formulas of DeepGEMM's tests (per_token_cast_to_fp8 /
+per_block_cast_to_fp8: s = max(amax, 1e-4) / 448), float64 math on the exactly dequantized operands (tight), and
+DeepGEMM's own accuracy check: calc_diff(out, bf16 product of the unquantized inputs) < 1e-3
+(deep_gemm tests/test_core.py). The Pallas kernels run in GPU interpret mode on a few small shapes, and every
+shipped kernel configuration must lower for cuda to a Mosaic GPU call (so an XLA fallback cannot pass).
+"""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from kernels_pallas import _mosaic
+from kernels_pallas.fp8_gemm import fp8_gemm, fp8_gemm_reference
+from kernels_pallas.fp8_grouped_gemm import (fp8_grouped_gemm_contiguous, fp8_grouped_gemm_contiguous_reference,
+                                             fp8_grouped_gemm_masked, fp8_grouped_gemm_masked_reference)
+from kernels_pallas.quant import per_block_cast_to_fp8, per_token_cast_to_fp8
+
+F32 = jnp.float32
+
+
+def calc_diff(x, y):
+    """DeepGEMM tests/test_core.py: 1 - 2 sum(xy) / sum(x^2 + y^2), in float64."""
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    return 1.0 - 2.0 * (x * y).sum() / (x * x + y * y).sum()
+
+
+def np_dequant_tokens(q, s):
+    """q [..., m, k] e4m3, s [..., m, ceil(k/128)] -> float64, per token per 128 channels."""
+    q = np.asarray(q).astype(np.float64)
+    return q * np.repeat(np.asarray(s, np.float64), 128, axis=-1)[..., : q.shape[-1]]
+
+
+def np_dequant_blocks(q, s):
+    """q [..., n, k] e4m3, s [..., ceil(n/128), ceil(k/128)] -> float64, per 128x128 block."""
+    q = np.asarray(q).astype(np.float64)
+    s = np.repeat(np.repeat(np.asarray(s, np.float64), 128, axis=-2), 128, axis=-1)
+    return q * s[..., : q.shape[-2], : q.shape[-1]]
+
+
+def bf16_product(x, w):
+    """The bf16 product of the unquantized inputs: bf16 operands, fp32 sums (DeepGEMM's reference)."""
+    xb = np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+    wb = np.asarray(w, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+    return xb @ np.swapaxes(wb, -1, -2)
+
+
+def np_quant_tokens(x):
+    """numpy per-token-per-128 cast (DeepGEMM's formula): x [..., m, k] -> (e4m3, f32 scales)."""
+    x = np.asarray(x, np.float32)
+    k = x.shape[-1]
+    kb = -(-k // 128)
+    xp = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, kb * 128 - k)]).reshape(*x.shape[:-1], kb, 128)
+    s = (np.maximum(np.abs(xp).max(-1), 1e-4) / 448.0).astype(np.float32)
+    q = np.clip(xp / s[..., None], -448, 448).astype(ml_dtypes.float8_e4m3fn).reshape(*x.shape[:-1], kb * 128)
+    return jnp.asarray(q[..., :k]), jnp.asarray(s)
+
+
+def np_quant_blocks(w):
+    """numpy 128x128-block cast: w [..., n, k] -> (e4m3, f32 [..., ceil(n/128), ceil(k/128)])."""
+    w = np.asarray(w, np.float32)
+    *lead, n, k = w.shape
+    nb, kb = -(-n // 128), -(-k // 128)
+    wp = np.pad(w, [(0, 0)] * len(lead) + [(0, nb * 128 - n), (0, kb * 128 - k)])
+    wb = wp.reshape(*lead, nb, 128, kb, 128)
+    s = (np.maximum(np.abs(wb).max(axis=(-3, -1)), 1e-4) / 448.0).astype(np.float32)
+    q = np.clip(wb / s[..., :, None, :, None], -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    return jnp.asarray(q.reshape(*lead, nb * 128, kb * 128)[..., :n, :k]), jnp.asarray(s)
+
+
+def _normal(seed, *shapes):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(s).astype(np.float32) for s in shapes]
+
+
+def make_dense(m, n, k, seed=0):
+    x, w = _normal(seed, (m, k), (n, k))
+    return (x, w, *np_quant_tokens(x), *np_quant_blocks(w))
+
+
+def make_grouped(g, m, n, k, seed=0):
+    x, w = _normal(seed, (m, k), (g, n, k))
+    return (x, w, *np_quant_tokens(x), *np_quant_blocks(w))
+
+
+def make_masked(g, m_max, n, k, seed=0):
+    x, w = _normal(seed, (g, m_max, k), (g, n, k))
+    return (x, w, *np_quant_tokens(x), *np_quant_blocks(w))
+
+
+def np_contiguous(a, a_s, b, b_s, gid):
+    """float64: row r times b[gid[r]] (dequantized); -1 rows zero."""
+    xa, wb = np_dequant_tokens(a, a_s), np_dequant_blocks(b, b_s)
+    out = np.zeros((xa.shape[0], wb.shape[1]))
+    for g in range(wb.shape[0]):
+        rows = np.asarray(gid) == g
+        out[rows] = xa[rows] @ wb[g].T
+    return out
+
+
+def np_masked(a, a_s, b, b_s, masked_m):
+    out = np_dequant_tokens(a, a_s) @ np.swapaxes(np_dequant_blocks(b, b_s), -1, -2)   # (G, m_max, n)
+    out[np.arange(out.shape[1])[None, :] >= np.asarray(masked_m)[:, None]] = 0.0
+    return out
+
+
+def rel_err(x, y):
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    return np.abs(x - y).max() / max(np.abs(y).max(), 1e-30)
+
+
+# ------------------------------------------------------------------------------------------------- quant
+def test_per_token_cast_matches_numpy_and_bounds():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((70, 300)).astype(np.float32) * rng.choice([1e-3, 1.0, 300.0], size=(70, 1))
+    x[3, :128] = 0.0                                                            # all-zero group: eps scale
+    q, s = per_token_cast_to_fp8(jnp.asarray(x))
+    assert q.dtype == jnp.float8_e4m3fn and q.shape == (70, 300) and s.shape == (70, 3) and s.dtype == F32
+    xp = np.pad(x, ((0, 0), (0, 84))).reshape(70, 3, 128)
+    s_np = np.maximum(np.abs(xp).max(-1), 1e-4) / 448.0
+    np.testing.assert_allclose(np.asarray(s), s_np, rtol=1e-6)
+    assert s[3, 0] == np.float32(1e-4 / 448.0) and not np.asarray(q[3, :128], np.float32).any()
+    # e4m3 has 3 mantissa bits: |x/s - q| <= half an ulp = |x/s| * 2^-4 (normals), 2^-10 (subnormals).
+    y = x / np.repeat(s_np, 128, axis=-1)[:, :300]
+    err = np.abs(np.asarray(q, np.float32) - y)
+    assert np.all(err <= np.maximum(np.abs(y) * 2.0**-4, 2.0**-10) * (1 + 1e-6))
+    assert np.abs(np.asarray(q, np.float32)).max() == 448.0                     # amax maps to the top of the range
+
+
+def test_per_block_cast_partial_blocks_and_bounds():
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((200, 300)).astype(np.float32)
+    w[128:, 256:] *= 1e-3                                                       # partial block: small values only
+    q, s = per_block_cast_to_fp8(jnp.asarray(w))
+    assert q.shape == (200, 300) and s.shape == (2, 3)
+    s_np = np.array([[max(np.abs(w[i:i + 128, j:j + 128]).max(), 1e-4) / 448.0 for j in (0, 128, 256)]
+                     for i in (0, 128)])
+    np.testing.assert_allclose(np.asarray(s), s_np, rtol=1e-6)                  # padding never raises an amax
+    deq = np_dequant_blocks(q, s)
+    blk = np.repeat(np.repeat(s_np, 128, 0), 128, 1)[:200, :300] * 448.0
+    assert np.all(np.abs(deq - w) <= np.maximum(np.abs(w) * 2.0**-4, blk * 2.0**-19) * (1 + 1e-6))
+
+
+@pytest.mark.parametrize("cast", [per_token_cast_to_fp8, per_block_cast_to_fp8])
+def test_ue8m0_scales_are_powers_of_two(cast):
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((130, 260)) * 37.0, F32)
+    q, s = cast(x, ue8m0=True)
+    log2 = np.log2(np.asarray(s, np.float64))
+    assert np.array_equal(log2, np.round(log2))
+    plain = np.asarray(cast(x)[1], np.float64)                                  # amax / 448
+    assert np.all(np.asarray(s) >= plain) and np.all(np.asarray(s) < 2 * plain)
+    assert np.abs(np.asarray(q, np.float32)).max() <= 448.0
+
+
+def test_casts_match_numpy_casts():
+    x = np.random.default_rng(5).standard_normal((70, 300)).astype(np.float32) * 9.0
+    for ours, theirs in ((per_token_cast_to_fp8, np_quant_tokens), (per_block_cast_to_fp8, np_quant_blocks)):
+        (q, s), (q_np, s_np) = ours(jnp.asarray(x)), theirs(x)
+        np.testing.assert_allclose(np.asarray(s), np.asarray(s_np), rtol=1e-6)
+        diff = np.asarray(q, np.float32) != np.asarray(q_np, np.float32)
+        assert diff.mean() < 1e-3                                               # rounding ties at most
+
+
+def test_cast_clips_and_never_makes_nan():
+    big = np.float32(3e38)
+    x = jnp.asarray(np.array([[big, -big, 1.0, 0.0] * 40, [5e5, -5e5, 448.0, 1e-30] * 40], np.float32))
+    for ue8m0 in (False, True):
+        for q, s in (per_token_cast_to_fp8(x, ue8m0=ue8m0), per_block_cast_to_fp8(x, ue8m0=ue8m0)):
+            qf = np.asarray(q, np.float32)
+            assert np.isfinite(qf).all() and np.abs(qf).max() <= 448.0 and np.isfinite(np.asarray(s)).all()
+
+
+# ------------------------------------------------------------------------------------------------- references
+DENSE_SHAPES = [(70, 200, 300), (128, 256, 512), (1, 130, 129)]
+
+
+@pytest.mark.parametrize("m,n,k", DENSE_SHAPES)
+def test_fp8_gemm_reference(m, n, k):
+    x, w = _normal(0, (m, k), (n, k))
+    (a, a_s), (b, b_s) = per_token_cast_to_fp8(jnp.asarray(x)), per_block_cast_to_fp8(jnp.asarray(w))
+    exact = np_dequant_tokens(a, a_s) @ np_dequant_blocks(b, b_s).T
+    assert rel_err(fp8_gemm_reference(a, a_s, b, b_s, out_dtype=F32), exact) < 1e-5
+    out = fp8_gemm_reference(a, a_s, b, b_s)
+    assert out.dtype == jnp.bfloat16 and out.shape == (m, n)
+    assert calc_diff(out.astype(F32), bf16_product(x, w)) < 1e-3                # DeepGEMM's check
+
+
+def test_grouped_contiguous_reference():
+    g, m, n, k = 4, 150, 200, 300
+    x, w, a, a_s, b, b_s = make_grouped(g, m, n, k)
+    gid = np.random.default_rng(3).choice([-1, 0, 1, 3], size=m).astype(np.int32)   # group 2: zero rows
+    gid[:5] = -1
+    gid[-3:] = -1
+    exact = np_contiguous(a, a_s, b, b_s, gid)
+    out = fp8_grouped_gemm_contiguous_reference(a, a_s, b, b_s, jnp.asarray(gid), out_dtype=F32)
+    assert rel_err(out, exact) < 1e-5 and not np.asarray(out)[gid < 0].any()
+    out16 = fp8_grouped_gemm_contiguous_reference(a, a_s, b, b_s, jnp.asarray(gid))
+    ref = np.where((gid >= 0)[:, None], np.take_along_axis(bf16_product(x, w), np.maximum(gid, 0)[None, :, None],
+                                                           axis=0)[0], 0.0)
+    assert calc_diff(out16.astype(F32), ref) < 1e-3
+
+
+def test_grouped_masked_reference():
+    g, m_max, n, k = 3, 70, 200, 300
+    masked_m = np.array([0, 70, 33], np.int32)                                  # empty, full, partial
+    x, w, a, a_s, b, b_s = make_masked(g, m_max, n, k)
+    out = fp8_grouped_gemm_masked_reference(a, a_s, b, b_s, jnp.asarray(masked_m), out_dtype=F32)
+    assert rel_err(out, np_masked(a, a_s, b, b_s, masked_m)) < 1e-5
+    out16 = np.asarray(fp8_grouped_gemm_masked_reference(a, a_s, b, b_s, jnp.asarray(masked_m)).astype(F32))
+    ref = bf16_product(x, w)
+    for gi, mm in enumerate(masked_m):
+        assert not out16[gi, mm:].any()
+        if mm:
+            assert calc_diff(out16[gi, :mm], ref[gi, :mm]) < 1e-3
+
+
+# ------------------------------------------------------------------------------------------------- xla paths
+@settings(max_examples=5, deadline=None, derandomize=True)
+@given(m=st.integers(1, 150), n=st.integers(1, 300), k=st.integers(1, 400), seed=st.integers(0, 2**16))
+def test_fp8_gemm_xla_matches_reference(m, n, k, seed):
+    _, _, a, a_s, b, b_s = make_dense(m, n, k, seed)
+    xla = fp8_gemm(a, a_s, b, b_s, out_dtype=F32, implementation="xla")
+    assert xla.shape == (m, n)
+    assert rel_err(xla, fp8_gemm_reference(a, a_s, b, b_s, out_dtype=F32)) < 1e-5
+
+
+@settings(max_examples=4, deadline=None, derandomize=True)
+@given(g=st.integers(1, 5), m=st.integers(1, 120), seed=st.integers(0, 2**16))
+def test_grouped_contiguous_xla_matches_reference(g, m, seed):
+    _, _, a, a_s, b, b_s = make_grouped(g, m, 136, 200, seed)
+    gid = jnp.asarray(np.random.default_rng(seed).integers(-1, g, size=m), jnp.int32)
+    xla = fp8_grouped_gemm_contiguous(a, a_s, b, b_s, gid, out_dtype=F32, implementation="xla")
+    ref = fp8_grouped_gemm_contiguous_reference(a, a_s, b, b_s, gid, out_dtype=F32)
+    assert np.abs(np.asarray(xla) - np.asarray(ref)).max() <= 1e-5 * max(np.abs(np.asarray(ref)).max(), 1.0)
+
+
+@settings(max_examples=4, deadline=None, derandomize=True)
+@given(g=st.integers(1, 4), m_max=st.integers(1, 80), seed=st.integers(0, 2**16))
+def test_grouped_masked_xla_matches_reference(g, m_max, seed):
+    _, _, a, a_s, b, b_s = make_masked(g, m_max, 72, 260, seed)
+    masked_m = jnp.asarray(np.random.default_rng(seed).integers(0, m_max + 1, size=g), jnp.int32)
+    xla = fp8_grouped_gemm_masked(a, a_s, b, b_s, masked_m, out_dtype=F32, implementation="xla")
+    ref = fp8_grouped_gemm_masked_reference(a, a_s, b, b_s, masked_m, out_dtype=F32)
+    assert np.abs(np.asarray(xla) - np.asarray(ref)).max() <= 1e-5 * max(np.abs(np.asarray(ref)).max(), 1.0)
+
+
+def test_default_implementation_on_cpu_is_xla():
+    _, _, a, a_s, b, b_s = make_dense(8, 16, 128)
+    assert not _mosaic.has_mosaic_gpu_call(_mosaic.lower_for_cuda(fp8_gemm, a, a_s, b, b_s, interpret=False))
+
+
+# ------------------------------------------------------------------------------------------------- bad input
+def test_bad_input_raises_value_error_with_numbers():
+    _, _, a, a_s, b, b_s = make_dense(8, 16, 200)
+    with pytest.raises(ValueError, match="k=200.*k=199"):
+        fp8_gemm(a, a_s, b[:, :199], b_s)
+    with pytest.raises(ValueError, match="a_scale"):
+        fp8_gemm(a, a_s[:, :1], b, b_s)
+    with pytest.raises(ValueError, match="b_scale"):
+        fp8_gemm(a, a_s, b, jnp.ones((2, 2), F32))
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8_gemm(a.astype(jnp.bfloat16), a_s, b, b_s)
+    with pytest.raises(ValueError, match="block_k"):
+        fp8_gemm(a, a_s, b, b_s, implementation="pallas", block_k=64)
+    with pytest.raises(ValueError, match="implementation"):
+        fp8_gemm(a, a_s, b, b_s, implementation="triton")
+    _, _, ga, ga_s, gb, gb_s = make_grouped(2, 8, 16, 200)
+    with pytest.raises(ValueError, match=r"group_ids must have shape \(8,\)"):
+        fp8_grouped_gemm_contiguous(ga, ga_s, gb, gb_s, jnp.zeros((7,), jnp.int32))
+    with pytest.raises(ValueError, match="masked_m"):
+        fp8_grouped_gemm_masked(ga[None].repeat(2, 0), ga_s[None].repeat(2, 0), gb, gb_s, jnp.zeros((3,), jnp.int32))
+
+
+# ------------------------------------------------------------------------------------------------- pallas (interpret)
+@pytest.mark.parametrize("m,n,k,block_m,block_n", [(70, 200, 300, 64, 128), (130, 96, 256, 128, 32)])
+def test_fp8_gemm_pallas_interpret(m, n, k, block_m, block_n):
+    _, _, a, a_s, b, b_s = make_dense(m, n, k)
+    out = fp8_gemm(a, a_s, b, b_s, out_dtype=F32, implementation="pallas", interpret=True, block_m=block_m,
+                   block_n=block_n, stages=2)
+    assert rel_err(out, fp8_gemm_reference(a, a_s, b, b_s, out_dtype=F32)) < 1e-5
+
+
+def test_grouped_contiguous_pallas_interpret():
+    g, m, n, k = 4, 100, 136, 200                                               # unaligned segments, -1 anywhere
+    _, _, a, a_s, b, b_s = make_grouped(g, m, n, k)
+    gid = np.random.default_rng(4).choice([-1, 0, 1, 3], size=m).astype(np.int32)   # group 2 empty
+    out = fp8_grouped_gemm_contiguous(a, a_s, b, b_s, jnp.asarray(gid), out_dtype=F32, implementation="pallas",
+                                      interpret=True, block_m=64, stages=2)
+    assert rel_err(out, np_contiguous(a, a_s, b, b_s, gid)) < 1e-5 and not np.asarray(out)[gid < 0].any()
+
+
+def test_grouped_masked_pallas_interpret():
+    g, m_max, n, k = 3, 70, 136, 200
+    masked_m = np.array([0, 70, 33], np.int32)
+    _, _, a, a_s, b, b_s = make_masked(g, m_max, n, k)
+    out = fp8_grouped_gemm_masked(a, a_s, b, b_s, jnp.asarray(masked_m), implementation="pallas", interpret=True,
+                                  block_m=64, stages=2)
+    assert out.dtype == jnp.bfloat16
+    exact = np_masked(a, a_s, b, b_s, masked_m)
+    assert rel_err(out.astype(F32), exact) < 1e-2 and not np.asarray(out.astype(F32))[0].any()
+
+
+# ------------------------------------------------------------------------------------------------- cross-lowering
+SHIPPED = [dict(block_m=64), dict(block_m=128), dict(block_m=128, block_n=256, stages=3)]
+
+
+@pytest.mark.parametrize("cfg", SHIPPED, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+@pytest.mark.parametrize("entry", ["dense", "contiguous", "masked"])
+def test_kernels_lower_for_cuda(entry, cfg):
+    sds = jax.ShapeDtypeStruct
+    e4, f32, i32 = jnp.float8_e4m3fn, F32, jnp.int32
+    if entry == "dense":
+        fn, args = fp8_gemm, (sds((200, 384), e4), sds((200, 3), f32), sds((256, 384), e4), sds((2, 3), f32))
+    elif entry == "contiguous":
+        fn, args = fp8_grouped_gemm_contiguous, (sds((300, 384), e4), sds((300, 3), f32), sds((4, 256, 384), e4),
+                                                 sds((4, 2, 3), f32), sds((300,), i32))
+    else:
+        fn, args = fp8_grouped_gemm_masked, (sds((4, 96, 384), e4), sds((4, 96, 3), f32), sds((4, 256, 384), e4),
+                                             sds((4, 2, 3), f32), sds((4,), i32))
+    text = _mosaic.lower_for_cuda(fn, *args, implementation="pallas", interpret=False, **cfg)
+    assert _mosaic.has_mosaic_gpu_call(text)

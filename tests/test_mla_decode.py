@@ -1,0 +1,162 @@
+"""MLA decode (kernels_pallas.mla_decode): reference vs independent numpy math, XLA path vs reference, the Mosaic GPU
+kernel in GPU interpret mode vs reference, cross-lowering of the shipped kernel configurations, bad input.
+
+Metric: FlashMLA's cal_diff(x, y) = 1 - 2 sum(x y) / sum(x^2 + y^2) (tests/test_flash_mla.py), < 1e-5 for out and
+lse against fp32 math.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas import _mosaic, mla_decode, mla_decode_reference
+
+PAGE = 64
+
+
+def cal_diff(x, y):
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    return 1.0 - 2.0 * (x * y).sum() / max((x * x + y * y).sum(), 1e-12)
+
+
+def make_case(seed, seqlens, s_q, h_q, d, h_kv=1, dtype=jnp.bfloat16, extra_pages=2):
+    """Random paged cache with shuffled pages; slots past each length and unreferenced pages hold NaN."""
+    rng = np.random.default_rng(seed)
+    b = len(seqlens)
+    max_pages = max(-(-s // PAGE) for s in seqlens) + 1  # one spare table column per sequence
+    num_pages = b * max_pages + extra_pages
+    kv = rng.standard_normal((num_pages, PAGE, h_kv, d)).astype(np.float32)
+    table = rng.permutation(num_pages)[: b * max_pages].reshape(b, max_pages).astype(np.int32)
+    used = np.zeros((num_pages, PAGE), bool)
+    for i, s in enumerate(seqlens):
+        for t in range(s):
+            used[table[i, t // PAGE], t % PAGE] = True
+    kv[~used] = np.nan
+    q = rng.standard_normal((b, s_q, h_q, d)).astype(np.float32)
+    q, kv = np.asarray(jnp.asarray(q, dtype).astype(jnp.float32)), np.asarray(jnp.asarray(kv, dtype).astype(jnp.float32))
+    return (jnp.asarray(q, dtype), jnp.asarray(kv, dtype), jnp.asarray(table), jnp.asarray(seqlens, jnp.int32)), (q, kv, table)
+
+
+def numpy_mla(q, kv, table, seqlens, dv, causal):
+    """Independent float64 math, one sequence and one head at a time."""
+    b, s_q, h_q, d = q.shape
+    h_kv = kv.shape[2]
+    out = np.zeros((b, s_q, h_q, dv))
+    lse = np.zeros((b, h_q, s_q))
+    for i, s in enumerate(seqlens):
+        keys = np.concatenate([kv[table[i, j]] for j in range(-(-s // PAGE))])[:s].astype(np.float64)  # [s, G, D]
+        for n in range(h_q):
+            k = keys[:, n // (h_q // h_kv)]  # [s, D]
+            for t in range(s_q):
+                vis = s - s_q + t + 1 if causal else s
+                sc = k[:vis] @ q[i, t, n].astype(np.float64) * d ** -0.5
+                mx = sc.max()
+                e = np.exp(sc - mx)
+                out[i, t, n] = e @ k[:vis, :dv] / e.sum()
+                lse[i, n, t] = mx + np.log(e.sum())
+    return out, lse
+
+
+def check(out, lse, ref_out, ref_lse, shape):
+    assert out.shape == shape and lse.shape == (shape[0], shape[2], shape[1]) and lse.dtype == jnp.float32
+    assert np.isfinite(np.asarray(out, np.float32)).all() and np.isfinite(np.asarray(lse)).all()
+    assert cal_diff(out, ref_out) < 1e-5, cal_diff(out, ref_out)
+    assert cal_diff(lse, ref_lse) < 1e-5, cal_diff(lse, ref_lse)
+
+
+# (seqlens, s_q, h_q, h_kv, d, dv, causal)
+REF_CASES = [
+    ((70, 1, 128, 200), 1, 16, 1, 64, 48, False),
+    ((70, 2, 129), 2, 16, 1, 64, 48, True),
+    ((5, 64, 1), 1, 128, 1, 64, 32, False),
+    ((100, 3), 2, 128, 2, 32, 32, True),
+    ((130, 17), 2, 16, 1, 576, 512, True),
+]
+
+
+@pytest.mark.parametrize("seqlens,s_q,h_q,h_kv,d,dv,causal", REF_CASES)
+def test_reference_matches_numpy(seqlens, s_q, h_q, h_kv, d, dv, causal):
+    args, (q, kv, table) = make_case(0, seqlens, s_q, h_q, d, h_kv, dtype=jnp.float32)
+    out, lse = mla_decode_reference(*args, head_dim_v=dv, causal=causal)
+    check(out, lse, *numpy_mla(q, kv, table, seqlens, dv, causal), (len(seqlens), s_q, h_q, dv))
+
+
+@pytest.mark.parametrize("seqlens,s_q,h_q,h_kv,d,dv,causal,block_pages", [
+    case + (bp,) for case, bp in zip(REF_CASES, (1, 2, 16, 1, 16))] + [
+    ((300, 64, 1, 65), 1, 32, 4, 64, 64, False, 2),
+    ((257,), 2, 8, 8, 96, 64, True, 3),
+])
+def test_xla_matches_reference(seqlens, s_q, h_q, h_kv, d, dv, causal, block_pages):
+    args, _ = make_case(1, seqlens, s_q, h_q, d, h_kv)
+    ref = mla_decode_reference(*args, head_dim_v=dv, causal=causal)
+    out, lse = mla_decode(*args, head_dim_v=dv, causal=causal, implementation="xla", block_pages=block_pages)
+    assert out.dtype == jnp.bfloat16
+    check(out, lse, *ref, (len(seqlens), s_q, h_q, dv))
+
+
+def test_default_implementation_on_cpu_is_xla():
+    args, _ = make_case(2, (70, 1), 1, 16, 64)
+    out, lse = mla_decode(*args, head_dim_v=32)
+    check(out, lse, *mla_decode_reference(*args, head_dim_v=32), (2, 1, 16, 32))
+
+
+# GPU interpret mode costs ~5-15 s per call (it re-lowers each simulated warpgroup), so two small shapes.
+# block_dv=64 with dv=128 runs the two-compute-warpgroup structure of V3 (d=576, dv=512, block_dv=256).
+@pytest.mark.parametrize("seqlens,s_q,h_q,causal,num_splits,block_dv", [
+    ((130, 1), 1, 16, False, 2, 64),  # >1 split, partial last page, a length of 1, 2 compute warpgroups
+    ((130,), 2, 64, True, 1, 128),  # causal MTP verification (s_q = 2), two 64-row blocks
+])
+def test_pallas_interpret_matches_reference(seqlens, s_q, h_q, causal, num_splits, block_dv):
+    args, _ = make_case(3, seqlens, s_q, h_q, 128)
+    ref = mla_decode_reference(*args, head_dim_v=128, causal=causal)
+    out, lse = mla_decode(*args, head_dim_v=128, causal=causal, implementation="pallas", interpret=True,
+                          num_splits=num_splits, block_dv=block_dv)
+    check(out, lse, *ref, (len(seqlens), s_q, h_q, 128))
+
+
+# Every configuration the entry ships for V3 shapes (block_dv=256 -> 2 compute warpgroups; num_stages=2; one or
+# several splits; s_q 1 and 2 causal; h_q 16 and 128) lowers for cuda to a Mosaic GPU kernel.
+@pytest.mark.parametrize("s_q,h_q,causal,num_splits,dtype", [
+    (1, 16, False, None, jnp.bfloat16),
+    (2, 128, True, 1, jnp.bfloat16),
+    (2, 16, True, 4, jnp.float16),
+])
+def test_shipped_configs_lower_to_mosaic_gpu(s_q, h_q, causal, num_splits, dtype):
+    S = jax.ShapeDtypeStruct
+    args = (S((4, s_q, h_q, 576), dtype), S((64, PAGE, 1, 576), dtype), S((4, 16), jnp.int32), S((4,), jnp.int32))
+    text = _mosaic.lower_for_cuda(mla_decode, *args, head_dim_v=512, causal=causal, implementation="pallas",
+                                  interpret=False, num_splits=num_splits)
+    assert _mosaic.has_mosaic_gpu_call(text)
+    xla_text = _mosaic.lower_for_cuda(mla_decode, *args, head_dim_v=512, implementation="xla")
+    assert not _mosaic.has_mosaic_gpu_call(xla_text)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(q=np.zeros((2, 16, 64), np.float32)), "rank 3"),
+    (dict(kv_cache=np.zeros((4, PAGE, 64), np.float32)), "rank 3"),
+    (dict(q=np.zeros((2, 1, 12, 64), np.float32), kv_cache=np.zeros((4, PAGE, 5, 64), np.float32)),
+     "h_q=12 must be a multiple of h_kv=5"),
+    (dict(head_dim_v=80), "head_dim_v=80"),
+    (dict(block_table=np.zeros((2, 2), np.float32)), "block_table must be an integer"),
+    (dict(cache_seqlens=np.zeros((3,), np.int32)), "cache_seqlens 3"),
+    (dict(kv_cache=np.zeros((4, PAGE, 1, 32), np.float32)), "d=64 must equal kv_cache head dim 32"),
+])
+def test_bad_input_raises(change, match):
+    kw = dict(q=np.zeros((2, 1, 16, 64), np.float32), kv_cache=np.zeros((4, PAGE, 1, 64), np.float32),
+              block_table=np.zeros((2, 2), np.int32), cache_seqlens=np.ones((2,), np.int32), head_dim_v=32)
+    kw.update(change)
+    with pytest.raises(ValueError, match=match):
+        mla_decode(**kw)
+
+
+def test_bad_pallas_knobs_raise():
+    kw = dict(q=np.zeros((2, 1, 16, 64), np.float32), kv_cache=np.zeros((4, 32, 1, 64), np.float32),
+              block_table=np.zeros((2, 2), np.int32), cache_seqlens=np.ones((2,), np.int32), head_dim_v=64)
+    with pytest.raises(ValueError, match="page_size=32"):
+        mla_decode(**kw, implementation="pallas")
+    kw["kv_cache"] = np.zeros((4, PAGE, 1, 64), np.float32)
+    with pytest.raises(ValueError, match="block_dv=48"):
+        mla_decode(**kw, implementation="pallas", block_dv=48)
+    with pytest.raises(ValueError, match="implementation"):
+        mla_decode(**kw, implementation="triton")
