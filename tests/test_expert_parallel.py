@@ -16,7 +16,8 @@ from flax import nnx
 
 import hf_oracle as O
 import jaxinfer
-from jaxinfer.parallel.dispatch import expert_parallel, quantize_per_token
+from jaxinfer.parallel.dispatch import expert_parallel
+from kernels_pallas.quant import per_token_cast_to_fp8
 from jaxinfer.parallel.mesh import make_mesh
 
 MESHES = ["1x1", "1x8", "2x4", "4x2", "8x1"]
@@ -99,7 +100,7 @@ def test_fp8_dispatch_is_the_moe_of_fp8_tokens(mesh):
     xq = _fp8_round_trip(flat)
     ref = np.einsum("nko,nk->no", np.einsum("nkod,nd->nko", params["w"][slots], xq), weights)
     np.testing.assert_allclose(got.reshape(n_tok, d), ref, rtol=1e-5, atol=1e-5)
-    q, s = quantize_per_token(jnp.asarray(x.reshape(n_tok, d)))
+    q, s = per_token_cast_to_fp8(jnp.asarray(x.reshape(n_tok, d)))
     assert q.dtype == jnp.float8_e4m3fn and s.shape == (n_tok, 2)
 
 

@@ -18,29 +18,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxinfer.checkpoint.fp8 import FP8_MAX
+from kernels_pallas.quant import dequantize_per_token, per_token_cast_to_fp8
 
 EXPERT_AXIS = "expert"
 BATCH_AXES = ("data", "expert")
 QUANT_GROUP = 128  # DeepEP / DeepGEMM activation scaling granularity: per token per 128 channels
-SCALE_FLOOR = 1e-4  # DeepSeek-V3 act_quant: amax floor
-
-
-def quantize_per_token(x: jax.Array, group: int = QUANT_GROUP) -> tuple[jax.Array, jax.Array]:
-    """x [N, D] -> (e4m3 [N, D], float32 scales [N, ceil(D/group)]): s = max(amax, 1e-4) / 448 per group."""
-    n, d = x.shape
-    groups = -(-d // group)
-    xp = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, groups * group - d))).reshape(n, groups, group)
-    scale = jnp.maximum(jnp.abs(xp).max(-1), SCALE_FLOOR) / FP8_MAX  # [N, G]
-    q = jnp.clip(xp / scale[..., None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
-    return q.reshape(n, groups * group)[:, :d], scale
-
-
-def dequantize_per_token(q: jax.Array, scale: jax.Array, dtype, group: int = QUANT_GROUP) -> jax.Array:
-    """Inverse of quantize_per_token: [N, D] e4m3, [N, G] -> [N, D] in dtype."""
-    n, d = q.shape
-    s = jnp.repeat(scale, group, axis=-1)[:, :d]
-    return (q.astype(jnp.float32) * s).astype(dtype)
 
 
 def dispatch_combine(x: jax.Array, weights: jax.Array, slots: jax.Array, expert_params: dict,
@@ -60,10 +42,11 @@ def dispatch_combine(x: jax.Array, weights: jax.Array, slots: jax.Array, expert_
 
     a2a = functools.partial(jax.lax.all_to_all, axis_name=EXPERT_AXIS, split_axis=0, concat_axis=0, tiled=True)
     if fp8:
-        q, scale = quantize_per_token(x)  # [N, D] e4m3, [N, G]
+        q, scale = per_token_cast_to_fp8(x, group=QUANT_GROUP)  # [N, D] e4m3, [N, G]
         recv_q = a2a(jnp.where(needed, q[None], jnp.zeros((), q.dtype)))  # [R, N, D]
         recv_s = a2a(jnp.where(needed, scale[None], 0.0))  # [R, N, G]
-        recv_x = dequantize_per_token(recv_q.reshape(ranks * n, d), recv_s.reshape(ranks * n, -1), x.dtype)
+        recv_x = dequantize_per_token(recv_q.reshape(ranks * n, d), recv_s.reshape(ranks * n, -1),
+                                      group=QUANT_GROUP).astype(x.dtype)
     else:
         recv_x = a2a(jnp.where(needed, x[None], jnp.zeros((), x.dtype))).reshape(ranks * n, d)
     recv_ids = a2a(send_ids).reshape(ranks * n, -1)  # [R*N, K]
