@@ -1,6 +1,8 @@
 """``jaxinfer`` command line: ``score`` (next-token log-probs of a prompt) and ``convert`` (HF -> orbax).
 
 Results go to stdout, progress and summaries to stderr. Errors in user input print one line and exit 2.
+Multi-process runs (``--coordinator HOST:PORT --num-processes N --process-id I``, the same command in every
+process): all processes compute, process 0 prints the results.
 ``generate``, ``bench`` and ``sweep`` arrive with the serving engine.
 """
 
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 import time
@@ -17,7 +20,12 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mesh", default=None, help="'DxE' (e.g. 1x8), a meshes/*.toml file; default: all devices as 1xN")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--cpu-devices", type=int, default=None,
-                   help="simulate N CPU devices (set before JAX starts; CPU only)")
+                   help="simulate N CPU devices (set before JAX starts; CPU only; per process in multi-process runs)")
+    multi = p.add_argument_group("multi-process (jax.distributed; every process runs the same command)")
+    multi.add_argument("--coordinator", metavar="HOST:PORT", default=None,
+                       help="address of process 0, which serves the coordination service there")
+    multi.add_argument("--num-processes", type=int, metavar="N", default=None, help="number of processes")
+    multi.add_argument("--process-id", type=int, metavar="I", default=None, help="this process's id in [0, N)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -42,13 +50,48 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _start_jax(cpu_devices: int | None) -> None:
+def _start_jax(args) -> None:
+    """Configures JAX before its backend starts: joins a multi-process run and/or sets the CPU device count."""
     import jax
 
-    if cpu_devices is not None:
-        if cpu_devices < 1:
-            raise ValueError(f"--cpu-devices must be >= 1, got {cpu_devices}")
-        jax.config.update("jax_num_cpu_devices", cpu_devices)
+    if args.cpu_devices is not None and args.cpu_devices < 1:
+        raise ValueError(f"--cpu-devices must be >= 1, got {args.cpu_devices}")
+    if args.coordinator is None:
+        given = [flag for flag, value in (("--num-processes", args.num_processes), ("--process-id", args.process_id))
+                 if value is not None]
+        if given:
+            verb = "needs" if len(given) == 1 else "need"
+            raise ValueError(f"{' and '.join(given)} {verb} --coordinator HOST:PORT (the address of process 0)")
+        if args.cpu_devices is not None:
+            jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+        return
+    if args.num_processes is None or args.process_id is None:
+        raise ValueError("--coordinator needs --num-processes N and --process-id I")
+    from jaxinfer.parallel import multihost
+
+    multihost.check_coordinator(args.coordinator)
+    multihost.check_process_layout(args.num_processes, args.process_id)
+    _native_stdout_to_stderr()
+    multihost.initialize(args.coordinator, args.num_processes, args.process_id, args.cpu_devices)
+
+
+def _native_stdout_to_stderr() -> None:
+    """Keeps stdout for results: native code's prints (gloo writes "[Gloo] Rank i is connected to ..." to file
+    descriptor 1 when the cross-process collectives start) go to stderr, while ``sys.stdout`` keeps writing to
+    the original stdout. Used in multi-process runs, where main() owns the process."""
+    sys.stdout.flush()
+    results = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = os.fdopen(results, "w", buffering=1)
+
+
+def _where(model) -> str:
+    """e.g. "mesh 2x4 (cpu)" or "mesh 2x4 (cpu, process 1 of 2)"."""
+    import jax
+
+    mesh = "x".join(str(s) for s in model.mesh.devices.shape)
+    procs = f", process {jax.process_index()} of {jax.process_count()}" if jax.process_count() > 1 else ""
+    return f"mesh {mesh} ({model.mesh.devices.flat[0].platform}{procs})"
 
 
 def _prompt_ids(args, model) -> list[int]:
@@ -73,6 +116,7 @@ def _score(args) -> None:
 
     import jaxinfer
     from jaxinfer.config import ModelConfig
+    from jaxinfer.parallel import multihost
 
     t0 = time.perf_counter()
     if args.preset:
@@ -93,9 +137,9 @@ def _score(args) -> None:
         "next_token_id": int(logits[-1].argmax()),
         "next_token_logprob": float(logp[-1].max()),
     }
-    print(json.dumps(result))
-    mesh = "x".join(str(s) for s in model.mesh.devices.shape)
-    print(f"[jaxinfer] scored {len(ids)} tokens on mesh {mesh} ({model.mesh.devices.flat[0].platform}), "
+    if multihost.is_primary():  # all processes compute, process 0 prints
+        print(json.dumps(result))
+    print(f"[jaxinfer] scored {len(ids)} tokens on {_where(model)}, "
           f"load {load_s:.2f}s, forward (incl. compile) {forward_s:.2f}s", file=sys.stderr)
 
 
@@ -104,8 +148,8 @@ def _convert(args) -> None:
     from jaxinfer.checkpoint.hf_loader import checkpoint_layout
     from jaxinfer.checkpoint.safetensors_io import SafetensorsCheckpoint
     from jaxinfer.config import ModelConfig
-
     from jaxinfer.model import is_jaxinfer_orbax
+    from jaxinfer.parallel import multihost
 
     keep_fp8 = args.keep_fp8
     if keep_fp8 is None and is_jaxinfer_orbax(args.hf_dir):
@@ -116,17 +160,21 @@ def _convert(args) -> None:
     t0 = time.perf_counter()
     model = jaxinfer.load_model(args.hf_dir, mesh=args.mesh, dtype=args.dtype, keep_fp8=keep_fp8)
     out = model.save(args.out_dir)
-    print(str(pathlib.Path(out).absolute()))
-    print(f"[jaxinfer] converted {args.hf_dir} -> {out} (dtype {args.dtype}, fp8 kept: {keep_fp8}) in "
-          f"{time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    if multihost.is_primary():
+        print(str(pathlib.Path(out).absolute()))
+    print(f"[jaxinfer] converted {args.hf_dir} -> {out} on {_where(model)} (dtype {args.dtype}, fp8 kept: "
+          f"{keep_fp8}) in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        _start_jax(args.cpu_devices)
+        _start_jax(args)
         {"score": _score, "convert": _convert}[args.command](args)
     except (ValueError, RuntimeError, FileNotFoundError) as e:
+        # Multi-process: returning (not os._exit) lets jax.distributed's exit-time shutdown barrier end the run
+        # cleanly when every process fails alike; process 0 hosts the coordination service, so its abrupt exit
+        # would abort the others before they print their own error.
         print(f"jaxinfer {args.command}: error: {e}", file=sys.stderr)
         return 2
     return 0

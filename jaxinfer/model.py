@@ -30,6 +30,7 @@ from jaxinfer.models.deepseek import DeepseekForCausalLM
 from jaxinfer.models.layers import RMSNorm
 from jaxinfer.models.moe import Experts
 from jaxinfer.parallel.mesh import MeshSpec, make_mesh
+from jaxinfer.parallel.multihost import barrier, global_array, to_host
 from jaxinfer.parallel.placement import check_slots, placement_values
 from jaxinfer.parallel.plan import ParallelPlan
 
@@ -91,11 +92,11 @@ class Model:
         """Random weights (normal, std 0.02): for smoke runs and benchmarks of architectures, not outputs.
         parallel: ParallelPlan options (fp8_dispatch, num_redundant_experts)."""
         plan, dtype = ParallelPlan(make_mesh(mesh), **parallel), parse_dtype(dtype)
-        layout = dict(quantized=False, num_mtp_layers=config.num_nextn_predict_layers, mtp_eh_proj_quantized=False)
+        layout = dict(fp8="off", num_mtp_layers=config.num_nextn_predict_layers, mtp_eh_proj_fp8="off")
         graphdef, state = _build(config, dtype, plan, **layout)
         params = random_params(nnx.merge(graphdef, state), seed)
         nnx.replace_by_pure_dict(state, unflatten_tree(
-            [(p, jax.device_put(v, param_sharding(plan.mesh, p, v.shape))) for p, v in flatten_tree(params)]))
+            [(p, global_array(v, param_sharding(plan.mesh, p, v.shape))) for p, v in flatten_tree(params)]))
         return cls(config, graphdef, state, plan, dtype, layout)
 
     @property
@@ -124,11 +125,12 @@ class Model:
         return ids.astype(np.int32)
 
     def _shard_batch(self, *arrays: np.ndarray) -> list[jax.Array]:
-        """Pads B to a multiple of the DP size and splits it over all devices."""
+        """Pads B to a multiple of the DP size and splits it over all devices (every process passes the same
+        host arrays; each fills only its own devices' rows)."""
         b = arrays[0].shape[0]
         padded = -(-b // self.dp_size) * self.dp_size
         sharding = NamedSharding(self.mesh, BATCH)
-        return [jax.device_put(np.pad(a, [(0, padded - b)] + [(0, 0)] * (a.ndim - 1)), sharding) for a in arrays]
+        return [global_array(np.pad(a, [(0, padded - b)] + [(0, 0)] * (a.ndim - 1)), sharding) for a in arrays]
 
     # ---- forward -----------------------------------------------------------------------------------
     @functools.cached_property
@@ -161,7 +163,7 @@ class Model:
         ids = self.check_token_ids(token_ids)
         (dev_ids,) = self._shard_batch(ids)
         out = self._jit_logits(self.state, dev_ids)
-        return np.asarray(jax.device_get(out))[: ids.shape[0]]
+        return to_host(out)[: ids.shape[0]]  # the whole batch, in every process
 
     def mtp_logits(self, token_ids, next_token_ids) -> np.ndarray:
         """Draft logits of the first MTP module: row t combines the main model's final-normed h_t with
@@ -175,22 +177,27 @@ class Model:
             raise ValueError(f"next_token_ids shape {nxt.shape} must equal token_ids shape {ids.shape}")
         dev_ids, dev_next = self._shard_batch(ids, nxt)
         out = self._jit_mtp(self.state, dev_ids, dev_next)
-        return np.asarray(jax.device_get(out))[: ids.shape[0]]
+        return to_host(out)[: ids.shape[0]]
 
     # ---- orbax -------------------------------------------------------------------------------------
     def save(self, out_dir) -> pathlib.Path:
         """Writes jaxinfer's orbax form: config.json (HF form), jaxinfer.json (layout, dtype), params/ (orbax)
-        and the tokenizer files of the source checkpoint."""
+        and the tokenizer files of the source checkpoint.
+
+        Multi-process runs: every process calls this with the same directory (on a filesystem they share); each
+        writes its own shards, process 0 the small files."""
         out = pathlib.Path(out_dir)
         if out.exists() and any(out.iterdir()):
             raise CheckpointError(f"output directory {out} exists and is not empty")
+        barrier("jaxinfer.Model.save: output directory checked")  # by every process, before process 0 writes
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(self.config.to_hf_dict(), indent=2))
-        meta = dict(format="jaxinfer-orbax", version=1, dtype=np.dtype(self.dtype).name,
-                    num_redundant_experts=self.plan.num_redundant_experts, **self.layout)
-        (out / ORBAX_META).write_text(json.dumps(meta, indent=2))
+        if jax.process_index() == 0:
+            (out / "config.json").write_text(json.dumps(self.config.to_hf_dict(), indent=2))
+            meta = dict(format="jaxinfer-orbax", version=1, dtype=np.dtype(self.dtype).name,
+                        num_redundant_experts=self.plan.num_redundant_experts, **self.layout)
+            (out / ORBAX_META).write_text(json.dumps(meta, indent=2))
         save_pytree(out / ORBAX_PARAMS, _str_keys(nnx.to_pure_dict(self.state)))
-        if self.path is not None:
+        if self.path is not None and jax.process_index() == 0:
             for name in TOKENIZER_FILES:
                 if (self.path / name).is_file():
                     shutil.copy(self.path / name, out / name)
@@ -239,11 +246,14 @@ def is_jaxinfer_orbax(path) -> bool:
 
 
 def load_model(path, mesh: MeshSpec = None, dtype="bfloat16", keep_fp8: bool = False, *,
-               fp8_dispatch: bool = False, num_redundant_experts: int | None = None) -> Model:
+               fp8_compute: bool | None = False, fp8_dispatch: bool = False,
+               num_redundant_experts: int | None = None) -> Model:
     """Loads an HF checkpoint directory (config.json + safetensors) or a jaxinfer orbax directory.
 
     dtype: "bfloat16" or "float32" (the compute and storage dtype of non-FP8 weights). keep_fp8: keep DeepSeek FP8
     weights as e4m3 + block scales (dequantized exactly on the fly) instead of dequantizing them at load time.
+    fp8_compute: DeepSeek's deployment path for FP8 checkpoints: activations quantized per token per 128
+    channels and FP8 GEMMs (implies keep_fp8); None = on for bfloat16 on GPU when the checkpoint is FP8.
     fp8_dispatch: send tokens to expert ranks in FP8 (DeepEP's format). num_redundant_experts: extra expert slots
     (identity placement until EPLB fills them; default 0, or what an orbax checkpoint was saved with).
     """
@@ -254,7 +264,7 @@ def load_model(path, mesh: MeshSpec = None, dtype="bfloat16", keep_fp8: bool = F
     config = ModelConfig.from_hf_config(path)
     mesh = make_mesh(mesh)
     if is_jaxinfer_orbax(path):
-        return _load_orbax(path, config, mesh, dtype, fp8_dispatch, num_redundant_experts)
+        return _load_orbax(path, config, mesh, dtype, fp8_compute, fp8_dispatch, num_redundant_experts)
     plan = ParallelPlan(mesh, fp8_dispatch, num_redundant_experts or 0)
     ckpt = SafetensorsCheckpoint(path)
     layout = checkpoint_layout(config, ckpt)
@@ -262,10 +272,13 @@ def load_model(path, mesh: MeshSpec = None, dtype="bfloat16", keep_fp8: bool = F
         warnings.warn(f"config announces {config.num_nextn_predict_layers} MTP layer(s) but the checkpoint carries "
                       f"{layout['num_mtp_layers']} (no model.layers.{config.num_hidden_layers + layout['num_mtp_layers']}"
                       ".eh_proj.weight): MTP is disabled for the missing ones", stacklevel=2)
-    if keep_fp8 and not layout["has_fp8"]:
-        raise ValueError("keep_fp8=True needs an FP8 checkpoint (weight_scale_inv tensors); this one has none")
-    layout = dict(quantized=keep_fp8, num_mtp_layers=layout["num_mtp_layers"],
-                  mtp_eh_proj_quantized=keep_fp8 and layout["mtp_eh_proj_quantized"])
+    if fp8_compute is None:
+        fp8_compute = layout["has_fp8"] and dtype == jnp.bfloat16 and mesh.devices.flat[0].platform == "gpu"
+    if (keep_fp8 or fp8_compute) and not layout["has_fp8"]:
+        raise ValueError("keep_fp8 / fp8_compute need an FP8 checkpoint (weight_scale_inv tensors); this one has none")
+    fp8 = "compute" if fp8_compute else "weights" if keep_fp8 else "off"
+    layout = dict(fp8=fp8, num_mtp_layers=layout["num_mtp_layers"],
+                  mtp_eh_proj_fp8=fp8 if layout["mtp_eh_proj_quantized"] else "off")
     graphdef, state = _build(config, dtype, plan, **layout)
     abstract = nnx.to_pure_dict(state)
     params = load_hf_params(config, ckpt, abstract, functools.partial(param_sharding, mesh), layout["num_mtp_layers"])
@@ -273,10 +286,16 @@ def load_model(path, mesh: MeshSpec = None, dtype="bfloat16", keep_fp8: bool = F
     return Model(config, graphdef, state, plan, dtype, layout, path)
 
 
-def _load_orbax(path: pathlib.Path, config: ModelConfig, mesh, dtype, fp8_dispatch: bool,
-                num_redundant_experts: int | None) -> Model:
+def _load_orbax(path: pathlib.Path, config: ModelConfig, mesh, dtype, fp8_compute: bool | None,
+                fp8_dispatch: bool, num_redundant_experts: int | None) -> Model:
     meta = json.loads((path / ORBAX_META).read_text())
-    layout = {k: meta[k] for k in ("quantized", "num_mtp_layers", "mtp_eh_proj_quantized")}
+    layout = {k: meta[k] for k in ("fp8", "num_mtp_layers", "mtp_eh_proj_fp8")}
+    if layout["fp8"] != "off" and fp8_compute is not None:  # FP8 weights: the compute mode is the caller's
+        mode = "compute" if fp8_compute else "weights"
+        layout["fp8"] = mode
+        layout["mtp_eh_proj_fp8"] = mode if layout["mtp_eh_proj_fp8"] != "off" else "off"
+    elif fp8_compute:
+        raise ValueError(f"fp8_compute needs FP8 weights; {path} holds none")
     saved_redundant = meta.get("num_redundant_experts", 0)
     if num_redundant_experts not in (None, saved_redundant):
         raise ValueError(f"{path} was saved with num_redundant_experts={saved_redundant}; load it with that "

@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.parallel.dispatch import QUANT_GROUP
+from jaxinfer.parallel.multihost import to_host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +66,7 @@ def tokens_sent(model, token_ids) -> list[np.ndarray]:
     ids = model.check_token_ids(token_ids)
     counts = run(model.state, model._shard_batch(ids)[0])
     shape = (model.mesh.size, model.mesh.shape["expert"])
-    return [np.asarray(jax.device_get(c)).reshape(shape) for c in counts]  # sow keeps a 1-tuple per layer
+    return [to_host(c[0]).reshape(shape) for c in counts]  # sow keeps a 1-tuple per layer
 
 
 def comm_stats(model, token_ids) -> CommStats:
