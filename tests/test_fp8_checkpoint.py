@@ -169,6 +169,26 @@ def test_fp8_kept_in_e4m3_matches_exact_dequantization(tmp_path_factory):
     np.testing.assert_array_equal(jaxinfer.load_model(out, mesh="1x1", dtype="float32").logits(ids), got)
 
 
+def test_fp8_compute_within_stated_tolerance(tmp_path_factory):
+    """fp8_compute (DeepSeek's deployment path: activations quantized per token per 128 channels, FP8 GEMMs with
+    fp32 accumulation) against the exact dequantization run by transformers. e4m3 keeps 3 mantissa bits, so
+    every projection's input carries up to 2^-4 relative rounding; stated tolerance on the logits: DeepGEMM's
+    calc_diff (1 - cosine-like similarity) <= 1e-3 and greedy agreement >= 90%."""
+    import jaxinfer
+
+    path, _, ref_model = fp8_case(tmp_path_factory, None)
+    ids = O.random_ids(O.CONFIGS[BASE]["vocab_size"], 4, 16, 2)
+    ref = O.reference_logits(ref_model, ids)
+    got = jaxinfer.load_model(path, mesh="1x1", dtype="float32", fp8_compute=True).logits(ids)
+    x, y = got.astype(np.float64), ref.astype(np.float64)
+    calc_diff = 1 - 2 * (x * y).sum() / (x * x + y * y).sum()
+    agree = (got.argmax(-1) == ref.argmax(-1)).mean()
+    print(f"\n[fp8_compute] calc_diff {calc_diff:.2e}, max|diff|/max|ref| {O.rel_err(got, ref):.2e}, "
+          f"greedy agreement {agree:.3f}")
+    assert calc_diff <= 1e-3 and agree >= 0.9
+    assert O.rel_err(got, ref) > 1e-5  # the activations really went through FP8
+
+
 def test_jaxinfer_dequantize_equals_exact_dequantization(tmp_path_factory):
     """jaxinfer.checkpoint.fp8.dequantize_blockwise on every quantized tensor of the checkpoint equals the numpy
     dequantization above (a single f32 multiply per element: exact)."""

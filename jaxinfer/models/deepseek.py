@@ -25,9 +25,9 @@ Cache = tuple[jax.Array, ...]  # per layer [B, S, C+R]: [rms(c_kv) | roped k_pe]
 class DecoderLayer(nnx.Module):
     """Pre-norm block: x += attn(norm(x)); x += ffn(norm(x)). MoE from layer first_k_dense_replace on."""
 
-    def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs, dtype, quantized: bool,
+    def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs, dtype, fp8: str,
                  plan: ParallelPlan | None = None):
-        kw = dict(rngs=rngs, dtype=dtype, quantized=quantized)
+        kw = dict(rngs=rngs, dtype=dtype, fp8=fp8)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.self_attn = MLA(config, **kw)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
@@ -56,35 +56,36 @@ class DecoderLayer(nnx.Module):
 class MTPLayer(nnx.Module):
     """DeepSeek-V3 multi-token prediction module (V3 report sec. 2.2): combines h_t with embed(t+1)."""
 
-    def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs, dtype, quantized: bool,
-                 eh_proj_quantized: bool, plan: ParallelPlan | None = None):
+    def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs, dtype, fp8: str, eh_proj_fp8: str,
+                 plan: ParallelPlan | None = None):
         d, eps = config.hidden_size, config.rms_norm_eps
         self.enorm = RMSNorm(d, eps, dtype=dtype)
         self.hnorm = RMSNorm(d, eps, dtype=dtype)
-        self.eh_proj = Linear(2 * d, d, rngs=rngs, dtype=dtype, quantized=eh_proj_quantized)
-        self.block = DecoderLayer(config, layer, rngs=rngs, dtype=dtype, quantized=quantized, plan=plan)
+        self.eh_proj = Linear(2 * d, d, rngs=rngs, dtype=dtype, fp8=eh_proj_fp8)
+        self.block = DecoderLayer(config, layer, rngs=rngs, dtype=dtype, fp8=fp8, plan=plan)
         self.shared_head_norm = RMSNorm(d, eps, dtype=dtype)
 
 
 class DeepseekForCausalLM(nnx.Module):
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, quantized: bool = False,
-                 num_mtp_layers: int | None = None, mtp_eh_proj_quantized: bool = False,
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, fp8: str = "off",
+                 num_mtp_layers: int | None = None, mtp_eh_proj_fp8: str = "off",
                  plan: ParallelPlan | None = None):
-        """quantized: keep projection weights in FP8 with block scales (dequantized exactly on the fly).
+        """fp8: projection weights "off" (compute dtype), "weights" (e4m3 + block scales, dequantized exactly on
+        the fly) or "compute" (FP8 GEMMs on per-token-quantized activations); see layers.py.
         num_mtp_layers: defaults to config.num_nextn_predict_layers (0 disables MTP).
         plan: the mesh layout (expert-parallel MoE); None runs everything on one device."""
         c = config
         self.config = c
         self.dtype = dtype
         self.embed_tokens = nnx.Param(_normal(rngs, (c.vocab_size, c.hidden_size), dtype))
-        self.layers = nnx.List([DecoderLayer(c, i, rngs=rngs, dtype=dtype, quantized=quantized, plan=plan)
+        self.layers = nnx.List([DecoderLayer(c, i, rngs=rngs, dtype=dtype, fp8=fp8, plan=plan)
                                 for i in range(c.num_hidden_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
         self.lm_head = nnx.data(
             None if c.tie_word_embeddings else Linear(c.hidden_size, c.vocab_size, rngs=rngs, dtype=dtype))
         n_mtp = c.num_nextn_predict_layers if num_mtp_layers is None else num_mtp_layers
-        self.mtp = nnx.List([MTPLayer(c, c.num_hidden_layers + k, rngs=rngs, dtype=dtype, quantized=quantized,
-                                      eh_proj_quantized=mtp_eh_proj_quantized, plan=plan) for k in range(n_mtp)])
+        self.mtp = nnx.List([MTPLayer(c, c.num_hidden_layers + k, rngs=rngs, dtype=dtype, fp8=fp8,
+                                      eh_proj_fp8=mtp_eh_proj_fp8, plan=plan) for k in range(n_mtp)])
 
     def embed(self, ids: jax.Array) -> jax.Array:
         return jnp.take(self.embed_tokens[...], ids, axis=0)  # [B, T, D]

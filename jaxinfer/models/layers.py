@@ -1,5 +1,9 @@
 """Basic layers: RMSNorm, Linear (plain or DeepSeek FP8 block-quantized weights), the gated MLP.
 
+FP8 modes (``fp8=``): "off" (weights in the compute dtype), "weights" (e4m3 + 128x128 block scales, dequantized
+exactly on the fly: same logits as "off" with exactly dequantized weights), "compute" (DeepSeek's deployment path,
+DESIGN.md "FP8 compute": activations quantized per token per 128 channels, FP8 GEMMs with fp32 accumulation).
+
 Weights keep the checkpoint layout ``[out, in]`` (PyTorch ``nn.Linear``, DeepGEMM's B operand), so loading is a
 copy and FP8 block scales ``[ceil(out/128), ceil(in/128)]`` line up with their weight without transposes.
 """
@@ -11,8 +15,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.checkpoint.fp8 import dequantize_blockwise_jnp, scale_shape
+from kernels_pallas import fp8_gemm, per_token_cast_to_fp8
 
 FP8_DTYPE = jnp.float8_e4m3fn
+FP8_MODES = ("off", "weights", "compute")
 
 
 def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
@@ -40,23 +46,30 @@ def dense_weight(weight: jax.Array, scale_inv: jax.Array | None, dtype) -> jax.A
 
 
 class Linear(nnx.Module):
-    """y = x @ W.T with W [out, in]; ``quantized`` keeps W in e4m3 with 128x128 block scales."""
+    """y = x @ W.T with W [out, in]; fp8 "weights" / "compute" keep W in e4m3 with 128x128 block scales."""
 
     def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 quantized: bool = False):
+                 fp8: str = "off"):
+        if fp8 not in FP8_MODES:
+            raise ValueError(f"fp8 must be one of {FP8_MODES}, got {fp8!r}")
         self.dtype = dtype
-        self.quantized = quantized
-        if quantized:
+        self.fp8 = fp8
+        if fp8 != "off":
             self.weight = nnx.Param(_normal(rngs, (out_features, in_features), jnp.float32).astype(FP8_DTYPE))
             self.weight_scale_inv = nnx.Param(jnp.ones(scale_shape((out_features, in_features)), jnp.float32))
         else:
             self.weight = nnx.Param(_normal(rngs, (out_features, in_features), dtype))
 
     def kernel(self) -> jax.Array:
-        scale = self.weight_scale_inv[...] if self.quantized else None
+        scale = self.weight_scale_inv[...] if self.fp8 != "off" else None
         return dense_weight(self.weight[...], scale, self.dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self.fp8 == "compute":
+            lead = x.shape[:-1]
+            a, a_scale = per_token_cast_to_fp8(x.reshape(-1, x.shape[-1]))  # [M, K] e4m3, [M, K/128]
+            y = fp8_gemm(a, a_scale, self.weight[...], self.weight_scale_inv[...], out_dtype=self.dtype)
+            return y.reshape(*lead, -1)
         w = self.kernel()  # [N, K]
         y = jnp.einsum("...k,nk->...n", x.astype(self.dtype), w, preferred_element_type=jnp.float32)
         return y.astype(self.dtype)
@@ -65,8 +78,8 @@ class Linear(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU MLP: down(silu(gate(x)) * up(x)) (dense layers and shared experts)."""
 
-    def __init__(self, hidden: int, intermediate: int, *, rngs: nnx.Rngs, dtype=jnp.float32, quantized=False):
-        kw = dict(rngs=rngs, dtype=dtype, quantized=quantized)
+    def __init__(self, hidden: int, intermediate: int, *, rngs: nnx.Rngs, dtype=jnp.float32, fp8: str = "off"):
+        kw = dict(rngs=rngs, dtype=dtype, fp8=fp8)
         self.gate_proj = Linear(hidden, intermediate, **kw)
         self.up_proj = Linear(hidden, intermediate, **kw)
         self.down_proj = Linear(intermediate, hidden, **kw)

@@ -25,11 +25,11 @@ LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the default eps in 
 
 
 class MLA(nnx.Module):
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, quantized: bool = False):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, fp8: str = "off"):
         c = config
         self.config = c
         self.dtype = dtype
-        kw = dict(rngs=rngs, dtype=dtype, quantized=quantized)
+        kw = dict(rngs=rngs, dtype=dtype, fp8=fp8)
         h, dqk = c.num_attention_heads, c.qk_head_dim
         if c.q_lora_rank is None:
             self.q_proj = Linear(c.hidden_size, h * dqk, **kw)

@@ -18,6 +18,7 @@ from jaxinfer.models.grouped_matmul import grouped_matmul, tile_plan
 from jaxinfer.models.layers import FP8_DTYPE, MLP, _normal, dense_weight
 from jaxinfer.parallel.dispatch import expert_parallel
 from jaxinfer.parallel.placement import default_tables
+from kernels_pallas import fp8_grouped_gemm_contiguous, per_token_cast_to_fp8
 from jaxinfer.parallel.plan import ParallelPlan
 
 
@@ -73,13 +74,16 @@ class Placement(nnx.Variable):
     """Expert placement tables (integers, not trained): filled by EPLB, identity by default."""
 
 
-def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, dtype) -> jax.Array:
+def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, dtype,
+               fp8_compute: bool = False) -> jax.Array:
     """x [M, D], weights/ids [M, K] (ids: slot in ``params``, -1 = not here) -> float32 [M, D]:
     sum_k weights[m, k] * expert_{ids[m, k]}(x[m]).
 
     params: gate_proj/up_proj [S, I, D], down_proj [S, D, I] (+ ``*_scale_inv`` block scales for FP8).
     Assignments are sorted by slot so each slot's rows are contiguous, then one grouped matmul per projection
-    (grouped_matmul.py; no Python loop over experts). Assignments with id -1 sort last and are never computed."""
+    (grouped_matmul.py; no Python loop over experts). Assignments with id -1 sort last and are never computed.
+    fp8_compute: activations quantized per token per 128 channels and FP8 grouped GEMMs in DeepGEMM's contiguous
+    layout (params hold e4m3 weights + block scales)."""
     m, k = ids.shape
     num_slots = params["gate_proj"].shape[0]
     flat_ids = jnp.where(ids < 0, num_slots, ids).reshape(-1)  # [M*K]
@@ -90,6 +94,11 @@ def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, d
     xs = x.astype(dtype)[token]  # [M*K, D]
 
     def mm(a, name):
+        if fp8_compute:
+            group_ids = jnp.where(flat_ids[order] < num_slots, flat_ids[order], -1)  # [M*K], -1 = not here
+            q, q_scale = per_token_cast_to_fp8(a)
+            return fp8_grouped_gemm_contiguous(q, q_scale, params[name], params[name + "_scale_inv"], group_ids,
+                                               out_dtype=dtype)
         w = dense_weight(params[name], params.get(name + "_scale_inv"), dtype)
         return grouped_matmul(a, w, group_sizes, plan=plan).astype(dtype)
 
@@ -104,16 +113,16 @@ class Experts(nnx.Module):
 
     PROJ = ("gate_proj", "up_proj", "down_proj")
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, quantized=False,
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, fp8: str = "off",
                  num_redundant: int = 0):
         e, d, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
         s = e + num_redundant
         self.dtype = dtype
-        self.quantized = quantized
+        self.fp8 = fp8
         for name, shape in zip(self.PROJ, ((s, i, d), (s, i, d), (s, d, i))):
             w = _normal(rngs, shape, jnp.float32)
-            setattr(self, name, nnx.Param(w.astype(FP8_DTYPE if quantized else dtype)))
-            if quantized:
+            setattr(self, name, nnx.Param(w.astype(FP8_DTYPE if fp8 != "off" else dtype)))
+            if fp8 != "off":
                 setattr(self, name + "_scale_inv", nnx.Param(jnp.ones(scale_shape(shape), jnp.float32)))
         placement = default_tables(e, s)
         self.phy2log = Placement(jnp.asarray(placement["phy2log"]))  # [S]
@@ -121,7 +130,7 @@ class Experts(nnx.Module):
         self.logcnt = Placement(jnp.asarray(placement["logcnt"]))  # [E]
 
     def params(self) -> dict:
-        names = self.PROJ + (tuple(p + "_scale_inv" for p in self.PROJ) if self.quantized else ())
+        names = self.PROJ + (tuple(p + "_scale_inv" for p in self.PROJ) if self.fp8 != "off" else ())
         return {name: getattr(self, name)[...] for name in names}
 
     def placement(self) -> dict:
@@ -137,16 +146,16 @@ def physical_slots(placement: dict, ids: jax.Array) -> jax.Array:
 
 
 class MoE(nnx.Module):
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, quantized=False,
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, fp8: str = "off",
                  plan: ParallelPlan | None = None):
         self.dtype = dtype
         self.plan = plan
         self.gate = Router(config, rngs=rngs)
-        self.experts = Experts(config, rngs=rngs, dtype=dtype, quantized=quantized,
+        self.experts = Experts(config, rngs=rngs, dtype=dtype, fp8=fp8,
                                num_redundant=plan.num_redundant_experts if plan else 0)
         shared = config.moe_intermediate_size * config.n_shared_experts
         self.shared_experts = nnx.data(
-            MLP(config.hidden_size, shared, rngs=rngs, dtype=dtype, quantized=quantized) if shared else None)
+            MLP(config.hidden_size, shared, rngs=rngs, dtype=dtype, fp8=fp8) if shared else None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [B, T, D] -> [B, T, D]."""
@@ -158,7 +167,7 @@ class MoE(nnx.Module):
             return weights, physical_slots(params["placement"], ids)
 
         route_params = {"router": self.gate.params(), "placement": self.experts.placement()}
-        ffn = functools.partial(expert_ffn, dtype=self.dtype)
+        ffn = functools.partial(expert_ffn, dtype=self.dtype, fp8_compute=self.experts.fp8 == "compute")
         if self.plan is None:  # one device: route all tokens, every slot is local
             b, t, d = x.shape
             flat = x.reshape(b * t, d)
