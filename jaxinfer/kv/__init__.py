@@ -1,0 +1,24 @@
+"""KV cache: paged MLA latent cache on device, reference-counted page allocator and prefix cache on the host.
+
+One ``PageAllocator`` (and ``PrefixCache``) per DP rank; page ids are rank-local (see ``paged_cache``).
+"""
+
+from jaxinfer.kv.page_allocator import NULL_PAGE, PAGE_SIZE, OutOfPages, PageAllocator
+from jaxinfer.kv.paged_cache import (
+    PagedLatentCache,
+    bytes_per_page,
+    cache_sharding,
+    default_num_pages,
+    gather,
+    init_paged_cache,
+    latent_width,
+    slot_mapping,
+    write,
+)
+from jaxinfer.kv.prefix_cache import PrefixCache, PrefixCacheStats, page_hashes
+
+__all__ = [
+    "NULL_PAGE", "PAGE_SIZE", "OutOfPages", "PageAllocator", "PagedLatentCache", "PrefixCache", "PrefixCacheStats",
+    "bytes_per_page", "cache_sharding", "default_num_pages", "gather", "init_paged_cache", "latent_width",
+    "page_hashes", "slot_mapping", "write",
+]

@@ -1,0 +1,154 @@
+"""Paged MLA latent cache on device: per layer [P, S, 1, W] pages, write by slot, gather by block table.
+
+Layout = FlashMLA's KV cache ``[num_pages, page_size=64, h_kv=1, W]`` with W = kv_lora_rank + qk_rope_head_dim
+(576 for V3: [c_kv (512, normed) | k_pe (64, roped)], DESIGN.md "Reference semantics"), so
+``kernels_pallas.mla_decode(q, cache.layers[l], block_table, seqlens)`` reads a layer directly. dtype = model dtype.
+
+Addressing: token slot = page * S + offset. Page ids come from the rank's ``PageAllocator``; page 0 is the null
+page that pads block tables; slot -1 marks a padded token whose write is dropped.
+
+Data parallelism. Every DP rank (device) owns its own pages: on a mesh of R = data * expert devices the array of a
+layer is [R * P, S, 1, W], sharded on its first axis over ("data", "expert") (``cache_sharding``), so rank r holds
+global pages [r * P, (r + 1) * P). Page ids (allocator, block tables, slot mappings) are RANK-LOCAL in [0, P).
+The runner is expected to run attention and cache writes inside ``jax.shard_map`` over ("data", "expert"), where
+each rank sees its local [P, S, 1, W] block and uses its local ids unchanged (no cross-device gather, and the same
+kernels as on one device). Code outside shard_map that indexes the global array must add r * P itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.kv.page_allocator import PAGE_SIZE
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedLatentCache:
+    """One [P, S, 1, W] array per layer (a pytree: pass it through jit, donate it, shard it)."""
+
+    layers: tuple[jax.Array, ...]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def num_pages(self) -> int:
+        """Pages in the (global) array: DP ranks * pages per rank."""
+        return self.layers[0].shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.layers[0].shape[1]
+
+    @property
+    def width(self) -> int:
+        return self.layers[0].shape[3]
+
+    @property
+    def dtype(self):
+        return self.layers[0].dtype
+
+    def replace_layer(self, layer: int, value: jax.Array) -> PagedLatentCache:
+        return PagedLatentCache(self.layers[:layer] + (value,) + self.layers[layer + 1:])
+
+
+def latent_width(config: ModelConfig) -> int:
+    """W = kv_lora_rank + qk_rope_head_dim (576 for DeepSeek-V3)."""
+    return config.kv_lora_rank + config.qk_rope_head_dim
+
+
+def cache_sharding(mesh: Mesh) -> NamedSharding:
+    """First (page) axis split over all devices, DP rank order (d * E + e); other axes replicated."""
+    return NamedSharding(mesh, PartitionSpec(("data", "expert")))
+
+
+def init_paged_cache(config: ModelConfig, num_pages: int, dtype, num_layers: int | None = None, *,
+                     page_size: int = PAGE_SIZE, mesh: Mesh | None = None) -> PagedLatentCache:
+    """Zero cache of ``num_layers`` (default config.num_hidden_layers) arrays [R * num_pages, S, 1, W].
+
+    ``num_pages`` is per DP rank (the engine option num_kv_pages); R = mesh.size with a mesh (array sharded with
+    ``cache_sharding``), else 1. Pass num_layers = num_hidden_layers + num_nextn_predict_layers to include MTP.
+    """
+    num_layers = config.num_hidden_layers if num_layers is None else num_layers
+    if num_pages < 1 or num_layers < 1 or page_size < 1:
+        raise ValueError(f"{num_pages=}, {num_layers=} and {page_size=} must be >= 1")
+    ranks = 1 if mesh is None else mesh.size
+    shape = (ranks * num_pages, page_size, 1, latent_width(config))   # [P, S, 1, W]
+    device = None if mesh is None else cache_sharding(mesh)
+    return PagedLatentCache(tuple(jnp.zeros(shape, dtype, device=device) for _ in range(num_layers)))
+
+
+def write(cache_layer: jax.Array, latents: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+    """Scatters token latents into their slots; jittable, pure (donate ``cache_layer`` to update in place).
+
+    cache_layer [P, S, 1, W]; latents [N, W] (cast to the cache dtype); slot_mapping [N] int32 with
+    slot = page * S + offset, or -1 for a padding token (dropped). Slots other than -1 must be distinct
+    (duplicates: an unspecified one wins). Returns the updated [P, S, 1, W].
+    """
+    p, s, h, w = cache_layer.shape
+    if latents.ndim != 2 or latents.shape[1] != w or slot_mapping.shape != latents.shape[:1]:
+        raise ValueError(f"latents {latents.shape} must be [N, {w}] and slot_mapping {slot_mapping.shape} [N]")
+    # jnp normalises negative indices (-1 = last slot), so map padding to an out-of-range slot and drop it.
+    slots = jnp.where(slot_mapping < 0, p * s, slot_mapping)                          # [N]
+    flat = cache_layer.reshape(p * s, h, w)                                           # [P*S, 1, W]
+    flat = flat.at[slots].set(latents.astype(cache_layer.dtype)[:, None, :], mode="drop")
+    return flat.reshape(p, s, h, w)
+
+
+def gather(cache_layer: jax.Array, block_table: jax.Array) -> jax.Array:
+    """Contiguous latents of each sequence for the XLA prefill path; jittable.
+
+    cache_layer [P, S, 1, W]; block_table [B, M] int32 (pad with the null page 0) -> [B, M * S, W]; row b, token t
+    is slot block_table[b, t // S] * S + t % S. Slots past a sequence's length hold whatever their page holds: mask
+    them by length (values too, not only scores).
+    """
+    b, m = block_table.shape
+    _, s, _, w = cache_layer.shape
+    pages = cache_layer[block_table]                     # [B, M, S, 1, W]
+    return pages.reshape(b, m * s, w)                    # [B, M*S, W]
+
+
+def slot_mapping(block_table_row, positions, page_size: int = PAGE_SIZE) -> np.ndarray:
+    """Host-side slots of tokens at ``positions`` [N] of one sequence: row[pos // S] * S + pos % S, int32 [N].
+
+    block_table_row [M] (rank-local page ids); a negative position marks a padding token and maps to -1.
+    Raises ValueError when a position lies past the row's pages.
+    """
+    row = np.asarray(block_table_row, dtype=np.int64)                 # [M]
+    pos = np.asarray(positions, dtype=np.int64)                       # [N]
+    valid = pos >= 0
+    page_idx = np.where(valid, pos // page_size, 0)
+    if valid.any() and page_idx[valid].max() >= row.shape[0]:
+        raise ValueError(f"position {pos[valid].max()} needs page {page_idx[valid].max()}, "
+                         f"but the block table row has {row.shape[0]} pages of {page_size}")
+    slots = row[page_idx] * page_size + pos % page_size if row.size else np.zeros_like(pos)
+    return np.where(valid, slots, -1).astype(np.int32)
+
+
+def bytes_per_page(config: ModelConfig, dtype, num_layers: int | None = None, page_size: int = PAGE_SIZE) -> int:
+    """Device bytes of one page over all layers: layers * S * W * itemsize (V3, bf16: 61*64*576*2 = 4.5 MB)."""
+    num_layers = config.num_hidden_layers if num_layers is None else num_layers
+    return num_layers * page_size * latent_width(config) * np.dtype(dtype).itemsize
+
+
+def default_num_pages(config: ModelConfig, dtype, free_bytes: int, fraction: float = 0.9,
+                      num_layers: int | None = None, page_size: int = PAGE_SIZE) -> int:
+    """Pages per DP rank fitting in ``fraction`` of one device's ``free_bytes`` (default of num_kv_pages).
+
+    Raises ValueError when fewer than 2 pages fit (the null page plus one usable page).
+    """
+    if not 0 < fraction <= 1:
+        raise ValueError(f"{fraction=} must be in (0, 1]")
+    per_page = bytes_per_page(config, dtype, num_layers, page_size)
+    n = int(free_bytes * fraction) // per_page
+    if n < 2:
+        raise ValueError(f"{fraction} * {free_bytes} free bytes hold {n} pages of {per_page} bytes; need >= 2")
+    return n

@@ -1,0 +1,164 @@
+"""Paged latent cache: write / gather against numpy, padding slots, NaN isolation, sizing, DP sharding."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.kv import (
+    PagedLatentCache,
+    bytes_per_page,
+    cache_sharding,
+    default_num_pages,
+    gather,
+    init_paged_cache,
+    latent_width,
+    slot_mapping,
+    write,
+)
+from jaxinfer.parallel.mesh import make_mesh
+
+CFG = ModelConfig.tiny()
+W = latent_width(CFG)          # 40 = 32 + 8
+NP, S = 6, 64                  # pages (page 0 = null page), tokens per page
+
+write_jit = jax.jit(write, donate_argnums=0)
+gather_jit = jax.jit(gather)
+
+
+def np_write(cache, latents, slots):
+    flat = cache.reshape(-1, W).copy()
+    for x, s in zip(latents, slots):
+        if s >= 0:
+            flat[s] = x
+    return flat.reshape(cache.shape)
+
+
+def np_gather(cache, table):
+    return np.stack([np.concatenate([cache[p, :, 0] for p in row]) for row in table])
+
+
+def test_init_shapes():
+    cache = init_paged_cache(CFG, NP, jnp.bfloat16)
+    assert isinstance(cache, PagedLatentCache)
+    assert (cache.num_layers, cache.num_pages, cache.page_size, cache.width, cache.dtype) == (3, NP, S, W,
+                                                                                               jnp.bfloat16)
+    assert cache.layers[0].shape == (NP, S, 1, W)                      # FlashMLA layout, h_kv = 1
+    assert init_paged_cache(CFG, 2, jnp.float32, num_layers=4, page_size=16).layers[3].shape == (2, 16, 1, W)
+    assert len(jax.tree_util.tree_leaves(cache)) == 3                  # a pytree of its layers
+    assert latent_width(ModelConfig.deepseek_v3()) == 576
+    with pytest.raises(ValueError, match="num_pages=0"):
+        init_paged_cache(CFG, 0, jnp.float32)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_write_gather_roundtrip_vs_numpy(seed):
+    rng = np.random.default_rng(seed)
+    cache_np = rng.standard_normal((NP, S, 1, W)).astype(np.float32)
+    n = 100
+    slots = rng.choice(NP * S, size=n, replace=False).astype(np.int32)
+    slots[rng.random(n) < 0.2] = -1                                    # padding tokens
+    latents = rng.standard_normal((n, W)).astype(np.float32)
+    out = write_jit(jnp.asarray(cache_np), jnp.asarray(latents), jnp.asarray(slots))
+    want = np_write(cache_np, latents, slots)
+    np.testing.assert_array_equal(np.asarray(out), want)
+    table = rng.integers(0, NP, size=(3, 4)).astype(np.int32)
+    np.testing.assert_array_equal(np.asarray(gather_jit(out, jnp.asarray(table))), np_gather(want, table))
+
+
+def test_padding_slots_dropped_not_wrapped():
+    cache = jnp.zeros((NP, S, 1, W), jnp.float32)
+    out = write_jit(cache, jnp.ones((5, W)), jnp.full((5,), -1, jnp.int32))
+    assert not np.asarray(out).any()                                   # -1 must not land in the last slot
+
+
+def test_write_casts_to_cache_dtype():
+    cache = jnp.zeros((NP, S, 1, W), jnp.bfloat16)
+    out = write_jit(cache, jnp.full((1, W), 1.5, jnp.float32), jnp.array([S + 3], jnp.int32))
+    assert out.dtype == jnp.bfloat16 and float(out[1, 3, 0, 0]) == 1.5
+    with pytest.raises(ValueError, match="must be"):
+        write(cache, jnp.zeros((2, W + 1)), jnp.zeros((2,), jnp.int32))
+
+
+def test_nan_in_untouched_pages_does_not_leak():
+    cache = jnp.full((NP, S, 1, W), jnp.nan, jnp.float32)
+    row = np.array([3, 1, 0, 0])                                       # 2 pages used, null-padded
+    length = 100
+    rng = np.random.default_rng(0)
+    latents = rng.standard_normal((length, W)).astype(np.float32)
+    slots = slot_mapping(row, np.arange(length))
+    out = gather_jit(write_jit(cache, jnp.asarray(latents), jnp.asarray(slots)), jnp.asarray(row[None]))
+    out = np.asarray(out)[0]                                           # [M*S, W]
+    np.testing.assert_array_equal(out[:length], latents)               # valid slots exact and finite
+    assert np.isnan(out[length:]).all()                                # the rest is masked by length downstream
+
+
+def test_slot_mapping():
+    row = [5, 2, 7]
+    np.testing.assert_array_equal(slot_mapping(row, [0, 63, 64, 130, -1]), [320, 383, 128, 450, -1])
+    assert slot_mapping(row, [1]).dtype == np.int32
+    np.testing.assert_array_equal(slot_mapping([], [-1, -1]), [-1, -1])
+    np.testing.assert_array_equal(slot_mapping([4, 9], [5, 2], page_size=4), [37, 18])
+    with pytest.raises(ValueError, match="position 192 needs page 3"):
+        slot_mapping(row, [192])
+
+
+def test_default_num_pages():
+    v3 = ModelConfig.deepseek_v3()
+    assert bytes_per_page(v3, jnp.bfloat16) == 61 * 64 * 576 * 2
+    assert default_num_pages(v3, jnp.bfloat16, 80 * 10**9) == int(72e9) // (61 * 64 * 576 * 2)   # 16009
+    assert default_num_pages(v3, "float32", 80 * 10**9, fraction=0.5) == int(40e9) // (61 * 64 * 576 * 4)
+    assert default_num_pages(CFG, jnp.float32, 10**6, num_layers=4) == 9 * 10**5 // (4 * 64 * W * 4)
+    with pytest.raises(ValueError, match="need >= 2"):
+        default_num_pages(v3, jnp.bfloat16, 10**6)
+    with pytest.raises(ValueError, match="fraction"):
+        default_num_pages(v3, jnp.bfloat16, 10**12, fraction=1.5)
+
+
+def test_dp_sharded_cache_with_rank_local_ids():
+    """R = 8 ranks of P pages each; under shard_map every rank writes with its own local page ids."""
+    mesh = make_mesh("2x4")
+    pages_per_rank = 3
+    layer = init_paged_cache(CFG, pages_per_rank, jnp.float32, num_layers=1, mesh=mesh).layers[0]
+    assert layer.shape == (8 * pages_per_rank, S, 1, W) and layer.sharding == cache_sharding(mesh)
+    assert {s.data.shape for s in layer.addressable_shards} == {(pages_per_rank, S, 1, W)}
+    ranks = np.arange(8, dtype=np.float32)
+    latents = np.repeat(ranks[:, None, None], 2, axis=1) * np.ones((8, 2, W), np.float32) + 1   # [R, N, W]
+    local_slots = np.tile(slot_mapping([2, 1], [0, 65]), (8, 1))                              # [R, N] rank-local
+    spec = P(("data", "expert"))
+
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
+    def step(cache, x, slots):                # per rank: [P, S, 1, W], [1, N, W], [1, N]
+        return write(cache, x[0], slots[0])
+
+    out = np.asarray(jax.jit(step)(layer, latents, local_slots))
+    for r in range(8):
+        np.testing.assert_array_equal(out[r * pages_per_rank + 2, 0, 0], latents[r, 0])
+        np.testing.assert_array_equal(out[r * pages_per_rank + 1, 1, 0], latents[r, 1])
+    assert np.count_nonzero(out.any(axis=(2, 3))) == 16                # nothing else written
+
+
+def test_layout_is_what_mla_decode_reads():
+    """A layer written here feeds kernels_pallas.mla_decode (XLA path) directly; NaN pages stay masked."""
+    from kernels_pallas import mla_decode
+
+    rng = np.random.default_rng(1)
+    c, h = CFG.kv_lora_rank, 2
+    cache = jnp.full((NP, S, 1, W), jnp.nan, jnp.float32)
+    table = np.array([[4, 2, 0], [1, 0, 0]], np.int32)                 # null-padded block tables
+    lens = np.array([100, 7], np.int32)
+    kv = [rng.standard_normal((n, W)).astype(np.float32) for n in lens]
+    slots = np.concatenate([slot_mapping(row, np.arange(n)) for row, n in zip(table, lens)])
+    cache = write_jit(cache, jnp.asarray(np.concatenate(kv)), jnp.asarray(slots))
+    q = rng.standard_normal((2, 1, h, W)).astype(np.float32)
+    out, _ = mla_decode(jnp.asarray(q), cache, jnp.asarray(table), jnp.asarray(lens), head_dim_v=c,
+                        implementation="xla")
+    for b in range(2):                                                 # dense attention over the written latents
+        s = q[b, 0] @ kv[b].T * W**-0.5                                # [h, T]
+        p = np.exp(s - s.max(-1, keepdims=True))
+        want = (p / p.sum(-1, keepdims=True)) @ kv[b][:, :c]           # [h, C]
+        np.testing.assert_allclose(np.asarray(out[b, 0]), want, rtol=1e-5, atol=1e-5)
