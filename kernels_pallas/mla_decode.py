@@ -141,8 +141,9 @@ def _decode_xla(q, kv_cache, block_table, cache_seqlens, *, head_dim_v, scale, c
         acc = acc * alpha[..., None] + jnp.einsum("bqgmt,btgv->bqgmv", pr, k[..., :head_dim_v])
         return (acc, mx_new, l), None
 
-    init = (jnp.zeros((b, s_q, h_kv, m, head_dim_v), jnp.float32),
-            jnp.full((b, s_q, h_kv, m), -jnp.inf, jnp.float32), jnp.zeros((b, s_q, h_kv, m), jnp.float32))
+    # Built from q so that, inside shard_map, the carry varies over the same mesh axes as the body's output.
+    zero = jnp.zeros_like(qg[..., 0])  # [B, Q, G, M]
+    init = (jnp.broadcast_to(zero[..., None], (b, s_q, h_kv, m, head_dim_v)), zero - jnp.inf, zero)
     (acc, mx, l), _ = lax.scan(step, init, (jnp.arange(n_chunks, dtype=jnp.int32), table))
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     lse = (jnp.where(mx == -jnp.inf, 0.0, mx) + jnp.log2(l)) / _LOG2E  # [B, Q, G, M]

@@ -28,6 +28,7 @@ class DecoderLayer(nnx.Module):
     def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs, dtype, fp8: str,
                  plan: ParallelPlan | None = None):
         kw = dict(rngs=rngs, dtype=dtype, fp8=fp8)
+        self.plan = plan
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.self_attn = MLA(config, **kw)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
@@ -51,6 +52,13 @@ class DecoderLayer(nnx.Module):
         x = x + self.self_attn(h, cos, sin, kv, mask, form)
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, (None if cache is None else kv)
+
+    def paged(self, x, cos, sin, cache, block_table, seqlens, slots):
+        """The block over the paged latent cache (see MLA.paged). Returns (x, updated cache)."""
+        attn, cache = self.self_attn.paged(self.input_layernorm(x), cos, sin, cache, block_table, seqlens, slots,
+                                           self.plan)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
 
 
 class MTPLayer(nnx.Module):
@@ -112,6 +120,18 @@ class DeepseekForCausalLM(nnx.Module):
         """ids, positions [B, T] -> (float32 logits [B, T, V], updated cache)."""
         h, cache = self.hidden_states(ids, positions, cache, form)
         return self.head(h), cache
+
+    def forward_paged(self, ids, positions, cache: tuple[jax.Array, ...], block_table, seqlens, slots):
+        """One engine step over the paged latent cache: ids, positions, slots [B, T] (the last T tokens of each
+        sequence; slot -1 = padding), cache: per layer [pages, 64, 1, C+R], block_table [B, max_pages],
+        seqlens [B] (tokens in the cache after this step). Returns (float32 logits [B, T, V], updated cache)."""
+        cos, sin = rope_cos_sin(self.config, positions)
+        x = self.embed(ids).astype(jnp.float32)  # float32 residual stream, as in hidden_states
+        new_cache = []
+        for layer, layer_cache in zip(self.layers, cache):
+            x, layer_cache = layer.paged(x, cos, sin, layer_cache, block_table, seqlens, slots)
+            new_cache.append(layer_cache)
+        return self.head(self.norm(x)), tuple(new_cache)
 
     def mtp_logits(self, h: jax.Array, next_ids: jax.Array, positions: jax.Array, depth: int = 0) -> jax.Array:
         """MTP module ``depth``: h [B, T, D] (main model after its final norm), next_ids [B, T] (token t+1 for

@@ -18,6 +18,7 @@ from flax import nnx
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.layers import Linear, RMSNorm
+from jaxinfer.models.paged_attention import paged_mla
 from jaxinfer.models.rope import apply_rope
 
 AttnForm = Literal["expanded", "absorbed"]
@@ -94,3 +95,19 @@ class MLA(nnx.Module):
             out = jnp.einsum("bthc,hvc->bthv", o_lat, w_uv, **f32)
         out = out.astype(self.dtype).reshape(*x.shape[:2], c.num_attention_heads * c.v_head_dim)
         return self.o_proj(out)
+
+    def paged(self, x, cos, sin, cache, block_table, seqlens, slots, plan=None):
+        """Absorbed attention over the paged latent cache (decode, MTP verification, chunked prefill).
+        x [B, T, D]: the last T tokens of each sequence; cache [pages, 64, 1, C+R]; block_table [B, max_pages];
+        seqlens [B]; slots [B, T]. Returns ([B, T, D], updated cache)."""
+        c = self.config
+        q_nope, q_pe = self.queries(x, cos, sin)
+        w_uk, w_uv = self.w_uk_uv()
+        q_lat = jnp.einsum("bthn,hnc->bthc", q_nope, w_uk, preferred_element_type=jnp.float32)
+        q = jnp.concatenate([q_lat.astype(self.dtype), q_pe], axis=-1)  # [B, T, H, C+R]
+        new = self.latents(x, cos, sin).astype(cache.dtype)  # [B, T, C+R]
+        o_lat, cache = paged_mla(plan, q, new, cache, block_table, seqlens, slots, head_dim_v=c.kv_lora_rank,
+                                 softmax_scale=c.softmax_scale)  # [B, T, H, C]
+        out = jnp.einsum("bthc,hvc->bthv", o_lat, w_uv, preferred_element_type=jnp.float32)
+        out = out.astype(self.dtype).reshape(*x.shape[:2], c.num_attention_heads * c.v_head_dim)
+        return self.o_proj(out), cache
