@@ -105,7 +105,7 @@ def test_default_implementation_on_cpu_is_xla():
 # block_dv=64 with dv=128 runs the two-compute-warpgroup structure of V3 (d=576, dv=512, block_dv=256).
 @pytest.mark.parametrize("seqlens,s_q,h_q,causal,num_splits,block_dv", [
     ((130, 1), 1, 16, False, 2, 64),  # >1 split, partial last page, a length of 1, 2 compute warpgroups
-    ((130,), 2, 64, True, 1, 128),  # causal MTP verification (s_q = 2), two 64-row blocks
+    ((130,), 2, 128, True, 1, 128),  # causal MTP verification (s_q = 2), h_q = 128: four 64-row blocks
 ])
 def test_pallas_interpret_matches_reference(seqlens, s_q, h_q, causal, num_splits, block_dv):
     args, _ = make_case(3, seqlens, s_q, h_q, 128)
