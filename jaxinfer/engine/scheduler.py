@@ -1,0 +1,393 @@
+"""Host-side scheduler: DP-rank assignment, prefill / decode steps, paged KV budget, preemption (pure Python).
+
+Shape of a step (DeepSeek's two phases, vLLM v0 / nano-vllm's prefill-first policy): every step is either a PREFILL
+step or a DECODE step over all DP ranks. ``schedule`` builds a prefill step whenever some rank has prefill work that
+fits (a running sequence whose prefill is unfinished, or a waiting one that can be admitted), else a decode step.
+
+- Ranks. ``add`` assigns each request a DP rank for its whole life with the decode load balancer: least KV pages
+  in use (pages held by sequences, i.e. allocator ``num_used`` minus prefix-cache pages nobody else holds, plus the
+  pages promised to the rank's waiting sequences), then fewest running + waiting requests, then lowest rank.
+- Prefill (per rank, at most ``max_num_batched_tokens`` computed tokens): running sequences whose prefill is
+  unfinished continue, oldest first; then waiting sequences are admitted FIFO while fewer than ``max_num_seqs`` run.
+  At admission the prefix cache ``match``es the full pages of the tokens except that the last token is always
+  computed (``(num_tokens - 1) // page_size`` hashes), and the pages of the whole prefill are allocated (chunks cut
+  compute, not memory: see ``_admit``); a waiting sequence whose pages are not available blocks the queue (FIFO).
+- Decode: each running sequence computes one token (its last sampled one) and samples the next; it takes a new page
+  when its KV crosses a page boundary.
+- Out of pages. A running sequence that cannot make progress preempts the newest running sequence (by arrival) of
+  its rank, itself included: that one frees its pages and goes to the FRONT of the rank's waiting queue with
+  ``num_computed_tokens = 0``, keeping its outputs (it recomputes prompt + outputs as its next prefill; with prefix
+  caching its full pages are usually still cached). The oldest running sequence therefore always progresses. If it
+  cannot even run alone (it needs more pages than the rank has) it finishes with reason "error" and a message.
+  Admission never preempts, and an admitted prefill never needs pages, so only decode steps preempt. Requests are
+  never dropped.
+- ``update`` appends the sampled tokens, advances ``num_computed_tokens``, registers pages that became full (and
+  fully written) in the prefix cache, and applies the stop checks that need no tokenizer, in vLLM v0's order: EOS
+  (unless ``ignore_eos``) or a ``stop_token_ids`` hit -> "stop"; ``max_tokens`` outputs -> "length"; ``num_tokens``
+  reaching ``max_model_len`` -> "length". Stop strings need detokenization: the engine calls ``finish``.
+
+Invariants kept for ``PrefixCache`` (see its module doc): pages only go through the cache's ``allocate`` / ``free``;
+a chunk only writes positions ``>= num_computed_tokens``, which lie in pages that are neither cached nor shared
+(cached pages are full and computed); only full computed pages are ``insert``-ed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+from collections.abc import Mapping
+
+from jaxinfer.engine.sequence import Sequence, SequenceStatus
+from jaxinfer.kv.page_allocator import PAGE_SIZE, PageAllocator
+from jaxinfer.kv.prefix_cache import PrefixCache
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledChunk:
+    """Compute the tokens at positions [start, start + num_tokens) of ``seq`` this step.
+
+    ``sample``: this chunk reaches the sequence's last token, so its last logits are sampled (``update`` then needs
+    a token for ``seq.seq_id``). The runner reads token ids (``seq.token_ids``), positions, slots (from
+    ``seq.pages``) and the block table from the sequence.
+    """
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    sample: bool
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """One step: ``kind`` "prefill" or "decode"; ``chunks[rank]`` the chunks of each DP rank (possibly empty).
+
+    ``preempted``: sequences preempted while building the plan; ``finished``: sequences finished while building it
+    (reason "error": they can never fit their rank's pages). Both are for the engine's bookkeeping only.
+    """
+
+    kind: str
+    chunks: list[list[ScheduledChunk]]
+    preempted: list[Sequence] = dataclasses.field(default_factory=list)
+    finished: list[Sequence] = dataclasses.field(default_factory=list)
+
+    def num_tokens(self, rank: int) -> int:
+        return sum(c.num_tokens for c in self.chunks[rank])
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(c.num_tokens for cs in self.chunks for c in cs)
+
+    def all_chunks(self) -> list[ScheduledChunk]:
+        return [c for cs in self.chunks for c in cs]
+
+
+@dataclasses.dataclass(frozen=True)
+class RankStats:
+    """Snapshot of one DP rank: pages (used = refcount >= 1; cached = registered in the prefix cache; evictable =
+    held only by the cache; free = refcount 0) and queue lengths."""
+
+    rank: int
+    num_pages_used: int
+    num_pages_cached: int
+    num_pages_evictable: int
+    num_pages_free: int
+    num_running: int
+    num_waiting: int
+
+
+class Scheduler:
+    """Continuous-batching scheduler over ``num_ranks`` DP ranks, each with its own paged KV pool and prefix cache.
+
+    Args:
+      num_ranks: DP ranks (>= 1).
+      num_pages_per_rank: KV pages per rank, the null page included (``PageAllocator(num_pages)``).
+      max_num_seqs: running sequences per rank at most.
+      max_num_batched_tokens: tokens computed per rank per prefill step at most (chunked prefill).
+      max_model_len: prompt + output tokens at most; longer prompts finish at ``add`` with reason "error".
+      enable_prefix_caching: ``match`` prompts at admission and ``insert`` full pages.
+      page_size: tokens per page (64 = FlashMLA's block size).
+      eos_token_id: None or the EOS id for the stop check.
+      cache_key: ``extra_key`` of the page hashes (model identity).
+
+    Raises ValueError (naming the value) for invalid arguments.
+    """
+
+    def __init__(self, num_ranks: int, num_pages_per_rank: int, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, enable_prefix_caching: bool = True, page_size: int = PAGE_SIZE,
+                 eos_token_id: int | None = None, cache_key=None):
+        for name, value in [("num_ranks", num_ranks), ("max_num_seqs", max_num_seqs),
+                            ("max_num_batched_tokens", max_num_batched_tokens), ("max_model_len", max_model_len),
+                            ("page_size", page_size)]:
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if not isinstance(num_pages_per_rank, int) or num_pages_per_rank < 2:
+            raise ValueError(f"{num_pages_per_rank=} must be an int >= 2 (page 0 is the reserved null page)")
+        self.num_ranks = num_ranks
+        self.page_size = page_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        self.eos_token_id = eos_token_id
+        self.cache_key = cache_key
+        self.caches = [PrefixCache(PageAllocator(num_pages_per_rank), page_size) for _ in range(num_ranks)]
+        self.waiting: list[collections.deque[Sequence]] = [collections.deque() for _ in range(num_ranks)]
+        self.running: list[list[Sequence]] = [[] for _ in range(num_ranks)]   # sorted by arrival
+        self._ids: set = set()                                                  # unfinished seq_ids
+        self._next_arrival = 0
+
+    # ---- queries -------------------------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        """Allocatable pages per rank."""
+        return self.caches[0].allocator.capacity
+
+    def has_unfinished(self) -> bool:
+        return any(self.waiting) or any(self.running)
+
+    def num_unfinished(self) -> int:
+        return sum(map(len, self.waiting)) + sum(map(len, self.running))
+
+    def stats(self, rank: int) -> RankStats:
+        c = self.caches[rank]
+        return RankStats(rank, c.allocator.num_used, c.num_cached, c.num_evictable, c.allocator.num_free,
+                         len(self.running[rank]), len(self.waiting[rank]))
+
+    def rank_load(self, rank: int) -> tuple[int, int, int]:
+        """The load balancer's key: (pages held by sequences + pages promised to waiting ones, requests, rank)."""
+        c = self.caches[rank]
+        promised = sum(-(-s.num_tokens // self.page_size) for s in self.waiting[rank])
+        held = c.allocator.num_used - c.num_evictable
+        return held + promised, len(self.running[rank]) + len(self.waiting[rank]), rank
+
+    # ---- requests ------------------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> Sequence:
+        """Queues ``seq`` on the least-loaded rank (see ``rank_load``); returns it.
+
+        A request that can never run (empty prompt, prompt longer than ``max_model_len``, or needing more pages
+        than a rank has) is finished at once with reason "error" and a message; the caller checks
+        ``seq.is_finished``. Raises ValueError for a sequence that is not fresh or a seq_id already in use.
+        """
+        if seq.status is not SequenceStatus.WAITING or seq.arrival is not None:
+            raise ValueError(f"sequence {seq.seq_id} was already added ({seq.status.value})")
+        if seq.seq_id in self._ids:
+            raise ValueError(f"seq_id {seq.seq_id!r} is already in use by an unfinished sequence")
+        seq.arrival = self._next_arrival
+        self._next_arrival += 1
+        seq.rank = min(range(self.num_ranks), key=self.rank_load)
+        n = seq.num_prompt_tokens
+        need = -(-n // self.page_size)
+        if n == 0:
+            self._set_finished(seq, "error", "empty prompt")
+        elif n > self.max_model_len:
+            self._set_finished(seq, "error", f"prompt of {n} tokens exceeds max_model_len={self.max_model_len}")
+        elif need > self.capacity:
+            self._set_finished(seq, "error", f"prompt of {n} tokens needs {need} KV pages of {self.page_size}, "
+                                             f"a rank has {self.capacity}")
+        else:
+            self._ids.add(seq.seq_id)
+            self.waiting[seq.rank].append(seq)
+        return seq
+
+    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        """Finishes an unfinished sequence now (stop strings, aborts): frees its pages, drops it from its queue.
+
+        Raises ValueError if ``seq`` is not an unfinished sequence of this scheduler.
+        """
+        if seq.is_finished or seq.seq_id not in self._ids:
+            raise ValueError(f"sequence {seq.seq_id} is not an unfinished sequence of this scheduler")
+        rank = seq.rank
+        if seq.status is SequenceStatus.RUNNING:
+            self.running[rank].remove(seq)
+        else:
+            self.waiting[rank].remove(seq)
+        self._release(seq)
+        self._ids.discard(seq.seq_id)
+        self._set_finished(seq, reason, error)
+
+    # ---- scheduling ----------------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan | None:
+        """The next step: a prefill step if any rank has prefill work that fits, else a decode step; None when
+        nothing is left to do (no unfinished sequences)."""
+        plan = StepPlan("prefill", [[] for _ in range(self.num_ranks)])
+        for rank in range(self.num_ranks):
+            self._schedule_prefill(rank, plan)
+        if not plan.all_chunks():
+            plan.kind = "decode"
+            for rank in range(self.num_ranks):
+                self._schedule_decode(rank, plan)
+        if not plan.all_chunks() and not plan.finished:
+            return None
+        return plan
+
+    def _schedule_prefill(self, rank: int, plan: StepPlan) -> None:
+        budget = self.max_num_batched_tokens
+        out = plan.chunks[rank]
+        for seq in list(self.running[rank]):        # unfinished prefills first, oldest first
+            if budget == 0:
+                break
+            if not seq.is_prefilling:                  # decoding, or preempted / finished by an older one above
+                continue
+            n = self._grow(seq, min(budget, seq.num_prefill_tokens - seq.num_computed_tokens), plan)
+            if n:
+                out.append(self._chunk(seq, n))
+                budget -= n
+        queue = self.waiting[rank]
+        while queue and budget > 0 and len(self.running[rank]) < self.max_num_seqs:
+            seq = queue[0]
+            need = -(-seq.num_tokens // self.page_size)
+            if need > self.capacity:                   # a preempted sequence one token past the rank's pages
+                self.finish(seq, "error", f"sequence of {seq.num_tokens} tokens needs {need} KV pages of "
+                                          f"{self.page_size}, rank {rank} has {self.capacity}")
+                plan.finished.append(seq)
+                continue
+            n = self._admit(seq, budget)
+            if n == 0:
+                break                                  # FIFO: the head blocks the queue until pages free up
+            queue.popleft()
+            bisect.insort(self.running[rank], seq, key=lambda s: s.arrival)
+            out.append(self._chunk(seq, n))
+            budget -= n
+
+    def _schedule_decode(self, rank: int, plan: StepPlan) -> None:
+        out = plan.chunks[rank]
+        for seq in list(self.running[rank]):
+            if seq.status is not SequenceStatus.RUNNING or seq.is_prefilling:
+                continue
+            if self._grow(seq, 1, plan):
+                out.append(self._chunk(seq, 1))
+
+    def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
+        start = seq.num_computed_tokens
+        return ScheduledChunk(seq, start, n, start + n == seq.num_tokens)
+
+    def _room(self, seq: Sequence) -> int:
+        """Tokens ``seq`` could compute now: room in its pages plus every page the rank could allocate."""
+        cache = self.caches[seq.rank]
+        return (len(seq.pages) + cache.num_available) * self.page_size - seq.num_computed_tokens
+
+    def _take_pages(self, seq: Sequence, n: int) -> None:
+        """Allocates the pages positions [num_computed, num_computed + n) need beyond ``seq.pages``."""
+        need = -(-(seq.num_computed_tokens + n) // self.page_size) - len(seq.pages)
+        if need > 0:
+            seq.pages.extend(self.caches[seq.rank].allocate(need))
+
+    def _grow(self, seq: Sequence, n: int, plan: StepPlan) -> int:
+        """Reserves pages for up to ``n`` more tokens of a running sequence, preempting the newest running
+        sequences of its rank while it cannot take a single token. Returns the tokens granted (0 when ``seq`` itself
+        was preempted or finished with "error")."""
+        rank = seq.rank
+        while True:
+            room = self._room(seq)
+            if room >= 1:
+                n = min(n, room)
+                self._take_pages(seq, n)
+                return n
+            if len(self.running[rank]) == 1:           # alone and still no room: it can never fit
+                need = -(-(seq.num_computed_tokens + 1) // self.page_size)
+                self.finish(seq, "error", f"sequence of {seq.num_tokens} tokens needs {need} KV pages of "
+                                          f"{self.page_size} to continue, rank {rank} has {self.capacity}")
+                plan.finished.append(seq)
+                return 0
+            victim = self.running[rank][-1]
+            self._preempt(victim)
+            plan.preempted.append(victim)
+            if victim is seq:
+                return 0
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Makes the waiting ``seq`` RUNNING with pages for its WHOLE prefill (all ``num_tokens`` positions) and
+        returns its first chunk's tokens (up to ``budget``), or 0 (nothing changed) when those pages are not
+        available. Reserving the whole prefill means a prefill never needs pages once admitted, so prefill steps
+        never preempt; with per-chunk allocation, prefill-first steps can preempt and re-admit each other forever
+        while the decoding sequences never get a step (found by the property test)."""
+        cache = self.caches[seq.rank]
+        stats = dataclasses.replace(cache.stats)
+        cached = []
+        if self.enable_prefix_caching:
+            hashes = seq.page_hashes((seq.num_tokens - 1) // self.page_size, self.page_size, self.cache_key)
+            cached = cache.match(hashes, num_tokens=seq.num_tokens)
+        need = -(-seq.num_tokens // self.page_size) - len(cached)
+        if need > cache.num_available:
+            cache.free(cached)
+            cache.stats = stats                        # an admission that did not happen is not a query
+            return 0
+        seq.pages = cached + cache.allocate(need)
+        seq.num_computed_tokens = len(cached) * self.page_size
+        seq.status = SequenceStatus.RUNNING
+        seq.num_prefill_tokens = seq.num_tokens
+        seq.num_registered_pages = len(cached)
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = len(cached) * self.page_size
+        return min(budget, seq.num_tokens - seq.num_computed_tokens)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running[seq.rank].remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_prefill_tokens = 0
+        seq.num_preemptions += 1
+        self.waiting[seq.rank].appendleft(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.pages:
+            self.caches[seq.rank].free(seq.pages)
+        seq.pages = []
+        seq.num_registered_pages = 0
+
+    def _set_finished(self, seq: Sequence, reason: str, error: str | None) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.error = error
+
+    # ---- results -------------------------------------------------------------------------------------------
+    def update(self, plan: StepPlan, sampled: Mapping[int, int]) -> list[Sequence]:
+        """Applies a computed step: ``sampled[seq_id]`` is the token sampled for each chunk with ``sample`` set.
+
+        Advances ``num_computed_tokens``, appends sampled tokens, registers newly full pages in the prefix cache,
+        runs the stop checks and frees finished sequences' pages. Chunks of sequences finished since ``schedule``
+        (``finish`` by the engine) are skipped. Returns the sequences finished by this update. Raises ValueError for
+        a stale plan or a missing sampled token.
+        """
+        done = []
+        for chunk in plan.all_chunks():
+            seq = chunk.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            if chunk.start != seq.num_computed_tokens:
+                raise ValueError(f"stale plan: chunk of seq {seq.seq_id} starts at {chunk.start}, "
+                                 f"but {seq.num_computed_tokens} tokens are computed")
+            seq.num_computed_tokens += chunk.num_tokens
+            self._register_full_pages(seq)
+            if not chunk.sample:
+                continue
+            if seq.seq_id not in sampled:
+                raise ValueError(f"no sampled token for seq {seq.seq_id} (its chunk ends at its last token)")
+            token = int(sampled[seq.seq_id])
+            seq.output_token_ids.append(token)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+                done.append(seq)
+        return done
+
+    def _register_full_pages(self, seq: Sequence) -> None:
+        if not self.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.page_size
+        if full > seq.num_registered_pages:
+            hashes = seq.page_hashes(full, self.page_size, self.cache_key)
+            lo = seq.num_registered_pages
+            self.caches[seq.rank].insert(hashes[lo:full], seq.pages[lo:full])
+            seq.num_registered_pages = full
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if (not p.ignore_eos and self.eos_token_id is not None and token == self.eos_token_id) \
+                or token in p.stop_token_ids:
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None

@@ -1,0 +1,122 @@
+"""`Sequence`: one request's host-side state as the scheduler sees it (pure Python, no JAX).
+
+Token accounting (vLLM / nano-vllm): the sequence's tokens are ``prompt_token_ids + output_token_ids``
+(``num_tokens`` of them). ``num_computed_tokens`` of them have their latent KV written in the rank's paged cache, in
+positions ``[0, num_computed_tokens)``; their slots are the pages of ``pages`` (the block table: position t lives
+in page ``pages[t // page_size]``, slot ``t % page_size``).
+
+Life cycle: WAITING (queued on its DP rank, holds no pages) -> RUNNING -> FINISHED. A RUNNING sequence is first
+*prefilling*: it computes the tokens it had at admission (``num_prefill_tokens``: the prompt, or prompt + outputs
+after a preemption) in one or more chunks; the chunk that reaches ``num_tokens`` yields the logits of the next token.
+Then it *decodes*: exactly one token is computed per step (the last sampled one, ``num_computed_tokens ==
+num_tokens - 1``) and the next one is sampled. A preempted sequence goes back to WAITING with no pages and
+``num_computed_tokens = 0``, keeping its outputs; it recomputes them as its next prefill.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence as _Seq
+
+from jaxinfer.engine.sampling_params import SamplingParams
+from jaxinfer.kv.prefix_cache import page_hashes
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Host-side state of one request (one sample: an ``n > 1`` request is ``n`` sequences).
+
+    Set by the caller: ``seq_id`` (unique among the scheduler's unfinished sequences), ``prompt_token_ids``,
+    ``params``. Set by the scheduler: ``rank`` (DP rank, fixed on arrival), ``arrival`` (arrival order on that
+    scheduler), ``status``, ``output_token_ids``, ``num_computed_tokens``, ``num_prefill_tokens`` (tokens to
+    compute in the current prefill), ``pages``, ``num_cached_tokens`` (prompt tokens served by the prefix cache at
+    the first admission; later re-admissions after preemption do not change it), ``num_preemptions``,
+    ``finish_reason`` ("stop" | "length" | "error" | engine-defined) and ``error`` (message for "error").
+    """
+
+    def __init__(self, seq_id: int, prompt_token_ids: _Seq[int], params: SamplingParams | None = None):
+        self.seq_id = seq_id
+        self.prompt_token_ids: list[int] = [int(t) for t in prompt_token_ids]
+        self.params = params if params is not None else SamplingParams()
+        self.rank: int | None = None
+        self.arrival: int | None = None
+        self.status = SequenceStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_prefill_tokens = 0
+        self.pages: list[int] = []
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        self.num_registered_pages = 0   # leading pages of ``pages`` already offered to the prefix cache
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self._hashes: list[int] = []     # chained page hashes of the leading full pages of all_token_ids
+        self._hash_key = None
+
+    # ---- sizes -----------------------------------------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """Tokens at positions [start, stop) of prompt + outputs (what a ScheduledChunk feeds the model)."""
+        if not 0 <= start <= stop <= self.num_tokens:
+            raise ValueError(f"positions [{start}, {stop}) outside the {self.num_tokens} tokens of seq {self.seq_id}")
+        p = self.num_prompt_tokens
+        if stop <= p:
+            return self.prompt_token_ids[start:stop]
+        return self.all_token_ids[start:stop]
+
+    # ---- states ----------------------------------------------------------------------------------------------
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def is_prefilling(self) -> bool:
+        """RUNNING and still computing the tokens it had at admission (prompt, or prompt + outputs)."""
+        return self.status is SequenceStatus.RUNNING and self.num_computed_tokens < self.num_prefill_tokens
+
+    def num_pages_for(self, num_tokens: int, page_size: int) -> int:
+        """Pages needed to hold the KV of ``num_tokens`` positions: ceil(num_tokens / page_size)."""
+        return -(-num_tokens // page_size)
+
+    def last_page_partial(self, page_size: int) -> bool:
+        """True when the computed KV ends inside a page (the one page of the sequence that may still be written)."""
+        return self.num_computed_tokens % page_size != 0
+
+    def page_hashes(self, num_pages: int, page_size: int, extra_key=None) -> list[int]:
+        """Chained hashes (``kv.prefix_cache.page_hashes``) of the first ``num_pages`` full pages of the tokens.
+
+        Tokens are only ever appended, so hashes once computed stay valid; they are cached and extended in O(new).
+        """
+        if num_pages * page_size > self.num_tokens:
+            raise ValueError(f"{num_pages=} full pages of {page_size} exceed the {self.num_tokens} tokens of seq "
+                             f"{self.seq_id}")
+        if self._hash_key != (page_size, extra_key):
+            self._hashes, self._hash_key = [], (page_size, extra_key)
+        if len(self._hashes) < num_pages:
+            self._hashes = page_hashes(self.all_token_ids[: num_pages * page_size], page_size, extra_key)
+        return self._hashes[:num_pages]
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, rank={self.rank}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+                f"out={self.num_output_tokens}, computed={self.num_computed_tokens}, pages={self.pages}, "
+                f"finish={self.finish_reason})")
