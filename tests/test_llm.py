@@ -1,0 +1,51 @@
+"""jaxinfer.LLM end to end: greedy tokens equal transformers' generate (its own cache, eos_token_id=None), alone
+and batched, on one device and with 8 DP ranks; bad requests come back as errors while the others finish."""
+
+import numpy as np
+import pytest
+import torch
+
+import hf_oracle as O
+from jaxinfer.engine.llm import LLM
+from jaxinfer.engine.sampling_params import SamplingParams
+
+LENGTHS = (1, 63, 64, 65, 130)  # around the 64-token page, and a prompt chunked over several prefill steps
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def _reference(model, prompt, n):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    case = O.build_case("v3_qlora_yarn", tmp_path_factory)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, case.cfg["vocab_size"], n).tolist() for n in LENGTHS]
+    return case, prompts, [_reference(case.model, p, GREEDY.max_tokens) for p in prompts]
+
+
+@pytest.mark.parametrize("mesh", ["1x1", "2x4"])
+def test_greedy_matches_transformers_generate(case, mesh):
+    model_case, prompts, refs = case
+    llm = LLM(model_case.path, mesh=mesh, dtype="float32", num_kv_pages=16, max_num_batched_tokens=96)
+    together = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in together] == refs
+    assert all(o.outputs[0].finish_reason == "length" for o in together)
+    alone = [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts[:2]]
+    assert alone == refs[:2]
+
+
+def test_bad_requests_do_not_stop_the_others(case):
+    model_case, prompts, refs = case
+    llm = LLM(model_case.path, mesh="1x1", dtype="float32", num_kv_pages=16)
+    vocab = model_case.cfg["vocab_size"]
+    outs = llm.generate([prompts[0], [], [vocab + 5], prompts[1]], GREEDY, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == refs[0] and outs[3].outputs[0].token_ids == refs[1]
+    for bad in outs[1:3]:
+        assert bad.outputs[0].finish_reason == "error" and bad.outputs[0].error
+    with pytest.raises(ValueError, match="embedded default model"):
+        LLM()
