@@ -3,7 +3,7 @@
 Results go to stdout, progress and summaries to stderr. Errors in user input print one line and exit 2.
 Multi-process runs (``--coordinator HOST:PORT --num-processes N --process-id I``, the same command in every
 process): all processes compute, process 0 prints the results.
-``generate``, ``bench`` and ``sweep`` arrive with the serving engine.
+``generate`` lives in cli_generate.py; ``bench`` and ``sweep`` arrive with their issue.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import os
 import pathlib
 import sys
 import time
+
+from jaxinfer import cli_generate as generate
 
 
 def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
@@ -40,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     score.add_argument("--token-ids", type=int, nargs="+", help="the prompt as token ids")
     score.add_argument("--seed", type=int, default=0, help="weights seed for --preset")
     _add_runtime_flags(score)
+
+    generate.add_parser(sub)
+    _add_runtime_flags(sub.choices["generate"])
 
     convert = sub.add_parser("convert", help="write an HF checkpoint in jaxinfer's orbax form")
     convert.add_argument("hf_dir")
@@ -170,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         _start_jax(args)
-        {"score": _score, "convert": _convert}[args.command](args)
+        {"score": _score, "convert": _convert, "generate": generate.run}[args.command](args)
     except (ValueError, RuntimeError, FileNotFoundError) as e:
         # Multi-process: returning (not os._exit) lets jax.distributed's exit-time shutdown barrier end the run
         # cleanly when every process fails alike; process 0 hosts the coordination service, so its abrupt exit

@@ -89,7 +89,7 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
         params = [p or SamplingParams() for p in params]
-        requests, live = [], {}
+        requests, live, seqs_of = [], {}, {}
         start = time.perf_counter()
         for prompt, p in zip(prompts, params):
             text, ids = self._prompt_ids(prompt)
@@ -99,6 +99,7 @@ class LLM:
             for child in range(p.n):
                 seq = Sequence(next(self._ids), ids, p)
                 seq.child_index = child
+                seqs_of.setdefault(request.request_id, []).append(seq)
                 if bad:
                     request.outputs.append(CompletionOutput(child, [], "", "error", f"token id {bad[0]} is outside "
                                                             f"the vocabulary [0, {self.model.config.vocab_size})"))
@@ -141,8 +142,19 @@ class LLM:
             first = request.metrics.pop("first_token", end)
             request.metrics = dict(ttft_s=first - start, tpot_s=(end - first) / max(n_out - 1, 1),
                                    num_prompt_tokens=len(request.prompt_token_ids),
-                                   num_cached_prompt_tokens=0, num_output_tokens=n_out)
+                                   num_cached_prompt_tokens=max(
+                                       (q.num_cached_tokens for q in seqs_of.get(request.request_id, [])), default=0),
+                                   num_output_tokens=n_out)
         return requests
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of them, through the tokenizer's chat
+        template (user text never becomes special tokens)."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs tokenizer.json and a chat template beside the checkpoint")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def _sample(self, logits: np.ndarray, seqs: list[Sequence]) -> list[int]:
         rows = bucket(len(seqs))

@@ -1,0 +1,116 @@
+"""``jaxinfer generate``: offline generation from the command line (DESIGN.md "CLI").
+
+Prompts come from arguments, a text file (one prompt per line) or JSONL (``{"prompt": ...}`` or
+``{"messages": [...]}`` plus optional sampling fields). Completions go to stdout as JSON lines
+``{"prompt", "text", "token_ids", "finish_reason", "metrics"}`` (and to ``--output``), the progress bar and a
+summary in vLLM/SGLang vocabulary to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop", "stop_token_ids",
+                   "ignore_eos", "n", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def add_parser(sub) -> None:
+    gen = sub.add_parser("generate", help="offline generation (vLLM-style)")
+    gen.add_argument("prompt", nargs="*", help="prompts (text)")
+    gen.add_argument("--model", required=True, help="HF checkpoint directory or jaxinfer orbax directory")
+    gen.add_argument("--prompts", dest="prompt_file", help="a text file (one prompt per line) or .jsonl")
+    gen.add_argument("--chat", action="store_true", help="wrap plain prompts in the tokenizer's chat template")
+    gen.add_argument("--max-tokens", type=int, default=16)
+    gen.add_argument("--temperature", type=float, default=1.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--output", help="write one JSON line per completion to this file")
+
+
+def read_requests(args) -> list[dict]:
+    """[{"prompt": str} | {"messages": [...]}, plus sampling overrides], from arguments and --prompts."""
+    requests = [{"prompt": p} for p in args.prompt]
+    if args.prompt_file:
+        path = pathlib.Path(args.prompt_file)
+        try:
+            lines = path.read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read prompts file {path}: {e}") from None
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            if path.suffix != ".jsonl":
+                requests.append({"prompt": line})
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+            if not isinstance(item, dict) or ("prompt" in item) == ("messages" in item):
+                raise ValueError(f"{path}:{number}: expected an object with exactly one of 'prompt' or 'messages'")
+            unknown = set(item) - {"prompt", "messages", *SAMPLING_FIELDS}
+            if unknown:
+                raise ValueError(f"{path}:{number}: unknown field(s) {sorted(unknown)}")
+            requests.append(item)
+    if not requests:
+        raise ValueError("no prompts: pass them as arguments or with --prompts FILE")
+    return requests
+
+
+def _percentile(values, q):
+    import numpy as np
+
+    return float(np.percentile(values, q)) if values else 0.0
+
+
+def run(args) -> None:
+    import jaxinfer
+    from jaxinfer.parallel import multihost
+
+    requests = read_requests(args)
+    llm = jaxinfer.LLM(args.model, mesh=args.mesh, dtype=args.dtype)
+    defaults = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
+                    seed=args.seed)
+    prompts, params = [], []
+    for number, item in enumerate(requests, 1):
+        try:
+            params.append(jaxinfer.SamplingParams(**{**defaults, **{k: item[k] for k in SAMPLING_FIELDS
+                                                                     if k in item}}))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"request {number}: {e}") from None
+        if "messages" in item or args.chat:
+            if llm.tokenizer is None:
+                raise ValueError("--chat and 'messages' need tokenizer.json beside the checkpoint")
+            messages = item.get("messages") or [{"role": "user", "content": item["prompt"]}]
+            prompts.append(llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        else:
+            prompts.append(item["prompt"])
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=True)
+    duration = time.perf_counter() - start
+    lines = []
+    for item, out in zip(requests, outputs):
+        for completion in out.outputs:
+            line = {"prompt": item.get("prompt", item.get("messages")), "text": completion.text,
+                    "token_ids": list(completion.token_ids), "finish_reason": completion.finish_reason,
+                    "metrics": out.metrics}
+            if completion.error:
+                line["error"] = completion.error
+            lines.append(json.dumps(line))
+    if multihost.is_primary():  # all processes compute, process 0 writes
+        print("\n".join(lines))
+        if args.output:
+            pathlib.Path(args.output).write_text("".join(line + "\n" for line in lines))
+    n_in = sum(o.metrics["num_prompt_tokens"] for o in outputs)
+    n_out = sum(o.metrics["num_output_tokens"] for o in outputs)
+    ttft = [o.metrics["ttft_s"] * 1e3 for o in outputs]
+    tpot = [o.metrics["tpot_s"] * 1e3 for o in outputs if o.metrics["num_output_tokens"] > 1]
+    print(f"[jaxinfer] requests {len(outputs)}, duration {duration:.2f} s, input {n_in / duration:.1f} tok/s, "
+          f"output {n_out / duration:.1f} tok/s, total {(n_in + n_out) / duration:.1f} tok/s, "
+          f"TTFT p50 {_percentile(ttft, 50):.1f} ms p99 {_percentile(ttft, 99):.1f} ms, "
+          f"TPOT p50 {_percentile(tpot, 50):.1f} ms p99 {_percentile(tpot, 99):.1f} ms", file=sys.stderr)
