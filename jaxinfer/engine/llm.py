@@ -97,8 +97,7 @@ class LLM:
             requests.append(request)
             bad = [t for t in ids if not 0 <= t < self.model.config.vocab_size]
             for child in range(p.n):
-                seq = Sequence(next(self._ids), ids, p)
-                seq.child_index = child
+                seq = Sequence(next(self._ids), ids, p, child_index=child)
                 seqs_of.setdefault(request.request_id, []).append(seq)
                 if bad:
                     request.outputs.append(CompletionOutput(child, [], "", "error", f"token id {bad[0]} is outside "
@@ -168,7 +167,7 @@ class LLM:
         tensors = SamplingTensors.build(params, logits.shape[1], num_rows=rows,
                                         steps=[s.num_output_tokens for s in seqs] + pad,
                                         request_ids=[s.seq_id for s in seqs] + pad,
-                                        child_indices=[getattr(s, "child_index", 0) for s in seqs] + pad,
+                                        child_indices=[s.child_index for s in seqs] + pad,
                                         engine_seed=self.seed, **kwargs)
         padded = np.zeros((rows, logits.shape[1]), np.float32)
         padded[: len(seqs)] = logits

@@ -32,15 +32,18 @@ class Sequence:
     """Host-side state of one request (one sample: an ``n > 1`` request is ``n`` sequences).
 
     Set by the caller: ``seq_id`` (unique among the scheduler's unfinished sequences), ``prompt_token_ids``,
-    ``params``. Set by the scheduler: ``rank`` (DP rank, fixed on arrival), ``arrival`` (arrival order on that
-    scheduler), ``status``, ``output_token_ids``, ``num_computed_tokens``, ``num_prefill_tokens`` (tokens to
-    compute in the current prefill), ``pages``, ``num_cached_tokens`` (prompt tokens served by the prefix cache at
-    the first admission; later re-admissions after preemption do not change it), ``num_preemptions``,
-    ``finish_reason`` ("stop" | "length" | "error" | engine-defined) and ``error`` (message for "error").
+    ``params``, ``child_index`` (which of an n > 1 request's samples). Set by the scheduler: ``rank`` (DP rank,
+    fixed on arrival), ``arrival`` (arrival order on that scheduler), ``status``, ``output_token_ids``,
+    ``num_computed_tokens``, ``num_prefill_tokens`` (tokens to compute in the current prefill), ``pages``,
+    ``num_cached_tokens`` (prompt tokens served by the prefix cache at the first admission; later re-admissions
+    after preemption do not change it), ``num_preemptions``, ``finish_reason`` ("stop" | "length" | "error" |
+    engine-defined) and ``error`` (message for "error").
     """
 
-    def __init__(self, seq_id: int, prompt_token_ids: _Seq[int], params: SamplingParams | None = None):
+    def __init__(self, seq_id: int, prompt_token_ids: _Seq[int], params: SamplingParams | None = None,
+                 child_index: int = 0):
         self.seq_id = seq_id
+        self.child_index = child_index  # which of the request's n samples (the sampler's seed offset)
         self.prompt_token_ids: list[int] = [int(t) for t in prompt_token_ids]
         self.params = params if params is not None else SamplingParams()
         self.rank: int | None = None
