@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.layers import MLP, Linear, RMSNorm, _normal
+from jaxinfer.models.layers import MLP, Linear, RMSNorm, normal_init
 from jaxinfer.models.mla import MLA, AttnForm
 from jaxinfer.models.moe import MoE
 from jaxinfer.models.rope import rope_cos_sin
@@ -85,7 +85,7 @@ class DeepseekForCausalLM(nnx.Module):
         c = config
         self.config = c
         self.dtype = dtype
-        self.embed_tokens = nnx.Param(_normal(rngs, (c.vocab_size, c.hidden_size), dtype))
+        self.embed_tokens = nnx.Param(normal_init(rngs, (c.vocab_size, c.hidden_size), dtype))
         self.layers = nnx.List([DecoderLayer(c, i, rngs=rngs, dtype=dtype, fp8=fp8, plan=plan)
                                 for i in range(c.num_hidden_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)

@@ -21,7 +21,7 @@ FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MODES = ("off", "weights", "compute")
 
 
-def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
+def normal_init(rngs: nnx.Rngs, shape, dtype, std=0.02):
     return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
 
 
@@ -55,10 +55,10 @@ class Linear(nnx.Module):
         self.dtype = dtype
         self.fp8 = fp8
         if fp8 != "off":
-            self.weight = nnx.Param(_normal(rngs, (out_features, in_features), jnp.float32).astype(FP8_DTYPE))
+            self.weight = nnx.Param(normal_init(rngs, (out_features, in_features), jnp.float32).astype(FP8_DTYPE))
             self.weight_scale_inv = nnx.Param(jnp.ones(scale_shape((out_features, in_features)), jnp.float32))
         else:
-            self.weight = nnx.Param(_normal(rngs, (out_features, in_features), dtype))
+            self.weight = nnx.Param(normal_init(rngs, (out_features, in_features), dtype))
 
     def kernel(self) -> jax.Array:
         scale = self.weight_scale_inv[...] if self.fp8 != "off" else None

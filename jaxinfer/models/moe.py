@@ -15,7 +15,7 @@ from flax import nnx
 from jaxinfer.config import ModelConfig
 from jaxinfer.checkpoint.fp8 import scale_shape
 from jaxinfer.models.grouped_matmul import grouped_matmul, tile_plan
-from jaxinfer.models.layers import FP8_DTYPE, MLP, _normal, dense_weight
+from jaxinfer.models.layers import FP8_DTYPE, MLP, normal_init, dense_weight
 from jaxinfer.parallel.dispatch import expert_parallel
 from jaxinfer.parallel.placement import default_tables
 from kernels_pallas import fp8_grouped_gemm_contiguous, per_token_cast_to_fp8
@@ -54,7 +54,7 @@ class Router(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
-        self.weight = nnx.Param(_normal(rngs, (config.n_routed_experts, config.hidden_size), jnp.float32))
+        self.weight = nnx.Param(normal_init(rngs, (config.n_routed_experts, config.hidden_size), jnp.float32))
         if config.scoring_func == "sigmoid":
             self.e_score_correction_bias = nnx.Param(jnp.zeros((config.n_routed_experts,), jnp.float32))
 
@@ -120,7 +120,7 @@ class Experts(nnx.Module):
         self.dtype = dtype
         self.fp8 = fp8
         for name, shape in zip(self.PROJ, ((s, i, d), (s, i, d), (s, d, i))):
-            w = _normal(rngs, shape, jnp.float32)
+            w = normal_init(rngs, shape, jnp.float32)
             setattr(self, name, nnx.Param(w.astype(FP8_DTYPE if fp8 != "off" else dtype)))
             if fp8 != "off":
                 setattr(self, name + "_scale_inv", nnx.Param(jnp.ones(scale_shape(shape), jnp.float32)))
