@@ -269,9 +269,10 @@ def load_model(path, mesh: MeshSpec = None, dtype="bfloat16", keep_fp8: bool = F
     ckpt = SafetensorsCheckpoint(path)
     layout = checkpoint_layout(config, ckpt)
     if config.num_nextn_predict_layers > layout["num_mtp_layers"]:
+        first_missing = config.num_hidden_layers + layout["num_mtp_layers"]
         warnings.warn(f"config announces {config.num_nextn_predict_layers} MTP layer(s) but the checkpoint carries "
-                      f"{layout['num_mtp_layers']} (no model.layers.{config.num_hidden_layers + layout['num_mtp_layers']}"
-                      ".eh_proj.weight): MTP is disabled for the missing ones", stacklevel=2)
+                      f"{layout['num_mtp_layers']} (no model.layers.{first_missing}.eh_proj.weight): MTP is "
+                      "disabled for the missing ones", stacklevel=2)
     if fp8_compute is None:
         fp8_compute = layout["has_fp8"] and dtype == jnp.bfloat16 and mesh.devices.flat[0].platform == "gpu"
     if (keep_fp8 or fp8_compute) and not layout["has_fp8"]:
