@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from jaxinfer.engine.sampling_params import SamplingParams
-from jaxinfer.engine.scheduler import Scheduler
+from jaxinfer.engine.scheduler import Scheduler, bucket
 from jaxinfer.engine.sequence import Sequence, SequenceStatus
 
 S = 4          # page size of these tests
@@ -43,8 +43,7 @@ def step(sched: Scheduler, check=None):
         return None, []
     if check is not None:
         check(sched, plan)
-    sampled = {c.seq.seq_id: fake_token(c.seq.seq_id, c.start + c.num_tokens) for c in plan.all_chunks() if c.sample}
-    return plan, sched.update(plan, sampled)
+    return plan, sched.update(plan, fake_sampled(plan))
 
 
 def run_all(sched: Scheduler, check=None, max_steps=20_000) -> list:
@@ -60,7 +59,7 @@ def run_all(sched: Scheduler, check=None, max_steps=20_000) -> list:
 
 def make(num_ranks=1, num_pages=64, **kw):
     kw = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256, enable_prefix_caching=True,
-              page_size=S, eos_token_id=EOS) | kw
+              page_size=S, eos_token_id=EOS, min_prefill_t=1) | kw
     return Scheduler(num_ranks, num_pages, **kw)
 
 
@@ -244,7 +243,10 @@ def test_engine_finish_for_stop_strings_and_stale_chunks():
 
 # ---- property test ------------------------------------------------------------------------------------------------
 def _check_plan(sched: Scheduler, plan):
-    """Invariants of every step: limits, page ownership, refcounts, shared pages never written."""
+    """Invariants of every step: limits, prefill grid, page ownership, refcounts, shared pages never written."""
+    if plan.kind == "prefill":
+        t = bucket(max(c.num_tokens for c in plan.all_chunks()), sched.min_prefill_t)
+        assert max(map(len, plan.chunks)) * t <= sched.prefill_capacity
     for rank in range(sched.num_ranks):
         cache = sched.caches[rank]
         alloc = cache.allocator
@@ -291,26 +293,44 @@ def workloads(draw):
         reqs.append((draw(st.integers(0, 6)), prefix + suffix, params))    # (arrival step, prompt, params)
     return dict(reqs=reqs, num_ranks=draw(st.integers(1, 3)), extra_pages=draw(st.integers(0, 6)),
                 max_num_seqs=draw(st.integers(1, 4)), max_num_batched_tokens=draw(st.integers(1, 16)),
-                max_model_len=draw(st.integers(8, 40)), prefix=draw(st.booleans()))
+                max_model_len=draw(st.integers(8, 40)), prefix=draw(st.booleans()),
+                min_prefill_t=draw(st.sampled_from([1, 2, 8])))
 
 
+def fake_sampled(plan) -> dict[int, int]:
+    return {c.seq.seq_id: fake_token(c.seq.seq_id, c.start + c.num_tokens) for c in plan.all_chunks() if c.sample}
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(workloads())
-def test_random_workloads(w):
+@given(w=workloads())
+def test_random_workloads(w, overlap):
+    """sync: schedule, update. async (the engine's loop): schedule n+1 and commit it before step n's tokens are
+    resolved, so sequences carry placeholders while being scheduled."""
     L = w["max_model_len"]
     # Every admissible request fits alone: pages for min(prompt + max_tokens - 1, max_model_len) positions.
     need = max(-(-min(len(p) + sp.max_tokens - 1, L) // S) for _, p, sp in w["reqs"])
     sched = Scheduler(w["num_ranks"], 1 + need + w["extra_pages"], max_num_seqs=w["max_num_seqs"],
                       max_num_batched_tokens=w["max_num_batched_tokens"], max_model_len=L,
-                      enable_prefix_caching=w["prefix"], page_size=S, eos_token_id=EOS)
-    seqs = []
+                      enable_prefix_caching=w["prefix"], page_size=S, eos_token_id=EOS,
+                      min_prefill_t=w["min_prefill_t"])
+    seqs, in_flight = [], None
     pending = sorted(enumerate(w["reqs"]), key=lambda x: x[1][0])
     for t in range(20_000):
         while pending and pending[0][1][0] <= t:
             i, (_, prompt, params) = pending.pop(0)
             seqs.append(sched.add(Sequence(i, prompt, params)))
-        plan, _ = step(sched, _check_plan)
-        if plan is None and not pending:
+        if overlap:
+            plan = sched.schedule()
+            if plan is not None:
+                _check_plan(sched, plan)
+                sched.commit(plan)
+            if in_flight is not None:
+                sched.resolve(*in_flight)
+            in_flight = None if plan is None else (plan, fake_sampled(plan))
+        else:
+            plan, _ = step(sched, _check_plan)
+        if plan is None and not pending and in_flight is None:
             break
     else:
         raise AssertionError("workload did not finish")

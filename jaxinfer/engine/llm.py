@@ -1,28 +1,33 @@
 """``jaxinfer.LLM``: vLLM-style offline generation (DESIGN.md "Public contract").
 
 One request's path: prompt -> Tokenizer -> Scheduler (DP rank, prefill / decode steps, pages) -> Runner (one
-jitted step over the paged latent cache) -> sampler on device -> Scheduler.update (append, stop checks, pages)
--> IncrementalDecoder (text, stop strings) -> RequestOutput.
+jitted step over the paged latent cache, sampler included) -> Scheduler.commit / resolve (append, stop checks,
+pages) -> IncrementalDecoder (text, stop strings) -> RequestOutput.
+
+The loop overlaps host and device (vLLM v1's async scheduling): step n+1 is scheduled and dispatched while step n
+runs; its sequences' newest tokens are read on device from step n's outputs (runner.py), and step n's tokens are
+brought to the host afterwards. A step whose rows use penalties waits for the previous tokens first.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import pathlib
 import time
 from typing import Any, Sequence as _Seq
 
-import jax.numpy as jnp
-import numpy as np
+import jax
 from tqdm.auto import tqdm
 
-from jaxinfer.engine.runner import Runner, bucket
-from jaxinfer.engine.sampler import SamplingTensors, sample, token_counts
+from jaxinfer.engine.runner import Runner
 from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.engine.scheduler import Scheduler
-from jaxinfer.engine.sequence import Sequence
+from jaxinfer.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from jaxinfer.engine.tokenizer import IncrementalDecoder, Tokenizer
+from jaxinfer.kv.page_allocator import PAGE_SIZE
+from jaxinfer.kv.paged_cache import default_num_pages
 from jaxinfer.model import load_model
 
 
@@ -46,28 +51,40 @@ class RequestOutput:
 
 
 class LLM:
-    """Offline generation on a mesh. Engine options are per DP rank where they count pages or sequences."""
+    """Offline generation on a mesh. Engine options are per DP rank where they count pages or sequences.
+
+    num_kv_pages: KV pages of 64 tokens per DP rank; None = what fits in 90% of a device's free memory (a
+    quarter of the available host memory shared by the local devices on CPU), at most enough for max_num_seqs
+    sequences of max_model_len tokens. max_logprobs: the largest ``SamplingParams.logprobs`` accepted (vLLM's
+    default 20)."""
 
     def __init__(self, model: str | pathlib.Path | None = None, mesh=None, dtype: str | None = None, *,
-                 num_kv_pages: int = 512, max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
+                 num_kv_pages: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
-                 fp8_compute: bool | None = None, seed: int = 0):
+                 fp8_compute: bool | None = None, seed: int = 0, max_logprobs: int = 20):
         if model is None:
             raise ValueError("the embedded default model is not shipped yet: pass model=<checkpoint directory>")
-        for name, value in [("num_kv_pages", num_kv_pages), ("max_num_seqs", max_num_seqs),
-                            ("max_num_batched_tokens", max_num_batched_tokens)]:
+        for name, value in [("num_kv_pages", 2 if num_kv_pages is None else num_kv_pages),
+                            ("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("max_logprobs", max_logprobs + 1)]:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.model_path = str(pathlib.Path(model))
         self.model = load_model(model, mesh=mesh, dtype=dtype or "bfloat16", fp8_compute=fp8_compute)
         config = self.model.config
         self.max_model_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+        if num_kv_pages is None:
+            num_kv_pages = default_kv_pages(self.model, max_num_seqs, self.max_model_len)
         self.tokenizer = Tokenizer.from_dir(model)
         eos = self.tokenizer.eos_token_id if self.tokenizer else (config.eos_token_ids or (None,))[0]
         self.scheduler = Scheduler(self.model.dp_size, num_kv_pages, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
                                    enable_prefix_caching=enable_prefix_caching, eos_token_id=eos)
-        self.runner = Runner(self.model, num_kv_pages)
+        self.runner = Runner(self.model, num_kv_pages, max_num_seqs=max_num_seqs,
+                             prefill_capacity=self.scheduler.prefill_capacity,
+                             min_prefill_t=self.scheduler.min_prefill_t, engine_seed=seed,
+                             max_logprobs=max_logprobs)
+        self.max_logprobs = max_logprobs
         self.seed = seed
         self._ids = itertools.count()
 
@@ -78,6 +95,15 @@ class LLM:
                 raise ValueError("text prompts need tokenizer.json beside the checkpoint; pass token ids")
             return prompt, self.tokenizer.encode(prompt)
         return None, [int(t) for t in prompt]
+
+    def _request_error(self, ids: list[int], p: SamplingParams) -> str | None:
+        """Why a request can never run (checked before the scheduler's own checks), or None."""
+        bad = [t for t in ids if not 0 <= t < self.model.config.vocab_size]
+        if bad:
+            return f"token id {bad[0]} is outside the vocabulary [0, {self.model.config.vocab_size})"
+        if p.logprobs is not None and p.logprobs > self.max_logprobs:
+            return f"logprobs={p.logprobs} exceeds max_logprobs={self.max_logprobs}"
+        return None
 
     def generate(self, prompts, sampling_params: SamplingParams | _Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -95,45 +121,49 @@ class LLM:
             text, ids = self._prompt_ids(prompt)
             request = RequestOutput(next(self._ids), text, ids, [], {"arrival": start})
             requests.append(request)
-            bad = [t for t in ids if not 0 <= t < self.model.config.vocab_size]
+            error = self._request_error(ids, p)
             for child in range(p.n):
                 seq = Sequence(next(self._ids), ids, p, child_index=child)
                 seqs_of.setdefault(request.request_id, []).append(seq)
-                if bad:
-                    request.outputs.append(CompletionOutput(child, [], "", "error", f"token id {bad[0]} is outside "
-                                                            f"the vocabulary [0, {self.model.config.vocab_size})"))
+                if error:
+                    request.outputs.append(CompletionOutput(child, [], "", "error", error))
                     continue
                 self.scheduler.add(seq)
-                out = CompletionOutput(child, seq.output_token_ids, "", None)
+                out = CompletionOutput(child, seq.output_token_ids, "", None,
+                                       logprobs=None if p.logprobs is None else [])
                 request.outputs.append(out)
                 if seq.is_finished:  # rejected at admission (empty, too long, can never fit)
                     out.finish_reason, out.error = seq.finish_reason, seq.error
                     continue
                 decoder = IncrementalDecoder(self.tokenizer, ids) if self.tokenizer else None
-                live[seq.seq_id] = (seq, out, request, decoder)
+                live[seq.seq_id] = _Live(seq, out, request, decoder)
+        self.stats = EngineStats()
         bar = tqdm(total=len(live), disable=not use_tqdm, desc="generate", unit="seq")
-        while self.scheduler.has_unfinished():
+        in_flight = None  # the last dispatched step, committed, tokens not yet resolved
+        while live:
+            t0 = time.perf_counter()
             plan = self.scheduler.schedule()
-            if plan is None:
-                break
-            for seq in plan.finished:
-                _, out, _, _ = live.pop(seq.seq_id)
-                out.finish_reason, out.error = seq.finish_reason, seq.error
-                bar.update(1)
-            if not plan.num_scheduled_tokens:
-                continue
-            logits, chunks = self.runner.run(plan)
-            tokens = self._sample(logits, [ch.seq for ch in chunks])
-            now = time.perf_counter()
-            for ch in chunks:
-                entry = live[ch.seq.seq_id]
-                entry[2].metrics.setdefault("first_token", now)
-            for seq in self.scheduler.update(plan, dict(zip((c.seq.seq_id for c in chunks), tokens))):
-                self._close(live.pop(seq.seq_id), seq)
-                bar.update(1)
-            for ch in chunks:  # stop strings (need text)
-                if ch.seq.seq_id in live:
-                    self._check_stop(live, ch.seq, bar)
+            for seq in plan.finished if plan else ():
+                self._close(live, seq, bar)
+            self.stats.preemptions += len(plan.preempted) if plan else 0
+            chunks = [c for c in plan.all_chunks() if c.seq.status is SequenceStatus.RUNNING] if plan else []
+            if in_flight is not None and any(c.seq.params.uses_penalties and c.sample for c in chunks):
+                self._resolve(in_flight, live, bar)  # penalties count the real tokens: no overlap this step
+                in_flight = None
+                chunks = [c for c in chunks if c.seq.status is SequenceStatus.RUNNING]
+            step = None
+            if chunks:
+                step = self.runner.dispatch(plan)
+                self.scheduler.commit(plan)
+                self.stats.steps += 1
+                self.stats.scheduled_tokens += sum(c.num_tokens for c in chunks)
+                self.stats.prefill_tokens += sum(c.num_tokens for c in chunks) if plan.kind == "prefill" else 0
+            self.stats.host_s += time.perf_counter() - t0
+            if in_flight is not None:
+                self._resolve(in_flight, live, bar)
+            elif step is None and plan is None:
+                raise RuntimeError(f"scheduler stalled with {len(live)} unfinished sequences")  # a bug, not input
+            in_flight = step
         bar.close()
         end = time.perf_counter()
         for request in requests:
@@ -146,6 +176,31 @@ class LLM:
                                    num_output_tokens=n_out)
         return requests
 
+    def _resolve(self, step, live: dict, bar) -> None:
+        """Brings a dispatched step's tokens to the host and applies them: scheduler.resolve, logprobs, stop
+        strings, completed sequences."""
+        t0 = time.perf_counter()
+        result = self.runner.fetch(step)
+        t1 = time.perf_counter()
+        self.stats.wait_s += t1 - t0
+        done = self.scheduler.resolve(step.plan, result.tokens)
+        for seq, index in step.plan.pending:
+            entry = live.get(seq.seq_id)
+            if entry is None or index >= len(seq.output_token_ids):
+                continue
+            entry.request.metrics.setdefault("first_token", t1)
+            if entry.out.logprobs is not None:
+                entry.out.logprobs.append(result.logprobs[seq.seq_id])
+            if not seq.is_finished and seq.params.stop:
+                self._check_stop(entry)
+        for seq in done:
+            if seq.seq_id in live:
+                self._close(live, seq, bar)
+        for seq, _ in step.plan.pending:  # stopped by a stop string above
+            if seq.seq_id in live and seq.is_finished and PLACEHOLDER not in seq.output_token_ids:
+                self._close(live, seq, bar)
+        self.stats.host_s += time.perf_counter() - t1
+
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them, through the tokenizer's chat
         template (user text never becomes special tokens)."""
@@ -155,46 +210,73 @@ class LLM:
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _sample(self, logits: np.ndarray, seqs: list[Sequence]) -> list[int]:
-        rows = bucket(len(seqs))
-        params = [s.params for s in seqs]
-        kwargs = {}
-        if any(p.uses_penalties for p in params):
-            kwargs = dict(output_token_counts=token_counts([s.output_token_ids for s in seqs], logits.shape[1], rows),
-                          prompt_token_mask=token_counts([s.prompt_token_ids for s in seqs], logits.shape[1],
-                                                         rows) > 0)
-        pad = [0] * (rows - len(seqs))  # padding rows: greedy, never read
-        tensors = SamplingTensors.build(params, logits.shape[1], num_rows=rows,
-                                        steps=[s.num_output_tokens for s in seqs] + pad,
-                                        request_ids=[s.seq_id for s in seqs] + pad,
-                                        child_indices=[s.child_index for s in seqs] + pad,
-                                        engine_seed=self.seed, **kwargs)
-        padded = np.zeros((rows, logits.shape[1]), np.float32)
-        padded[: len(seqs)] = logits
-        return [int(t) for t in np.asarray(sample(jnp.asarray(padded), tensors).token_ids)[: len(seqs)]]
+    def _close(self, live: dict, seq: Sequence, bar) -> None:
+        entry = live.pop(seq.seq_id)
+        entry.out.finish_reason, entry.out.error = seq.finish_reason, seq.error
+        if entry.out.logprobs is not None:
+            del entry.out.logprobs[len(seq.output_token_ids):]  # tokens dropped after a stop
+        if entry.decoder is not None:
+            self._decode(entry)
+            entry.decoder.finish()
+            if entry.stop_at is None:
+                entry.out.text = entry.decoder.text
+        bar.update(1)
 
-    def _close(self, entry, seq: Sequence) -> None:
-        _, out, _, decoder = entry
-        out.finish_reason, out.error = seq.finish_reason, seq.error
-        if decoder is not None:
-            self._decode(decoder, seq)
-            decoder.finish()
-            out.text = decoder.text
-
-    def _decode(self, decoder: IncrementalDecoder, seq: Sequence) -> None:
-        for tok in seq.output_token_ids[len(decoder.output_ids):]:
+    @staticmethod
+    def _decode(entry: "_Live") -> None:
+        outputs, decoder = entry.seq.output_token_ids, entry.decoder
+        for tok in outputs[len(decoder.output_ids):]:
+            if tok == PLACEHOLDER:
+                break
             decoder.add(tok)
 
-    def _check_stop(self, live, seq: Sequence, bar) -> None:
-        _, out, _, decoder = live[seq.seq_id]
-        if decoder is None or not seq.params.stop:
+    def _check_stop(self, entry: "_Live") -> None:
+        if entry.decoder is None:
             return
-        self._decode(decoder, seq)
-        for stop in seq.params.stop:
-            cut = decoder.text.find(stop)
+        self._decode(entry)
+        for stop in entry.seq.params.stop:
+            cut = entry.decoder.text.find(stop)
             if cut >= 0:
-                self.scheduler.finish(seq, "stop")
-                out.finish_reason, out.text = "stop", decoder.text[:cut]
-                live.pop(seq.seq_id)
-                bar.update(1)
+                self.scheduler.finish(entry.seq, "stop")
+                entry.stop_at = cut
+                entry.out.text = entry.decoder.text[:cut]
                 return
+
+
+@dataclasses.dataclass
+class _Live:
+    """An unfinished sequence of a generate call and where its results go."""
+
+    seq: Sequence
+    out: CompletionOutput
+    request: RequestOutput
+    decoder: IncrementalDecoder | None
+    stop_at: int | None = None  # text cut by a stop string
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters of the last generate call: steps dispatched, tokens computed (all / in prefill steps),
+    preemptions, host time (scheduling, array building, dispatch, result handling) and time spent waiting for the
+    device's results."""
+
+    steps: int = 0
+    scheduled_tokens: int = 0
+    prefill_tokens: int = 0
+    preemptions: int = 0
+    host_s: float = 0.0
+    wait_s: float = 0.0
+
+
+def default_kv_pages(model, max_num_seqs: int, max_model_len: int) -> int:
+    """num_kv_pages=None: pages fitting in 90% of one device's free memory (GPU: bytes_limit - bytes_in_use;
+    CPU: a quarter of the available host memory over the local devices), capped at what max_num_seqs sequences of
+    max_model_len tokens can use (plus the null page)."""
+    device = model.mesh.devices.flat[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4 // max(len(jax.local_devices()), 1)
+    cap = max_num_seqs * -(-max_model_len // PAGE_SIZE) + 1
+    return min(default_num_pages(model.config, model.dtype, free), cap)

@@ -1,14 +1,25 @@
-"""Runner: turns a scheduler StepPlan into padded, bucketed device arrays and runs one jitted model step over
-the paged latent cache (DeepseekForCausalLM.forward_paged -> kernels_pallas.mla_decode).
+"""Runner: turns a scheduler StepPlan into padded, bucketed device arrays and runs one jitted step: the model over
+the paged latent cache (DeepseekForCausalLM.paged_hidden_states -> kernels_pallas.mla_decode), the head on each
+row's last token, and the sampler (engine/sampler.py), all on device.
 
 Layout of a step (every device is a DP rank; rank r owns rows [r * rows, (r + 1) * rows)): a chunk of n tokens
 sits at the END of its row of T columns, so that mla_decode's causal rule (query i sees keys < seqlen - T + i + 1)
-holds for every real token; padding columns write nothing (slot -1) and padding rows see no keys. Shapes are
-bucketed to powers of two (rows per rank, T, pages per row) so the number of compilations stays bounded.
+holds for every real token; padding columns write nothing (slot -1) and padding rows see no keys.
+
+Bounded compilation: the step compiles once per (rows, T, pages) bucket, penalties on/off and logprobs on/off.
+Decode steps: T = 1, rows per rank a power of two. Prefill steps: T a power of two >= scheduler.min_prefill_t
+and rows = scheduler.prefill_capacity // T (the scheduler keeps every rank's chunks within that grid). Pages per row: a power
+of two >= MIN_PAGES.
+
+Tokens stay on device: every step writes its sampled tokens into a device buffer (slot rank * max_rows + row), and
+a token the host does not know yet (a scheduler PLACEHOLDER) is read from that buffer by the next step, so the
+host can schedule and dispatch step n+1 before step n's tokens come back (``dispatch`` returns at once; ``fetch``
+waits).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -17,70 +28,181 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxinfer.engine.scheduler import StepPlan
+from jaxinfer.engine.sampler import SampleOutput, SamplingTensors, sample, token_counts
+from jaxinfer.engine.sampling_params import SamplingParams
+from jaxinfer.engine.scheduler import MIN_PREFILL_T, ScheduledChunk, StepPlan, bucket
+from jaxinfer.engine.sequence import PLACEHOLDER, SequenceStatus
 from jaxinfer.kv.paged_cache import init_paged_cache
 from jaxinfer.parallel.dispatch import BATCH_AXES
 from jaxinfer.parallel.multihost import global_array, to_host
 
+MIN_PAGES = 4  # pages per row: fewer shapes; gathering 4 pages costs little more than 1
+_PAD_PARAMS = SamplingParams(temperature=0.0)  # rows that sample nothing: greedy, never read
 
-def bucket(n: int, minimum: int = 1) -> int:
-    """The next power of two >= max(n, minimum)."""
-    return 1 << (max(n, minimum) - 1).bit_length()
+
+@dataclasses.dataclass
+class InFlight:
+    """A dispatched step: its plan, the (global row, chunk) of every sampling chunk, the device outputs."""
+
+    plan: StepPlan
+    sampled: list[tuple[int, ScheduledChunk]]
+    output: SampleOutput
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """Host values of a step: token per seq_id; logprobs per seq_id ({token: logprob}, sampled token included)
+    for rows that asked for them."""
+
+    tokens: dict[int, int]
+    logprobs: dict[int, dict[int, float]]
 
 
 class Runner:
-    """Holds the model's paged latent cache (per layer [R * pages_per_rank, 64, 1, C+R]) and runs steps."""
+    """Holds the model's paged latent cache (per layer [R * pages_per_rank, 64, 1, C+R]) and the token buffer.
 
-    def __init__(self, model, num_pages_per_rank: int, page_size: int = 64):
+    Args:
+      model: a jaxinfer Model.
+      num_pages_per_rank: KV pages per DP rank (the null page 0 included).
+      max_num_seqs: running sequences per rank at most (sizes the token buffer).
+      prefill_capacity, min_prefill_t: the prefill grid (Scheduler.prefill_capacity, Scheduler.min_prefill_t).
+      engine_seed: seed of unseeded requests (sampler.request_seed).
+      max_logprobs: the logprobs width computed when any row asks for logprobs (one static width bounds
+        compilations; vLLM's ``max_logprobs`` default is 20).
+    """
+
+    def __init__(self, model, num_pages_per_rank: int, *, max_num_seqs: int = 64, prefill_capacity: int = 1024,
+                 min_prefill_t: int = MIN_PREFILL_T, page_size: int = 64, engine_seed: int = 0,
+                 max_logprobs: int = 20):
         self.model = model
         self.page_size = page_size
         self.ranks = model.dp_size
+        self.max_rows = bucket(max_num_seqs)  # a rank's sampling rows: one per running sequence at most
+        self.prefill_capacity = prefill_capacity
+        self.min_prefill_t = min_prefill_t
+        self.engine_seed = engine_seed
+        self.max_logprobs = max_logprobs
+        self.vocab_size = model.config.vocab_size
+        self._batch = NamedSharding(model.mesh, P(BATCH_AXES))
         self.layers = init_paged_cache(model.config, num_pages_per_rank, model.dtype, mesh=model.mesh,
                                        page_size=page_size).layers
-        self._batch = NamedSharding(model.mesh, P(BATCH_AXES))
+        self.tokens = global_array(np.zeros(self.ranks * self.max_rows, np.int32), self._batch)
+        self._feed: dict[int, int] = {}  # seq_id -> buffer slot of its token sampled by the last dispatched step
 
     @functools.cached_property
     def _step(self):
         graphdef = self.model.graphdef
 
-        @functools.partial(jax.jit, donate_argnums=1)
-        def step(state, layers, ids, positions, block_table, seqlens, slots):
-            logits, layers = nnx.merge(graphdef, state).forward_paged(ids, positions, layers, block_table, seqlens,
-                                                                      slots)
-            return logits[:, -1], layers  # the last column holds each row's last real token
+        @functools.partial(jax.jit, donate_argnums=(1, 2))
+        def step(state, layers, tokens, ids, src, positions, block_table, seqlens, slots, dest, tensors):
+            ids = jnp.where(src >= 0, tokens[jnp.maximum(src, 0)], ids)  # [R, T] placeholders from the buffer
+            model = nnx.merge(graphdef, state)
+            h, layers = model.paged_hidden_states(ids, positions, layers, block_table, seqlens, slots)
+            logits = model.head(h[:, -1:])[:, 0]  # [R, V]: the last column holds each row's last real token
+            out = sample(logits, tensors)
+            tokens = tokens.at[dest].set(out.token_ids, mode="drop")  # dest past the buffer: padding rows
+            return out, layers, tokens
 
         return step
 
-    def arrays(self, plan: StepPlan) -> tuple[list[np.ndarray], list[tuple[int, object]]]:
-        """Host arrays of one step and the (row, chunk) of every chunk that samples."""
-        rows = bucket(max(len(c) for c in plan.chunks))
-        t = bucket(max((ch.num_tokens for c in plan.chunks for ch in c), default=1))
-        pages = bucket(max((len(ch.seq.pages) for c in plan.chunks for ch in c), default=1))
+    def shapes(self, plan: StepPlan) -> tuple[int, int, int]:
+        """(rows per rank, T, pages per row) of the step's bucketed arrays."""
+        chunks = [ch for cs in plan.chunks for ch in cs]
+        pages = bucket(max((len(ch.seq.pages) for ch in chunks), default=1), MIN_PAGES)
+        if plan.kind == "decode":
+            return bucket(max(len(c) for c in plan.chunks)), 1, pages
+        t = bucket(max((ch.num_tokens for ch in chunks), default=1), self.min_prefill_t)
+        rows = self.prefill_capacity // t
+        if any(len(c) > rows for c in plan.chunks):
+            raise RuntimeError(f"prefill step of {[len(c) for c in plan.chunks]} chunks does not fit {rows} x {t}")
+        return rows, t, pages
+
+    def arrays(self, plan: StepPlan) -> tuple[list[np.ndarray], list[tuple[int, ScheduledChunk]], list]:
+        """Host arrays of one step: (ids, src, positions, block_table, seqlens, slots, dest), the (row, chunk) of
+        every sampling chunk, and each row's SamplingParams (padding rows: greedy). Chunks of sequences finished
+        since ``schedule`` are left out."""
+        plan_chunks = [[ch for ch in cs if ch.seq.status is SequenceStatus.RUNNING] for cs in plan.chunks]
+        rows, t, pages = self.shapes(dataclasses.replace(plan, chunks=plan_chunks))
         n_rows = self.ranks * rows
         ids = np.zeros((n_rows, t), np.int32)
+        src = np.full((n_rows, t), -1, np.int32)
         positions = np.zeros((n_rows, t), np.int32)
         slots = np.full((n_rows, t), -1, np.int32)
         block_table = np.zeros((n_rows, pages), np.int32)  # page 0: each rank's null page
         seqlens = np.zeros((n_rows,), np.int32)
-        sampled = []
-        for rank, chunks in enumerate(plan.chunks):
+        dest = np.full((n_rows,), self.ranks * self.max_rows, np.int32)  # out of range: dropped
+        params = [_PAD_PARAMS] * n_rows
+        sampled, feed = [], {}
+        for rank, chunks in enumerate(plan_chunks):
             for i, ch in enumerate(chunks):
-                row, n = rank * rows + i, ch.num_tokens
+                row, n, seq = rank * rows + i, ch.num_tokens, ch.seq
                 pos = np.arange(ch.start, ch.start + n, dtype=np.int32)
-                ids[row, t - n:] = ch.seq.token_ids(ch.start, ch.start + n)
+                chunk_ids = np.asarray(seq.token_ids(ch.start, ch.start + n), np.int32)
+                pending = chunk_ids == PLACEHOLDER
+                if pending.any():  # only ever the last token, sampled by the previous step
+                    if not pending[-1] or pending.sum() != 1 or seq.seq_id not in self._feed:
+                        raise RuntimeError(f"seq {seq.seq_id}: unknown token ids {chunk_ids[pending]} in its chunk")
+                    src[row, t - 1] = self._feed[seq.seq_id]
+                ids[row, t - n:] = np.where(pending, 0, chunk_ids)
                 positions[row, t - n:] = pos
-                seq_pages = np.asarray(ch.seq.pages, np.int32)
+                seq_pages = np.asarray(seq.pages, np.int32)
                 slots[row, t - n:] = seq_pages[pos // self.page_size] * self.page_size + pos % self.page_size
                 block_table[row, : len(seq_pages)] = seq_pages
                 seqlens[row] = ch.start + n
                 if ch.sample:
                     sampled.append((row, ch))
-        return [ids, positions, block_table, seqlens, slots], sampled
+                    params[row] = seq.params
+                    dest[row] = rank * self.max_rows + i
+                    feed[seq.seq_id] = int(dest[row])
+        self._feed = feed
+        return [ids, src, positions, block_table, seqlens, slots, dest], sampled, params
 
-    def run(self, plan: StepPlan) -> tuple[np.ndarray, list]:
-        """Runs one step; returns (float32 logits [num sampled chunks, V], the sampled chunks in that order)."""
-        host, sampled = self.arrays(plan)
+    def _tensors(self, params: list[SamplingParams], sampled) -> SamplingTensors:
+        n_rows = len(params)
+        seqs = [None] * n_rows
+        for row, ch in sampled:
+            seqs[row] = ch.seq
+        kwargs = {}
+        if any(p.uses_penalties for p in params):
+            kwargs = dict(output_token_counts=token_counts([s.output_token_ids if s else [] for s in seqs],
+                                                           self.vocab_size),
+                          prompt_token_mask=token_counts([s.prompt_token_ids if s else [] for s in seqs],
+                                                         self.vocab_size) > 0)
+        wants_logprobs = any(p.logprobs is not None for p in params)
+        return SamplingTensors.build(params, self.vocab_size,
+                                     steps=[s.num_output_tokens if s else 0 for s in seqs],
+                                     request_ids=[s.seq_id if s else 0 for s in seqs],
+                                     child_indices=[s.child_index if s else 0 for s in seqs],
+                                     engine_seed=self.engine_seed,
+                                     max_logprobs=self.max_logprobs if wants_logprobs else None, **kwargs)
+
+    def dispatch(self, plan: StepPlan) -> InFlight:
+        """Starts the step of ``plan`` on the devices and returns without waiting for it.
+
+        Sampling rows with penalties need their real output tokens: the caller resolves the previous step first
+        (a PLACEHOLDER among a penalised row's outputs raises)."""
+        host, sampled, params = self.arrays(plan)
+        for _, ch in sampled:
+            if ch.seq.params.uses_penalties and PLACEHOLDER in ch.seq.output_token_ids:
+                raise RuntimeError(f"seq {ch.seq.seq_id} uses penalties: resolve the previous step first")
+        tensors = jax.tree.map(lambda a: global_array(a, self._batch), self._tensors(params, sampled))
         args = [global_array(a, self._batch) for a in host]
-        logits, self.layers = self._step(self.model.state, self.layers, *args)
-        rows = np.asarray([row for row, _ in sampled], np.int64)
-        return to_host(logits)[rows], [ch for _, ch in sampled]
+        output, self.layers, self.tokens = self._step(self.model.state, self.layers, self.tokens, *args, tensors)
+        return InFlight(plan, sampled, output)
+
+    def fetch(self, step: InFlight) -> StepResult:
+        """Waits for a dispatched step and returns its sampled tokens (and logprobs) by seq_id."""
+        token_ids = to_host(step.output.token_ids)
+        tokens = {ch.seq.seq_id: int(token_ids[row]) for row, ch in step.sampled}
+        logprobs = {}
+        if step.output.logprobs is not None:
+            chosen, top_ids, top_lp = (to_host(x) for x in (step.output.logprobs, step.output.top_ids,
+                                                            step.output.top_logprobs))
+            for row, ch in step.sampled:
+                n = ch.seq.params.logprobs
+                if n is None:
+                    continue
+                entry = {int(top_ids[row, j]): float(top_lp[row, j]) for j in range(n)}
+                entry[int(token_ids[row])] = float(chosen[row])
+                logprobs[ch.seq.seq_id] = entry
+        return StepResult(tokens, logprobs)

@@ -12,6 +12,12 @@ fits (a running sequence whose prefill is unfinished, or a waiting one that can 
   At admission the prefix cache ``match``es the full pages of the tokens except that the last token is always
   computed (``(num_tokens - 1) // page_size`` hashes), and the pages of the whole prefill are allocated (chunks cut
   compute, not memory: see ``_admit``); a waiting sequence whose pages are not available blocks the queue (FIFO).
+- Prefill shapes. A prefill step's rows are laid out as a [rows, T] grid per rank (runner.py) with T the
+  power of two >= the longest chunk (at least ``min_prefill_t``) and rows = ``prefill_capacity // T``, where
+  ``prefill_capacity`` is the power of two >= ``max_num_batched_tokens``: so a prefill step has one of a few
+  shapes (one per T) and never pads past ``prefill_capacity`` tokens per rank. Chunks are admitted (and cut)
+  only while every rank's chunk count times T stays within that capacity (T and the count are shared by all
+  ranks, since they run one program).
 - Decode: each running sequence computes one token (its last sampled one) and samples the next; it takes a new page
   when its KV crosses a page boundary.
 - Out of pages. A running sequence that cannot make progress preempts the newest running sequence (by arrival) of
@@ -21,10 +27,16 @@ fits (a running sequence whose prefill is unfinished, or a waiting one that can 
   cannot even run alone (it needs more pages than the rank has) it finishes with reason "error" and a message.
   Admission never preempts, and an admitted prefill never needs pages, so only decode steps preempt. Requests are
   never dropped.
-- ``update`` appends the sampled tokens, advances ``num_computed_tokens``, registers pages that became full (and
-  fully written) in the prefix cache, and applies the stop checks that need no tokenizer, in vLLM v0's order: EOS
-  (unless ``ignore_eos``) or a ``stop_token_ids`` hit -> "stop"; ``max_tokens`` outputs -> "length"; ``num_tokens``
-  reaching ``max_model_len`` -> "length". Stop strings need detokenization: the engine calls ``finish``.
+- Results come in two halves, so that the engine can schedule step n+1 while the device still runs step n
+  (vLLM v1's async scheduling). ``commit(plan)`` right after the step is dispatched: advances
+  ``num_computed_tokens`` and appends a ``PLACEHOLDER`` output token for every sampling chunk (the token exists,
+  on device; the next step reads it from there), and applies the stop checks that need no token value:
+  ``max_tokens`` outputs or ``max_model_len`` tokens -> "length". ``resolve(plan, sampled)`` when the tokens
+  reach the host: fills the placeholders, applies EOS (unless ``ignore_eos``) / ``stop_token_ids`` -> "stop"
+  (which wins over "length", vLLM's order) and drops any later placeholder of a stopped sequence, and registers
+  pages that became full of real tokens in the prefix cache. ``update`` = commit + resolve (synchronous use).
+  Stop strings need detokenization: the engine calls ``finish``. At most two placeholders are outstanding per
+  sequence (steps n and n+1); a sequence is complete when it is finished and holds none.
 
 Invariants kept for ``PrefixCache`` (see its module doc): pages only go through the cache's ``allocate`` / ``free``;
 a chunk only writes positions ``>= num_computed_tokens``, which lie in pages that are neither cached nor shared
@@ -38,9 +50,39 @@ import collections
 import dataclasses
 from collections.abc import Mapping
 
-from jaxinfer.engine.sequence import Sequence, SequenceStatus
+from jaxinfer.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from jaxinfer.kv.page_allocator import PAGE_SIZE, PageAllocator
 from jaxinfer.kv.prefix_cache import PrefixCache
+
+
+MIN_PREFILL_T = 16  # default prefill columns at least: fewer shapes, and 16 tokens cost about what 1 does
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """The next power of two >= max(n, minimum)."""
+    return 1 << (max(n, minimum) - 1).bit_length()
+
+
+@dataclasses.dataclass
+class _PrefillShape:
+    """The [rows, T] grid a prefill step has so far (shared by all ranks)."""
+
+    capacity: int
+    min_t: int
+    rows: int = 0
+    t: int = 0
+
+    def fit(self, count: int, n: int) -> int:
+        """Tokens (<= n) a rank's next chunk may have when the rank already has ``count`` chunks; 0 if none."""
+        rows = max(self.rows, count + 1)
+        room = 1 << ((self.capacity // rows).bit_length() - 1)  # largest power of two T with rows * T <= capacity
+        if room < max(self.t, self.min_t):
+            return 0
+        return min(n, room)
+
+    def add(self, count: int, n: int) -> None:
+        self.rows = max(self.rows, count + 1)
+        self.t = max(self.t, bucket(n, self.min_t))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +112,7 @@ class StepPlan:
     chunks: list[list[ScheduledChunk]]
     preempted: list[Sequence] = dataclasses.field(default_factory=list)
     finished: list[Sequence] = dataclasses.field(default_factory=list)
+    pending: list[tuple[Sequence, int]] | None = None  # set by commit: (sequence, index of its placeholder)
 
     def num_tokens(self, rank: int) -> int:
         return sum(c.num_tokens for c in self.chunks[rank])
@@ -104,6 +147,7 @@ class Scheduler:
       num_pages_per_rank: KV pages per rank, the null page included (``PageAllocator(num_pages)``).
       max_num_seqs: running sequences per rank at most.
       max_num_batched_tokens: tokens computed per rank per prefill step at most (chunked prefill).
+      min_prefill_t: the fewest columns of a prefill step's grid (a power of two; see "Prefill shapes").
       max_model_len: prompt + output tokens at most; longer prompts finish at ``add`` with reason "error".
       enable_prefix_caching: ``match`` prompts at admission and ``insert`` full pages.
       page_size: tokens per page (64 = FlashMLA's block size).
@@ -115,7 +159,7 @@ class Scheduler:
 
     def __init__(self, num_ranks: int, num_pages_per_rank: int, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_prefix_caching: bool = True, page_size: int = PAGE_SIZE,
-                 eos_token_id: int | None = None, cache_key=None):
+                 eos_token_id: int | None = None, cache_key=None, min_prefill_t: int = MIN_PREFILL_T):
         for name, value in [("num_ranks", num_ranks), ("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens), ("max_model_len", max_model_len),
                             ("page_size", page_size)]:
@@ -131,6 +175,10 @@ class Scheduler:
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.eos_token_id = eos_token_id
         self.cache_key = cache_key
+        if not isinstance(min_prefill_t, int) or min_prefill_t < 1 or min_prefill_t & (min_prefill_t - 1):
+            raise ValueError(f"{min_prefill_t=} must be a power of two >= 1")
+        self.min_prefill_t = min_prefill_t
+        self.prefill_capacity = bucket(max_num_batched_tokens, min_prefill_t)
         self.caches = [PrefixCache(PageAllocator(num_pages_per_rank), page_size) for _ in range(num_ranks)]
         self.waiting: list[collections.deque[Sequence]] = [collections.deque() for _ in range(num_ranks)]
         self.running: list[list[Sequence]] = [[] for _ in range(num_ranks)]   # sorted by arrival
@@ -190,8 +238,9 @@ class Scheduler:
             self.waiting[seq.rank].append(seq)
         return seq
 
-    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
-        """Finishes an unfinished sequence now (stop strings, aborts): frees its pages, drops it from its queue.
+    def finish(self, seq: Sequence, reason: str, error: str | None = None, *, keep_pending: bool = False) -> None:
+        """Finishes an unfinished sequence now (stop strings, aborts): frees its pages, drops it from its queue and
+        (unless ``keep_pending``) its trailing placeholder outputs: tokens of steps in flight are not output.
 
         Raises ValueError if ``seq`` is not an unfinished sequence of this scheduler.
         """
@@ -205,14 +254,17 @@ class Scheduler:
         self._release(seq)
         self._ids.discard(seq.seq_id)
         self._set_finished(seq, reason, error)
+        while not keep_pending and seq.output_token_ids and seq.output_token_ids[-1] == PLACEHOLDER:
+            seq.output_token_ids.pop()                  # tokens of steps still in flight: not part of the output
 
     # ---- scheduling ----------------------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
         """The next step: a prefill step if any rank has prefill work that fits, else a decode step; None when
         nothing is left to do (no unfinished sequences)."""
         plan = StepPlan("prefill", [[] for _ in range(self.num_ranks)])
+        shape = _PrefillShape(self.prefill_capacity, self.min_prefill_t)
         for rank in range(self.num_ranks):
-            self._schedule_prefill(rank, plan)
+            self._schedule_prefill(rank, plan, shape)
         if not plan.all_chunks():
             plan.kind = "decode"
             for rank in range(self.num_ranks):
@@ -221,7 +273,7 @@ class Scheduler:
             return None
         return plan
 
-    def _schedule_prefill(self, rank: int, plan: StepPlan) -> None:
+    def _schedule_prefill(self, rank: int, plan: StepPlan, shape: _PrefillShape) -> None:
         budget = self.max_num_batched_tokens
         out = plan.chunks[rank]
         for seq in list(self.running[rank]):        # unfinished prefills first, oldest first
@@ -229,8 +281,12 @@ class Scheduler:
                 break
             if not seq.is_prefilling:                  # decoding, or preempted / finished by an older one above
                 continue
-            n = self._grow(seq, min(budget, seq.num_prefill_tokens - seq.num_computed_tokens), plan)
+            n = shape.fit(len(out), min(budget, seq.num_prefill_tokens - seq.num_computed_tokens))
+            if n == 0:
+                break                                  # the step's grid is full
+            n = self._grow(seq, n, plan)
             if n:
+                shape.add(len(out), n)
                 out.append(self._chunk(seq, n))
                 budget -= n
         queue = self.waiting[rank]
@@ -242,11 +298,13 @@ class Scheduler:
                                           f"{self.page_size}, rank {rank} has {self.capacity}")
                 plan.finished.append(seq)
                 continue
-            n = self._admit(seq, budget)
+            room = shape.fit(len(out), budget)
+            n = self._admit(seq, room) if room else 0
             if n == 0:
                 break                                  # FIFO: the head blocks the queue until pages free up
             queue.popleft()
             bisect.insort(self.running[rank], seq, key=lambda s: s.arrival)
+            shape.add(len(out), n)
             out.append(self._chunk(seq, n))
             budget -= n
 
@@ -342,16 +400,15 @@ class Scheduler:
         seq.finish_reason = reason
         seq.error = error
 
-    # ---- results -------------------------------------------------------------------------------------------
-    def update(self, plan: StepPlan, sampled: Mapping[int, int]) -> list[Sequence]:
-        """Applies a computed step: ``sampled[seq_id]`` is the token sampled for each chunk with ``sample`` set.
-
-        Advances ``num_computed_tokens``, appends sampled tokens, registers newly full pages in the prefix cache,
-        runs the stop checks and frees finished sequences' pages. Chunks of sequences finished since ``schedule``
-        (``finish`` by the engine) are skipped. Returns the sequences finished by this update. Raises ValueError for
-        a stale plan or a missing sampled token.
-        """
-        done = []
+    # ---- results ------------------------------------------------------------------------------------------
+    def commit(self, plan: StepPlan) -> list[tuple[Sequence, int]]:
+        """The step of ``plan`` is running: advances ``num_computed_tokens``, appends a PLACEHOLDER output for each
+        sampling chunk and finishes sequences that reached ``max_tokens`` / ``max_model_len`` ("length"). Chunks of
+        sequences finished since ``schedule`` are skipped. Returns (and stores in ``plan.pending``) the
+        placeholders as (sequence, output index). Raises ValueError for a stale or already committed plan."""
+        if plan.pending is not None:
+            raise ValueError("plan already committed")
+        pending = []
         for chunk in plan.all_chunks():
             seq = chunk.seq
             if seq.status is not SequenceStatus.RUNNING:
@@ -363,31 +420,61 @@ class Scheduler:
             self._register_full_pages(seq)
             if not chunk.sample:
                 continue
+            seq.output_token_ids.append(PLACEHOLDER)
+            pending.append((seq, seq.num_output_tokens - 1))
+            if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+                self.finish(seq, "length", keep_pending=True)  # resolve still fills its last tokens
+        plan.pending = pending
+        return pending
+
+    def resolve(self, plan: StepPlan, sampled: Mapping[int, int]) -> list[Sequence]:
+        """The tokens of a committed plan arrived: ``sampled[seq_id]`` for each placeholder. Fills them, applies
+        EOS / stop_token_ids ("stop") and registers full pages. Returns the sequences of the plan that are now
+        complete (finished, no placeholder left), each once. Raises ValueError for an uncommitted plan or a
+        missing token."""
+        if plan.pending is None:
+            raise ValueError("resolve needs a committed plan (commit it first)")
+        done = []
+        for seq, index in plan.pending:
+            outputs = seq.output_token_ids
+            if index >= len(outputs) or outputs[index] != PLACEHOLDER:
+                continue                                   # dropped: the sequence stopped at an earlier token
             if seq.seq_id not in sampled:
                 raise ValueError(f"no sampled token for seq {seq.seq_id} (its chunk ends at its last token)")
             token = int(sampled[seq.seq_id])
-            seq.output_token_ids.append(token)
-            reason = self._stop_reason(seq, token)
-            if reason is not None:
-                self.finish(seq, reason)
+            outputs[index] = token
+            if self._is_stop_token(seq, token):
+                if seq.is_finished:                        # finished by length at commit: "stop" wins
+                    del outputs[index + 1:]
+                    seq.finish_reason = "stop"
+                else:
+                    self.finish(seq, "stop")
+                    del outputs[index + 1:]
+            elif seq.status is SequenceStatus.RUNNING:
+                self._register_full_pages(seq)
+            if seq.is_finished and PLACEHOLDER not in outputs[index:]:
                 done.append(seq)
         return done
 
+    def update(self, plan: StepPlan, sampled: Mapping[int, int]) -> list[Sequence]:
+        """commit + resolve: applies a computed step whose tokens are known (synchronous use). Returns the
+        sequences finished by it (the "length" ones included)."""
+        self.commit(plan)
+        return self.resolve(plan, sampled)
+
     def _register_full_pages(self, seq: Sequence) -> None:
+        """Offers the pages that are full of computed, real (not placeholder) tokens to the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        full = seq.num_computed_tokens // self.page_size
+        real = seq.num_tokens - seq.num_placeholders
+        full = min(seq.num_computed_tokens, real) // self.page_size
         if full > seq.num_registered_pages:
             hashes = seq.page_hashes(full, self.page_size, self.cache_key)
             lo = seq.num_registered_pages
             self.caches[seq.rank].insert(hashes[lo:full], seq.pages[lo:full])
             seq.num_registered_pages = full
 
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+    def _is_stop_token(self, seq: Sequence, token: int) -> bool:
         p = seq.params
-        if (not p.ignore_eos and self.eos_token_id is not None and token == self.eos_token_id) \
-                or token in p.stop_token_ids:
-            return "stop"
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
+        return (not p.ignore_eos and self.eos_token_id is not None and token == self.eos_token_id) \
+            or token in p.stop_token_ids

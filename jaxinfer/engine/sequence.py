@@ -22,6 +22,9 @@ from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.kv.prefix_cache import page_hashes
 
 
+PLACEHOLDER = -1  # an output token sampled on device whose value the host does not know yet (scheduler.commit)
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -73,6 +76,16 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_placeholders(self) -> int:
+        """Trailing PLACEHOLDER outputs (tokens of steps still in flight)."""
+        n = 0
+        for token in reversed(self.output_token_ids):
+            if token != PLACEHOLDER:
+                break
+            n += 1
+        return n
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -121,17 +121,23 @@ class DeepseekForCausalLM(nnx.Module):
         h, cache = self.hidden_states(ids, positions, cache, form)
         return self.head(h), cache
 
-    def forward_paged(self, ids, positions, cache: tuple[jax.Array, ...], block_table, seqlens, slots):
+    def paged_hidden_states(self, ids, positions, cache: tuple[jax.Array, ...], block_table, seqlens, slots):
         """One engine step over the paged latent cache: ids, positions, slots [B, T] (the last T tokens of each
         sequence; slot -1 = padding), cache: per layer [pages, 64, 1, C+R], block_table [B, max_pages],
-        seqlens [B] (tokens in the cache after this step). Returns (float32 logits [B, T, V], updated cache)."""
+        seqlens [B] (tokens in the cache after this step). Returns (final-normed hidden states [B, T, D],
+        updated cache)."""
         cos, sin = rope_cos_sin(self.config, positions)
         x = self.embed(ids).astype(jnp.float32)  # float32 residual stream, as in hidden_states
         new_cache = []
         for layer, layer_cache in zip(self.layers, cache):
             x, layer_cache = layer.paged(x, cos, sin, layer_cache, block_table, seqlens, slots)
             new_cache.append(layer_cache)
-        return self.head(self.norm(x)), tuple(new_cache)
+        return self.norm(x), tuple(new_cache)
+
+    def forward_paged(self, ids, positions, cache: tuple[jax.Array, ...], block_table, seqlens, slots):
+        """paged_hidden_states followed by the head: (float32 logits [B, T, V], updated cache)."""
+        h, cache = self.paged_hidden_states(ids, positions, cache, block_table, seqlens, slots)
+        return self.head(h), cache
 
     def mtp_logits(self, h: jax.Array, next_ids: jax.Array, positions: jax.Array, depth: int = 0) -> jax.Array:
         """MTP module ``depth``: h [B, T, D] (main model after its final norm), next_ids [B, T] (token t+1 for

@@ -1,0 +1,146 @@
+"""Engine properties of jaxinfer.LLM on a random tiny V3 model in float32, against independent references:
+transformers' generate and logits, and each prompt generated alone.
+
+- batch invariance under a page budget that forces preemption and chunked prefill;
+- prefix caching: same outputs, and the prefill tokens computed drop by the cached part;
+- bounded compilation, counted with jax.monitoring backend-compile events (reads from the persistent
+  compilation cache count too, so a warm cache cannot hide one);
+- logprobs equal transformers' log-softmax; stop_token_ids, repetition penalty (the engine's synchronous path)
+  equal transformers' generate.
+"""
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+import hf_oracle as O
+from jaxinfer.engine.llm import LLM
+from jaxinfer.engine.sampling_params import SamplingParams
+
+CASE = "v3_qlora_yarn"
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    return O.build_case(CASE, tmp_path_factory)
+
+
+def _prompts(vocab, lengths, seed):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, n).tolist() for n in lengths]
+
+
+def _hf_generate(model, prompt, n, **kw):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             eos_token_id=None, **kw)
+    return out[0, len(prompt):].tolist()
+
+
+def test_batch_invariance_under_preemption_and_chunked_prefill(case):
+    lengths = [150, 3, 64, 90, 1, 120, 65, 40, 100, 7]
+    prompts = _prompts(case.cfg["vocab_size"], lengths, seed=1)
+    params = [SamplingParams(temperature=0, max_tokens=6 + i % 5, ignore_eos=True) for i in range(len(prompts))]
+    # 8 pages per rank (7 usable = 448 tokens) for ~1000 tokens of requests; 48-token prefill chunks.
+    tight = LLM(case.path, mesh="1x1", dtype="float32", num_kv_pages=8, max_num_batched_tokens=48,
+                max_num_seqs=8)
+    together = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
+    assert tight.stats.preemptions > 0
+    roomy = LLM(case.path, mesh="1x1", dtype="float32", num_kv_pages=16, max_num_batched_tokens=256)
+    alone = [roomy.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    assert together == alone
+
+
+def test_prefix_caching_same_outputs_fewer_prefill_tokens(case):
+    vocab = case.cfg["vocab_size"]
+    shared = _prompts(vocab, [130], seed=2)[0]   # two full pages of 64 are shared
+    suffixes = _prompts(vocab, [5, 20, 1], seed=3)
+    prompts = [shared + s for s in suffixes]
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    results = {}
+    for caching in (False, True):
+        llm = LLM(case.path, mesh="1x1", dtype="float32", num_kv_pages=32, enable_prefix_caching=caching)
+        first = llm.generate([prompts[0]], greedy, use_tqdm=False)
+        rest = llm.generate(prompts[1:], greedy, use_tqdm=False)
+        results[caching] = ([o.outputs[0].token_ids for o in first + rest], llm.stats.prefill_tokens,
+                            [o.metrics["num_cached_prompt_tokens"] for o in rest])
+    (plain, plain_prefill, plain_cached), (cached, cached_prefill, cached_cached) = results[False], results[True]
+    assert cached == plain
+    assert plain_cached == [0, 0] and cached_cached == [128, 128]
+    assert plain_prefill - cached_prefill == 2 * 128
+    print(f"\nprefill tokens computed for the second call: {plain_prefill} without prefix caching, "
+          f"{cached_prefill} with it")
+
+
+class CompileCounter:
+    """Counts backend-compile events while active. JAX records the event around ``compile_or_get_cached``, so
+    an executable read back from the persistent compilation cache counts too: a warm cache hides nothing."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self.count = 0
+        self.active = False
+
+    def on_duration(self, event, duration, **kwargs):
+        if self.active and event == self.EVENT:
+            self.count += 1
+
+    def __enter__(self):
+        jax.monitoring.register_event_duration_secs_listener(self.on_duration)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self.on_duration)
+
+    def measure(self, fn):
+        self.count, self.active = 0, True
+        try:
+            fn()
+        finally:
+            self.active = False
+        return self.count
+
+
+def test_bounded_compilation(case):
+    rng = np.random.default_rng(4)
+    vocab = case.cfg["vocab_size"]
+    prompts = [rng.integers(0, vocab, n).tolist() for n in rng.integers(1, 401, 40)]
+    params = [SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True) for m in rng.integers(1, 41, 40)]
+    # Prefix caching off: with it, the rerun's prompts are cached and its prefill chunks are a different workload.
+    llm = LLM(case.path, mesh="1x1", dtype="float32", num_kv_pages=320, enable_prefix_caching=False)
+    with CompileCounter() as counter:
+        warmup = counter.measure(lambda: llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3), use_tqdm=False))
+        first = counter.measure(lambda: llm.generate(prompts, params, use_tqdm=False))
+        again = counter.measure(lambda: llm.generate(prompts, params, use_tqdm=False))
+    print(f"\ncompilations: warm-up {warmup}, 40-request workload {first}, rerun {again}")
+    assert first <= 16 and again == 0
+
+
+def test_logprobs_stop_tokens_and_repetition_penalty_match_transformers(case):
+    vocab = case.cfg["vocab_size"]
+    prompt = _prompts(vocab, [37], seed=5)[0]
+    llm = LLM(case.path, mesh="1x1", dtype="float32", num_kv_pages=16)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3),
+                       use_tqdm=False)[0].outputs[0]
+    ref = _hf_generate(case.model, prompt, 6)
+    assert out.token_ids == ref
+    ref_logprobs = torch.log_softmax(torch.tensor(O.reference_logits(case.model, np.array([prompt + ref]))),
+                                     -1)[0, len(prompt) - 1:-1].numpy()  # [6, V]: position t predicts token t+1
+    assert len(out.logprobs) == 6
+    for step, entry in enumerate(out.logprobs):
+        top = np.argsort(-ref_logprobs[step])[:3].tolist()
+        assert set(entry) == set(top) | {ref[step]}
+        for token, value in entry.items():
+            assert abs(value - ref_logprobs[step, token]) < 1e-4
+
+    stop_at = 3
+    stop = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[ref[stop_at]]),
+                        use_tqdm=False)[0].outputs[0]
+    first = ref.index(ref[stop_at])
+    assert stop.token_ids == ref[:first + 1] and stop.finish_reason == "stop"
+
+    penalised = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                      repetition_penalty=1.5), use_tqdm=False)[0].outputs[0]
+    assert penalised.token_ids == _hf_generate(case.model, prompt, 6, repetition_penalty=1.5)
