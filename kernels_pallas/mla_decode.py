@@ -144,7 +144,10 @@ def _decode_xla(q, kv_cache, block_table, cache_seqlens, *, head_dim_v, scale, c
     # Built from q so that, inside shard_map, the carry varies over the same mesh axes as the body's output.
     zero = jnp.zeros_like(qg[..., 0])  # [B, Q, G, M]
     init = (jnp.broadcast_to(zero[..., None], (b, s_q, h_kv, m, head_dim_v)), zero - jnp.inf, zero)
-    (acc, mx, l), _ = lax.scan(step, init, (jnp.arange(n_chunks, dtype=jnp.int32), table))
+    if n_chunks == 1:  # no loop: a while loop reading the cache makes XLA copy the (donated) cache every step
+        (acc, mx, l), _ = step(init, (jnp.int32(0), table[0]))
+    else:
+        (acc, mx, l), _ = lax.scan(step, init, (jnp.arange(n_chunks, dtype=jnp.int32), table))
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     lse = (jnp.where(mx == -jnp.inf, 0.0, mx) + jnp.log2(l)) / _LOG2E  # [B, Q, G, M]
     return out.reshape(b, s_q, h_q, head_dim_v).astype(q.dtype), lse.reshape(b, s_q, h_q).transpose(0, 2, 1)

@@ -33,6 +33,7 @@ from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.engine.scheduler import MIN_PREFILL_T, ScheduledChunk, StepPlan, bucket
 from jaxinfer.engine.sequence import PLACEHOLDER, SequenceStatus
 from jaxinfer.kv.paged_cache import init_paged_cache
+from jaxinfer.models.paged_attention import write_latents
 from jaxinfer.parallel.dispatch import BATCH_AXES
 from jaxinfer.parallel.multihost import global_array, to_host
 
@@ -90,20 +91,46 @@ class Runner:
         self._feed: dict[int, int] = {}  # seq_id -> buffer slot of its token sampled by the last dispatched step
 
     @functools.cached_property
+    def _write_in_step(self) -> bool:
+        """The Pallas kernel (GPU) reads the cache written inside the step; the XLA path writes it afterwards in
+        a second program (paged_attention.paged_mla explains why)."""
+        return jax.default_backend() == "gpu"
+
+    @functools.cached_property
     def _step(self):
         graphdef = self.model.graphdef
+        write_cache = self._write_in_step
 
-        @functools.partial(jax.jit, donate_argnums=(1, 2))
+        @functools.partial(jax.jit, donate_argnums=((1, 2) if write_cache else (2,)))
         def step(state, layers, tokens, ids, src, positions, block_table, seqlens, slots, dest, tensors):
             ids = jnp.where(src >= 0, tokens[jnp.maximum(src, 0)], ids)  # [R, T] placeholders from the buffer
             model = nnx.merge(graphdef, state)
-            h, layers = model.paged_hidden_states(ids, positions, layers, block_table, seqlens, slots)
+            h, layers = model.paged_hidden_states(ids, positions, layers, block_table, seqlens, slots, write_cache)
             logits = model.head(h[:, -1:])[:, 0]  # [R, V]: the last column holds each row's last real token
             out = sample(logits, tensors)
             tokens = tokens.at[dest].set(out.token_ids, mode="drop")  # dest past the buffer: padding rows
-            return out, layers, tokens
+            return out, layers, tokens  # layers: the written cache, or this step's latents per layer
 
         return step
+
+    @functools.cached_property
+    def _write(self):
+        mesh = self.model.mesh if self.model.plan is not None else None
+
+        @functools.partial(jax.jit, donate_argnums=0)
+        def write(layers, latents, slots):
+            return tuple(write_latents(mesh, c, new, slots) for c, new in zip(layers, latents))
+
+        return write
+
+    def _run(self, *args):
+        """One step on the devices (asynchronous): updates the cache and the token buffer, returns the samples."""
+        out, new, self.tokens = self._step(self.model.state, self.layers, self.tokens, *args)
+        if self._write_in_step:
+            self.layers = new
+        else:
+            self.layers = self._write(self.layers, new, args[5])  # args[5]: slots
+        return out
 
     def shapes(self, plan: StepPlan) -> tuple[int, int, int]:
         """(rows per rank, T, pages per row) of the step's bucketed arrays."""
@@ -187,8 +214,7 @@ class Runner:
                 raise RuntimeError(f"seq {ch.seq.seq_id} uses penalties: resolve the previous step first")
         tensors = jax.tree.map(lambda a: global_array(a, self._batch), self._tensors(params, sampled))
         args = [global_array(a, self._batch) for a in host]
-        output, self.layers, self.tokens = self._step(self.model.state, self.layers, self.tokens, *args, tensors)
-        return InFlight(plan, sampled, output)
+        return InFlight(plan, sampled, self._run(*args, tensors))
 
     def fetch(self, step: InFlight) -> StepResult:
         """Waits for a dispatched step and returns its sampled tokens (and logprobs) by seq_id."""

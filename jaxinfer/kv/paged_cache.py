@@ -96,11 +96,11 @@ def write(cache_layer: jax.Array, latents: jax.Array, slot_mapping: jax.Array) -
     p, s, h, w = cache_layer.shape
     if latents.ndim != 2 or latents.shape[1] != w or slot_mapping.shape != latents.shape[:1]:
         raise ValueError(f"latents {latents.shape} must be [N, {w}] and slot_mapping {slot_mapping.shape} [N]")
-    # jnp normalises negative indices (-1 = last slot), so map padding to an out-of-range slot and drop it.
-    slots = jnp.where(slot_mapping < 0, p * s, slot_mapping)                          # [N]
-    flat = cache_layer.reshape(p * s, h, w)                                           # [P*S, 1, W]
-    flat = flat.at[slots].set(latents.astype(cache_layer.dtype)[:, None, :], mode="drop")
-    return flat.reshape(p, s, h, w)
+    # Indexed as [page, offset] on the array itself: scattering into a reshaped [P*S] view makes XLA:CPU copy
+    # the whole (donated) cache. jnp normalises negative indices, so padding goes to an out-of-range page and is
+    # dropped.
+    page = jnp.where(slot_mapping < 0, p, slot_mapping // s)                          # [N]
+    return cache_layer.at[page, slot_mapping % s, 0].set(latents.astype(cache_layer.dtype), mode="drop")
 
 
 def gather(cache_layer: jax.Array, block_table: jax.Array) -> jax.Array:

@@ -53,12 +53,12 @@ class DecoderLayer(nnx.Module):
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, (None if cache is None else kv)
 
-    def paged(self, x, cos, sin, cache, block_table, seqlens, slots):
-        """The block over the paged latent cache (see MLA.paged). Returns (x, updated cache)."""
-        attn, cache = self.self_attn.paged(self.input_layernorm(x), cos, sin, cache, block_table, seqlens, slots,
-                                           self.plan)
+    def paged(self, x, cos, sin, cache, block_table, seqlens, slots, write_cache: bool = True):
+        """The block over the paged latent cache (see MLA.paged). Returns (x, cache, this step's latents)."""
+        attn, cache, new = self.self_attn.paged(self.input_layernorm(x), cos, sin, cache, block_table, seqlens,
+                                                slots, self.plan, write_cache)
         x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
+        return x + self.mlp(self.post_attention_layernorm(x)), cache, new
 
 
 class MTPLayer(nnx.Module):
@@ -121,18 +121,20 @@ class DeepseekForCausalLM(nnx.Module):
         h, cache = self.hidden_states(ids, positions, cache, form)
         return self.head(h), cache
 
-    def paged_hidden_states(self, ids, positions, cache: tuple[jax.Array, ...], block_table, seqlens, slots):
+    def paged_hidden_states(self, ids, positions, cache: tuple[jax.Array, ...], block_table, seqlens, slots,
+                            write_cache: bool = True):
         """One engine step over the paged latent cache: ids, positions, slots [B, T] (the last T tokens of each
         sequence; slot -1 = padding), cache: per layer [pages, 64, 1, C+R], block_table [B, max_pages],
-        seqlens [B] (tokens in the cache after this step). Returns (final-normed hidden states [B, T, D],
-        updated cache)."""
+        seqlens [B] (tokens in the cache after this step). Returns (final-normed hidden states [B, T, D], the
+        updated cache) with write_cache, else (hidden states, per layer this step's latents [B, T, C+R]) for the
+        caller to write (paged_attention.write_latents; the XLA path, see paged_attention.paged_mla)."""
         cos, sin = rope_cos_sin(self.config, positions)
         x = self.embed(ids).astype(jnp.float32)  # float32 residual stream, as in hidden_states
-        new_cache = []
+        out = []
         for layer, layer_cache in zip(self.layers, cache):
-            x, layer_cache = layer.paged(x, cos, sin, layer_cache, block_table, seqlens, slots)
-            new_cache.append(layer_cache)
-        return self.norm(x), tuple(new_cache)
+            x, layer_cache, new = layer.paged(x, cos, sin, layer_cache, block_table, seqlens, slots, write_cache)
+            out.append(layer_cache if write_cache else new)
+        return self.norm(x), tuple(out)
 
     def forward_paged(self, ids, positions, cache: tuple[jax.Array, ...], block_table, seqlens, slots):
         """paged_hidden_states followed by the head: (float32 logits [B, T, V], updated cache)."""

@@ -96,18 +96,21 @@ class MLA(nnx.Module):
         out = out.astype(self.dtype).reshape(*x.shape[:2], c.num_attention_heads * c.v_head_dim)
         return self.o_proj(out)
 
-    def paged(self, x, cos, sin, cache, block_table, seqlens, slots, plan=None):
+    def paged(self, x, cos, sin, cache, block_table, seqlens, slots, plan=None, write_cache: bool = True):
         """Absorbed attention over the paged latent cache (decode, MTP verification, chunked prefill).
         x [B, T, D]: the last T tokens of each sequence; cache [pages, 64, 1, C+R]; block_table [B, max_pages];
-        seqlens [B]; slots [B, T]. Returns ([B, T, D], updated cache)."""
+        seqlens [B]; slots [B, T]. Returns ([B, T, D], cache, this step's latents [B, T, C+R]); the cache is
+        updated with write_cache, else unchanged (see paged_attention.paged_mla)."""
         c = self.config
         q_nope, q_pe = self.queries(x, cos, sin)
         w_uk, w_uv = self.w_uk_uv()
-        q_lat = jnp.einsum("bthn,hnc->bthc", q_nope, w_uk, preferred_element_type=jnp.float32)
+        # float32 operands: XLA:CPU has no batched (over heads) BF16 x BF16 -> F32 dot ("Unsupported element type
+        # for DotThunk"); both products are small (H * N * C and H * V * C per token).
+        q_lat = jnp.einsum("bthn,hnc->bthc", q_nope.astype(jnp.float32), w_uk.astype(jnp.float32))
         q = jnp.concatenate([q_lat.astype(self.dtype), q_pe], axis=-1)  # [B, T, H, C+R]
         new = self.latents(x, cos, sin).astype(cache.dtype)  # [B, T, C+R]
         o_lat, cache = paged_mla(plan, q, new, cache, block_table, seqlens, slots, head_dim_v=c.kv_lora_rank,
-                                 softmax_scale=c.softmax_scale)  # [B, T, H, C]
-        out = jnp.einsum("bthc,hvc->bthv", o_lat, w_uv, preferred_element_type=jnp.float32)
+                                 softmax_scale=c.softmax_scale, write_cache=write_cache)  # [B, T, H, C]
+        out = jnp.einsum("bthc,hvc->bthv", o_lat.astype(jnp.float32), w_uv.astype(jnp.float32))
         out = out.astype(self.dtype).reshape(*x.shape[:2], c.num_attention_heads * c.v_head_dim)
-        return self.o_proj(out), cache
+        return self.o_proj(out), cache, new

@@ -1,0 +1,143 @@
+"""Greedy generation: jaxinfer's engine (LLM.generate) vs transformers' generate on the same random checkpoint.
+
+    python benchmarks/generate_vs_transformers.py [--batch-sizes 1,32] [--input-len 64] [--output-len 64]
+        [--dtype float32] [--mesh 1x1]
+
+The model is the V3-shaped one of forward_vs_transformers.py (hidden 512, 4 layers of which 3 MoE, 16 routed
+experts top-4, q_lora, YaRN), saved in DeepSeek's checkpoint format. For each batch size B: B random prompts of
+--input-len tokens, --output-len new tokens, greedy, EOS ignored (transformers: eos_token_id=None,
+min_new_tokens). Decode throughput = B * (output_len - 1) / (time of output_len tokens - time of 1 token), so the
+prefill and the first token are left out for both. Each timing is the median of --repeats runs after a warm-up
+(jaxinfer's compilation).
+
+Host share (jaxinfer, decode): 1 - (device time of one decode step) / (wall time per decode step), where the
+device time is measured by dispatching the same captured decode step back to back (no host work between them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+import warnings
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch-sizes", default="1,32")
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--mesh", default="1x1")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (the CPU machines have 2 cores)")
+    p.add_argument("--cpu-devices", type=int, default=8)
+    p.add_argument("--skip-transformers", action="store_true")
+    args = p.parse_args()
+
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+
+    import numpy as np
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from jaxinfer import LLM, SamplingParams
+
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    cfg = DeepseekV3Config(
+        vocab_size=8192, hidden_size=512, intermediate_size=1408, moe_intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=8, n_shared_experts=1, n_routed_experts=16, kv_lora_rank=128,
+        q_lora_rank=192, qk_rope_head_dim=32, v_head_dim=64, qk_nope_head_dim=64, n_group=4, topk_group=2,
+        num_experts_per_tok=4, first_k_dense_replace=1, num_mtp_layers=0, max_position_embeddings=4096,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 1024, "mscale": 1.0, "mscale_all_dim": 1.0},
+    )
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    ref = DeepseekV3ForCausalLM(cfg).eval()
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    tmp = tempfile.TemporaryDirectory()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref.save_pretrained(tmp.name)
+    ref = ref.to(torch_dtype)
+    llm = LLM(tmp.name, mesh=args.mesh, dtype=args.dtype, max_num_seqs=max(batch_sizes),
+              enable_prefix_caching=False)
+
+    def median_time(fn) -> float:
+        fn()  # warm-up
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    print(f"greedy generation, input {args.input_len}, output {args.output_len}, dtype {args.dtype}, mesh "
+          f"{args.mesh} (hidden 512, 4 layers, 16 experts top-4); decode tok/s exclude prefill + first token")
+    for b in batch_sizes:
+        prompts = np.random.default_rng(b).integers(0, cfg.vocab_size, (b, args.input_len))
+
+        def ours(n):
+            params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+            return llm.generate(prompts.tolist(), params, use_tqdm=False)
+
+        def theirs(n):
+            with torch.no_grad():
+                return ref.generate(torch.as_tensor(prompts), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)
+
+        steps = args.output_len - 1
+        ours_decode = median_time(lambda: ours(args.output_len)) - median_time(lambda: ours(1))
+        host_share, device_ms = decode_host_share(llm, ours, args.output_len)
+        line = (f"  B={b:3d}  jaxinfer: {b * steps / ours_decode:8.1f} tok/s ({ours_decode / steps * 1e3:6.1f} "
+                f"ms/step; device {device_ms:6.1f} ms/step, host share {host_share:5.1%})")
+        if not args.skip_transformers:
+            theirs_decode = median_time(lambda: theirs(args.output_len)) - median_time(lambda: theirs(1))
+            line += (f"  transformers: {b * steps / theirs_decode:8.1f} tok/s  ->  "
+                     f"{theirs_decode / ours_decode:.2f}x")
+        print(line, flush=True)
+    tmp.cleanup()
+
+
+def decode_host_share(llm, ours, output_len: int) -> tuple[float, float]:
+    """(host share, device ms per step) of the decode steps of ``ours(output_len)`` (see the module doc)."""
+    import jax
+
+    runner = llm.runner
+    run = runner._run
+    captured = []
+
+    def capture(*args):  # the first decode step's inputs (T = 1), to replay below
+        if not captured and args[0].shape[1] == 1:
+            captured.append(args)
+        return run(*args)
+
+    runner._run = capture
+    try:
+        t0 = time.perf_counter()
+        ours(output_len)
+        wall = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        ours(1)
+        wall_prefill = time.perf_counter() - t0
+    finally:
+        del runner._run
+    wall_step = (wall - wall_prefill) / (output_len - 1)
+    # Device time: the captured decode step dispatched back to back, then one wait (it rewrites the same cache
+    # slots of finished sequences: harmless).
+    n = 20
+    jax.block_until_ready(run(*captured[0]))
+    t0 = time.perf_counter()
+    for _ in range(n):
+        out = run(*captured[0])
+    jax.block_until_ready((out, runner.layers))
+    device_step = (time.perf_counter() - t0) / n
+    return max(0.0, 1 - device_step / wall_step), device_step * 1e3
+
+
+if __name__ == "__main__":
+    main()
