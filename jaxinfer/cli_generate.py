@@ -21,7 +21,8 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed
 def add_parser(sub) -> None:
     gen = sub.add_parser("generate", help="offline generation (vLLM-style)")
     gen.add_argument("prompt", nargs="*", help="prompts (text)")
-    gen.add_argument("--model", required=True, help="HF checkpoint directory or jaxinfer orbax directory")
+    gen.add_argument("--model", default=None,
+                     help="HF checkpoint directory or jaxinfer orbax directory (default: the embedded model)")
     gen.add_argument("--prompts", dest="prompt_file", help="a text file (one prompt per line) or .jsonl")
     gen.add_argument("--chat", action="store_true", help="wrap plain prompts in the tokenizer's chat template")
     gen.add_argument("--max-tokens", type=int, default=16)

@@ -21,6 +21,7 @@ from typing import Any, Sequence as _Seq
 import jax
 from tqdm.auto import tqdm
 
+from jaxinfer import default_model
 from jaxinfer.engine.runner import Runner
 from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.engine.scheduler import Scheduler
@@ -63,7 +64,7 @@ class LLM:
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  fp8_compute: bool | None = None, seed: int = 0, max_logprobs: int = 20):
         if model is None:
-            raise ValueError("the embedded default model is not shipped yet: pass model=<checkpoint directory>")
+            model = default_model.path()
         for name, value in [("num_kv_pages", 2 if num_kv_pages is None else num_kv_pages),
                             ("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_logprobs", max_logprobs + 1)]:

@@ -171,7 +171,11 @@ class MoE(nnx.Module):
         if self.plan is None:  # one device: route all tokens, every slot is local
             b, t, d = x.shape
             flat = x.reshape(b * t, d)
-            y = ffn(self.experts.params(), flat, *route_fn(route_params, flat)).reshape(x.shape)
+            weights, slots = route_fn(route_params, flat)
+            y = ffn(self.experts.params(), flat, weights, slots).reshape(x.shape)
+            if hasattr(self, "__captures__"):  # only under nnx.capture (jaxinfer/train); no-op otherwise
+                logical = self.experts.phy2log[...][slots].reshape(-1)  # [N*K] logical expert of each choice
+                self.sow(nnx.Intermediate, "expert_load", jnp.bincount(logical, length=config.n_routed_experts))
         else:
             y, sent = expert_parallel(self.plan.mesh, x, route_params, self.experts.params(), route_fn, ffn,
                                       fp8=self.plan.fp8_dispatch)
