@@ -39,3 +39,29 @@ def test_bad_prompt_files(case, tmp_path, capsys, content, message):
 def test_missing_prompt_file(case, capsys):
     assert main(["generate", "--model", str(case.path), "--prompts", "/nonexistent/p.txt", "--mesh", "1x1"]) == 2
     assert "cannot read prompts file" in capsys.readouterr().err
+
+
+def test_generate_embedded_model_end_to_end(tmp_path, capsys):
+    """No --model: the embedded default model; text prompts from arguments and JSONL (messages + overrides);
+    JSONL output; completions equal LLM.generate's / LLM.chat's; the vLLM-style summary on stderr."""
+    from jaxinfer import LLM, SamplingParams
+
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", "The with statement is used to", "Return a new dictionary", "--max-tokens", "5",
+                 "--temperature", "0", "--mesh", "1x1", "--dtype", "float32", "--output", str(out)]) == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    err = capsys.readouterr().err
+    assert "requests 2" in err and "TTFT" in err and "TPOT" in err
+    llm = LLM(mesh="1x1", dtype="float32")
+    ref = llm.generate(["The with statement is used to", "Return a new dictionary"],
+                       SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    assert [line["token_ids"] for line in lines] == [r.outputs[0].token_ids for r in ref]
+    assert [line["text"] for line in lines] == [r.outputs[0].text for r in ref]
+    assert {"prompt", "text", "token_ids", "finish_reason", "metrics"} <= set(lines[0])
+
+    messages = [{"role": "user", "content": "What is a dict?"}]
+    (tmp_path / "p.jsonl").write_text(json.dumps({"messages": messages, "max_tokens": 3, "temperature": 0}) + "\n")
+    assert main(["generate", "--prompts", str(tmp_path / "p.jsonl"), "--mesh", "1x1", "--dtype", "float32"]) == 0
+    chat_line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    chat_ref = llm.chat(messages, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
+    assert chat_line["token_ids"] == chat_ref.outputs[0].token_ids

@@ -7,6 +7,7 @@ Router semantics follow HF ``DeepseekV3TopkRouter`` / ``DeepseekV2TopkRouter`` (
 from __future__ import annotations
 
 import functools
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -74,24 +75,74 @@ class Placement(nnx.Variable):
     """Expert placement tables (integers, not trained): filled by EPLB, identity by default."""
 
 
+MoEPath = Literal["auto", "gather", "dense", "tiled"]
+DENSE_MAX_ROWS = 256  # "auto": every local expert densely up to this many rows (benchmarks/moe_paths.py)
+
+
+def moe_path(rows: int, top_k: int, num_slots: int) -> str:
+    """The XLA compute path of ``expert_ffn`` for a static shape (CPU measurements in docs/benchmarks.md):
+    "gather" (each assignment multiplies its own expert's weights: reads rows * top_k weight matrices) while
+    that is at most one read of every local expert; "dense" (every row through every local expert, one batched
+    matmul: reads each expert once, computes rows * num_slots) for decode-sized batches; "tiled" (grouped
+    matmul over rows sorted by expert, grouped_matmul.py) for prefill."""
+    if rows * top_k <= num_slots:
+        return "gather"
+    return "dense" if rows <= DENSE_MAX_ROWS else "tiled"
+
+
 def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, dtype,
-               fp8_compute: bool = False) -> jax.Array:
+               fp8_compute: bool = False, path: MoEPath = "auto") -> jax.Array:
     """x [M, D], weights/ids [M, K] (ids: slot in ``params``, -1 = not here) -> float32 [M, D]:
     sum_k weights[m, k] * expert_{ids[m, k]}(x[m]).
 
     params: gate_proj/up_proj [S, I, D], down_proj [S, D, I] (+ ``*_scale_inv`` block scales for FP8).
-    Assignments are sorted by slot so each slot's rows are contiguous, then one grouped matmul per projection
-    (grouped_matmul.py; no Python loop over experts). Assignments with id -1 sort last and are never computed.
+    path (``moe_path`` picks one by shape for "auto"; all compute the same per-token products, so a token's
+    result does not depend on the batch it is in beyond float rounding):
+      gather: per assignment, its expert's weight matrices gathered: [M*K, I, D].
+      dense: every token through every slot, masked by the combine weights: [M, S, I].
+      tiled: assignments sorted by slot so each slot's rows are contiguous, then one grouped matmul per
+        projection (grouped_matmul.py; no Python loop over experts); ids -1 sort last and are never computed.
     fp8_compute: activations quantized per token per 128 channels and FP8 grouped GEMMs in DeepGEMM's contiguous
-    layout (params hold e4m3 weights + block scales)."""
+    layout (params hold e4m3 weights + block scales); the path is then always the grouped GEMM."""
     m, k = ids.shape
     num_slots = params["gate_proj"].shape[0]
+    path = moe_path(m, k, num_slots) if path == "auto" else path
+    if fp8_compute:
+        path = "tiled"
+    if path not in ("gather", "dense", "tiled"):
+        raise ValueError(f"path must be 'auto', 'gather', 'dense' or 'tiled', got {path!r}")
+
+    def weight(name):  # [S, out, in] in the compute dtype
+        return dense_weight(params[name], params.get(name + "_scale_inv"), dtype)
+
+    f32 = dict(preferred_element_type=jnp.float32)
+    xd = x.astype(dtype)
+    if path == "gather":
+        safe = jnp.maximum(ids, 0).reshape(-1)  # [M*K]; assignments with id -1 get weight 0 below
+        w = jnp.where(ids < 0, 0.0, weights).reshape(-1)  # [M*K]
+        xs = jnp.repeat(xd, k, axis=0)  # [M*K, D]
+        gate = jnp.einsum("nd,nid->ni", xs, weight("gate_proj")[safe], **f32)
+        up = jnp.einsum("nd,nid->ni", xs, weight("up_proj")[safe], **f32)
+        act = (jax.nn.silu(gate.astype(dtype)) * up.astype(dtype))  # [M*K, I]
+        out = jnp.einsum("ni,ndi->nd", act, weight("down_proj")[safe], **f32)  # [M*K, D]
+        out = out.astype(dtype).astype(jnp.float32)  # rounded like the tiled path's expert outputs
+        return (out * w[:, None]).reshape(m, k, -1).sum(1)
+    if path == "dense":
+        combine = jnp.zeros((m, num_slots + 1), jnp.float32).at[
+            jnp.arange(m)[:, None], jnp.where(ids < 0, num_slots, ids)].add(weights)[:, :num_slots]  # [M, S]
+        gate = jnp.einsum("md,sid->msi", xd, weight("gate_proj"), **f32)
+        up = jnp.einsum("md,sid->msi", xd, weight("up_proj"), **f32)
+        act = jax.nn.silu(gate.astype(dtype)) * up.astype(dtype)  # [M, S, I]
+        out = jnp.einsum("msi,sdi->msd", act, weight("down_proj"), **f32)  # [M, S, D]
+        out = out.astype(dtype).astype(jnp.float32)  # rounded like the tiled path's expert outputs
+        return jnp.einsum("msd,ms->md", out, combine, precision=jax.lax.Precision.HIGHEST)
+
     flat_ids = jnp.where(ids < 0, num_slots, ids).reshape(-1)  # [M*K]
     order = jnp.argsort(flat_ids, stable=True)  # [M*K]
     token = order // k  # source row of each sorted assignment
     group_sizes = jnp.bincount(flat_ids, length=num_slots + 1)[:num_slots].astype(jnp.int32)  # [S]
     plan = tile_plan(group_sizes, m * k)
-    xs = x.astype(dtype)[token]  # [M*K, D]
+    xs = xd[token]  # [M*K, D]
 
     def mm(a, name):
         if fp8_compute:
@@ -99,8 +150,7 @@ def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, d
             q, q_scale = per_token_cast_to_fp8(a)
             return fp8_grouped_gemm_contiguous(q, q_scale, params[name], params[name + "_scale_inv"], group_ids,
                                                out_dtype=dtype)
-        w = dense_weight(params[name], params.get(name + "_scale_inv"), dtype)
-        return grouped_matmul(a, w, group_sizes, plan=plan).astype(dtype)
+        return grouped_matmul(a, weight(name), group_sizes, plan=plan).astype(dtype)
 
     act = jax.nn.silu(mm(xs, "gate_proj")) * mm(xs, "up_proj")  # [M*K, I]
     out = mm(act, "down_proj").astype(jnp.float32) * weights.reshape(-1)[order][:, None]  # [M*K, D]

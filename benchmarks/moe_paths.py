@@ -1,0 +1,62 @@
+"""The three XLA compute paths of the routed experts (jaxinfer/models/moe.py expert_ffn) by batch size, on CPU.
+
+    python benchmarks/moe_paths.py [--hidden 512] [--inter 256] [--experts 16] [--top-k 4] [--dtype float32]
+
+Times one jitted expert_ffn call per path for M tokens (median of --repeats after a warm-up) and prints which
+path ``moe_path`` picks for each M. The defaults are the routed experts of the benchmark model of
+forward_vs_transformers.py / generate_vs_transformers.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--inter", type=int, default=256)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--top-k", type=int, default=4)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,1024")
+    p.add_argument("--repeats", type=int, default=20)
+    args = p.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxinfer.models.moe import expert_ffn, moe_path
+
+    dtype = jnp.dtype(args.dtype)
+    rng = np.random.default_rng(0)
+    s, d, i, k = args.experts, args.hidden, args.inter, args.top_k
+    params = {"gate_proj": jnp.asarray(rng.normal(size=(s, i, d)), dtype),
+              "up_proj": jnp.asarray(rng.normal(size=(s, i, d)), dtype),
+              "down_proj": jnp.asarray(rng.normal(size=(s, d, i)), dtype)}
+    print(f"expert_ffn, {s} experts top-{k}, hidden {d}, moe_intermediate {i}, {args.dtype}; ms per call")
+    print(f"{'M':>6} {'gather':>9} {'dense':>9} {'tiled':>9}  auto")
+    for m in (int(r) for r in args.rows.split(",")):
+        x = jnp.asarray(rng.normal(size=(m, d)), dtype)
+        ids = jnp.asarray(np.stack([rng.permutation(s)[:k] for _ in range(m)]), jnp.int32)
+        w = jnp.asarray(rng.random((m, k)), jnp.float32)
+        times = {}
+        for path in ("gather", "dense", "tiled"):
+            fn = jax.jit(functools.partial(expert_ffn, dtype=dtype, path=path))
+            jax.block_until_ready(fn(params, x, w, ids))
+            samples = []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn(params, x, w, ids))
+                samples.append(time.perf_counter() - t0)
+            times[path] = statistics.median(samples) * 1e3
+        print(f"{m:>6} {times['gather']:>9.2f} {times['dense']:>9.2f} {times['tiled']:>9.2f}  {moe_path(m, k, s)}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
