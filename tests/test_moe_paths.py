@@ -43,7 +43,7 @@ def test_paths_match_reference(m, path):
 
 
 def test_auto_choice_and_bad_path():
-    assert moe_path(1, 4, 16) == "gather" and moe_path(8, 4, 16) == "dense" and moe_path(1024, 4, 16) == "tiled"
+    assert moe_path(2, 4, 16) == "gather" and moe_path(4, 4, 16) == "dense" and moe_path(8, 4, 16) == "dense" and moe_path(1024, 4, 16) == "tiled"
     params, x, weights, ids = _case(2)
     with pytest.raises(ValueError, match="path must be"):
         expert_ffn(params, x, weights, ids, jnp.float32, path="ragged")

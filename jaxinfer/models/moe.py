@@ -82,10 +82,10 @@ DENSE_MAX_ROWS = 256  # "auto": every local expert densely up to this many rows 
 def moe_path(rows: int, top_k: int, num_slots: int) -> str:
     """The XLA compute path of ``expert_ffn`` for a static shape (CPU measurements in docs/benchmarks.md):
     "gather" (each assignment multiplies its own expert's weights: reads rows * top_k weight matrices) while
-    that is at most one read of every local expert; "dense" (every row through every local expert, one batched
+    that is at most half the local experts; "dense" (every row through every local expert, one batched
     matmul: reads each expert once, computes rows * num_slots) for decode-sized batches; "tiled" (grouped
     matmul over rows sorted by expert, grouped_matmul.py) for prefill."""
-    if rows * top_k <= num_slots:
+    if 2 * rows * top_k <= num_slots:
         return "gather"
     return "dense" if rows <= DENSE_MAX_ROWS else "tiled"
 
@@ -130,8 +130,11 @@ def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, d
     if path == "dense":
         combine = jnp.zeros((m, num_slots + 1), jnp.float32).at[
             jnp.arange(m)[:, None], jnp.where(ids < 0, num_slots, ids)].add(weights)[:, :num_slots]  # [M, S]
-        gate = jnp.einsum("md,sid->msi", xd, weight("gate_proj"), **f32)
-        up = jnp.einsum("md,sid->msi", xd, weight("up_proj"), **f32)
+        s_, i_, d_ = params["gate_proj"].shape
+        # As one [M, D] x [S*I, D]^T matmul (the Linear layers' form): written as "md,sid->msi", XLA:CPU first
+        # transposes the [S, I, D] weights, every step.
+        gate = jnp.einsum("md,nd->mn", xd, weight("gate_proj").reshape(s_ * i_, d_), **f32).reshape(m, s_, i_)
+        up = jnp.einsum("md,nd->mn", xd, weight("up_proj").reshape(s_ * i_, d_), **f32).reshape(m, s_, i_)
         act = jax.nn.silu(gate.astype(dtype)) * up.astype(dtype)  # [M, S, I]
         out = jnp.einsum("msi,sdi->msd", act, weight("down_proj"), **f32)  # [M, S, D]
         out = out.astype(dtype).astype(jnp.float32)  # rounded like the tiled path's expert outputs
