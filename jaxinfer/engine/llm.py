@@ -222,6 +222,12 @@ class LLM:
             if entry.stop_at is None:
                 entry.out.text = entry.decoder.text
         bar.update(1)
+        # vLLM's live estimate: prompt and output tokens of the finished sequences over the elapsed time.
+        self.stats.finished_input_tokens += seq.num_prompt_tokens
+        self.stats.finished_output_tokens += seq.num_output_tokens
+        elapsed = max(bar.format_dict["elapsed"], 1e-9)
+        bar.set_postfix_str(f"input {self.stats.finished_input_tokens / elapsed:.1f} tok/s, "
+                            f"output {self.stats.finished_output_tokens / elapsed:.1f} tok/s", refresh=False)
 
     @staticmethod
     def _decode(entry: "_Live") -> None:
@@ -265,6 +271,8 @@ class EngineStats:
     scheduled_tokens: int = 0
     prefill_tokens: int = 0
     preemptions: int = 0
+    finished_input_tokens: int = 0
+    finished_output_tokens: int = 0
     host_s: float = 0.0
     wait_s: float = 0.0
 
