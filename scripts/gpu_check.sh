@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The one prepared device run for the kernels (issue 4): native kernel tests, then the kernel benchmarks.
+# The one prepared device run: native kernel tests, the kernel benchmarks (issue 4), then the engine on the GPU
+# (the embedded model through LLM(): Pallas MLA decode over the paged cache, FP8 compute; issue 5).
 # Usage on the GPU machine (offline, preinstalled jax 0.11): OUT=<dir> bash scripts/gpu_check.sh
 # Each step has its own time limit and failures do not stop the rest; everything lands in $OUT.
 set -u
@@ -14,4 +15,14 @@ timeout 120 python benchmarks/kernels_mla.py --out "$OUT/bench_mla.txt" > "$OUT/
 echo "mla bench rc=$?" >> "$OUT/bench_mla.log"
 timeout 120 python benchmarks/kernels_fp8.py --out "$OUT/bench_fp8.txt" > "$OUT/bench_fp8.log" 2>&1
 echo "fp8 bench rc=$?" >> "$OUT/bench_fp8.log"
+timeout 150 python -c "
+import time, jaxinfer
+llm = jaxinfer.LLM()
+p = jaxinfer.SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+for b in (1, 32):
+    llm.generate(['def f(x):'] * b, p, use_tqdm=False)
+    t0 = time.perf_counter(); outs = llm.generate(['def f(x):'] * b, p, use_tqdm=False); dt = time.perf_counter() - t0
+    print(f'embedded model bf16, batch {b}: {b * 64 / dt:.1f} tok/s, text {outs[0].outputs[0].text[:60]!r}')
+" > "$OUT/engine.txt" 2>&1
+echo "engine rc=$?" >> "$OUT/engine.txt"
 tail -n 3 "$OUT"/*.txt "$OUT"/*.log
