@@ -9,7 +9,8 @@ mkdir -p "$OUT"
 export PYTHONPATH=.
 { date -u; nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>&1;
   python -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1; } > "$OUT/env.txt"
-timeout 240 python -m pytest -q -x --durations=10 tests/test_kernels_gpu.py > "$OUT/kernel_tests.txt" 2>&1
+# tests/conftest.py defaults JAX_PLATFORMS to cpu (8 simulated devices): the native tests need the GPU.
+JAX_PLATFORMS=cuda,cpu timeout 240 python -m pytest -q -x --durations=10 tests/test_kernels_gpu.py > "$OUT/kernel_tests.txt" 2>&1
 echo "kernel tests rc=$?" >> "$OUT/kernel_tests.txt"
 timeout 120 python benchmarks/kernels_mla.py --out "$OUT/bench_mla.txt" > "$OUT/bench_mla.log" 2>&1
 echo "mla bench rc=$?" >> "$OUT/bench_mla.log"
