@@ -31,6 +31,8 @@ def add_parser(sub) -> None:
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--output", help="write one JSON line per completion to this file")
+    gen.add_argument("--expert-load-json", metavar="FILE",
+                     help="after generating, write the tokens routed to each expert per MoE layer (LLM.expert_load)")
 
 
 def read_requests(args) -> list[dict]:
@@ -67,6 +69,21 @@ def _percentile(values, q):
     import numpy as np
 
     return float(np.percentile(values, q)) if values else 0.0
+
+
+def write_expert_load(path, llm) -> None:
+    """``LLM.expert_load()`` as JSON (``expert_load`` [num_moe_layers][n_routed_experts], as in the embedded model's
+    expert_load.json). Every process computes it (a collective read); process 0 writes."""
+    from jaxinfer.parallel import multihost
+
+    config = llm.model.config
+    load = llm.expert_load()
+    if multihost.is_primary():
+        pathlib.Path(path).write_text(json.dumps({
+            "description": "(token, expert) choices routed to each logical expert per MoE layer over the engine's "
+                           f"last {llm.runner.expert_load_window} steps (padding excluded)",
+            "moe_layers": [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)],
+            "expert_load": load.tolist()}, indent=1) + "\n")
 
 
 def run(args) -> None:
@@ -107,6 +124,8 @@ def run(args) -> None:
         print("\n".join(lines))
         if args.output:
             pathlib.Path(args.output).write_text("".join(line + "\n" for line in lines))
+    if args.expert_load_json:
+        write_expert_load(args.expert_load_json, llm)
     n_in = sum(o.metrics["num_prompt_tokens"] for o in outputs)
     n_out = sum(o.metrics["num_output_tokens"] for o in outputs)
     ttft = [o.metrics["ttft_s"] * 1e3 for o in outputs]

@@ -19,6 +19,7 @@ import time
 from typing import Any, Sequence as _Seq
 
 import jax
+import numpy as np
 from tqdm.auto import tqdm
 
 from jaxinfer import default_model
@@ -30,6 +31,7 @@ from jaxinfer.engine.tokenizer import IncrementalDecoder, Tokenizer
 from jaxinfer.kv.page_allocator import PAGE_SIZE
 from jaxinfer.kv.paged_cache import default_num_pages
 from jaxinfer.model import load_model
+from jaxinfer.parallel.rebalance import rebalance_model
 
 
 @dataclasses.dataclass
@@ -57,21 +59,35 @@ class LLM:
     num_kv_pages: KV pages of 64 tokens per DP rank; None = what fits in 90% of a device's free memory (a
     quarter of the available host memory shared by the local devices on CPU), at most enough for max_num_seqs
     sequences of max_model_len tokens. max_logprobs: the largest ``SamplingParams.logprobs`` accepted (vLLM's
-    default 20)."""
+    default 20).
+
+    Expert load balancing (DeepSeek's EPLB): num_redundant_experts extra expert slots per MoE layer (None: the
+    checkpoint's; the slots must split evenly over the mesh's `expert` axis); ``expert_load()`` counts the tokens
+    each logical expert received over the last expert_load_window engine steps; ``rebalance_experts()``
+    re-places the experts from those counts, and rebalance_every_n_steps (None = never) does so automatically,
+    between steps, every that many steps."""
 
     def __init__(self, model: str | pathlib.Path | None = None, mesh=None, dtype: str | None = None, *,
                  num_kv_pages: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
-                 fp8_compute: bool | None = None, seed: int = 0, max_logprobs: int = 20):
+                 fp8_compute: bool | None = None, seed: int = 0, max_logprobs: int = 20,
+                 num_redundant_experts: int | None = None, expert_load_window: int = 1000,
+                 rebalance_every_n_steps: int | None = None):
         if model is None:
             model = default_model.path()
-        for name, value in [("num_kv_pages", 2 if num_kv_pages is None else num_kv_pages),
-                            ("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("max_logprobs", max_logprobs + 1)]:
+        positive = [("num_kv_pages", 2 if num_kv_pages is None else num_kv_pages),
+                    ("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                    ("max_logprobs", max_logprobs + 1), ("expert_load_window", expert_load_window),
+                    ("rebalance_every_n_steps", 1 if rebalance_every_n_steps is None else rebalance_every_n_steps)]
+        for name, value in positive:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if num_redundant_experts is not None and (not isinstance(num_redundant_experts, int)
+                                                  or num_redundant_experts < 0):
+            raise ValueError(f"num_redundant_experts must be an integer >= 0, got {num_redundant_experts!r}")
         self.model_path = str(pathlib.Path(model))
-        self.model = load_model(model, mesh=mesh, dtype=dtype or "bfloat16", fp8_compute=fp8_compute)
+        self.model = load_model(model, mesh=mesh, dtype=dtype or "bfloat16", fp8_compute=fp8_compute,
+                                num_redundant_experts=num_redundant_experts)
         config = self.model.config
         self.max_model_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         if num_kv_pages is None:
@@ -84,8 +100,10 @@ class LLM:
         self.runner = Runner(self.model, num_kv_pages, max_num_seqs=max_num_seqs,
                              prefill_capacity=self.scheduler.prefill_capacity,
                              min_prefill_t=self.scheduler.min_prefill_t, engine_seed=seed,
-                             max_logprobs=max_logprobs)
+                             max_logprobs=max_logprobs, expert_load_window=expert_load_window)
         self.max_logprobs = max_logprobs
+        self.rebalance_every_n_steps = rebalance_every_n_steps
+        self._steps_since_rebalance = 0
         self.seed = seed
         self._ids = itertools.count()
 
@@ -154,7 +172,10 @@ class LLM:
                 chunks = [c for c in chunks if c.seq.status is SequenceStatus.RUNNING]
             step = None
             if chunks:
+                if self.rebalance_every_n_steps and self._steps_since_rebalance >= self.rebalance_every_n_steps:
+                    self.rebalance_experts()  # between steps: the dispatched one keeps the weights it was given
                 step = self.runner.dispatch(plan)
+                self._steps_since_rebalance += 1
                 self.scheduler.commit(plan)
                 self.stats.steps += 1
                 self.stats.scheduled_tokens += sum(c.num_tokens for c in chunks)
@@ -201,6 +222,23 @@ class LLM:
             if seq.seq_id in live and seq.is_finished and PLACEHOLDER not in seq.output_token_ids:
                 self._close(live, seq, bar)
         self.stats.host_s += time.perf_counter() - t1
+
+    # ---- expert load balancing ---------------------------------------------------------------------------
+    def expert_load(self) -> np.ndarray:
+        """np.int64 [num_moe_layers, n_routed_experts]: (token, expert) choices routed to each logical expert of
+        each MoE layer over the last expert_load_window engine steps (prompt and generated tokens the steps
+        computed; padding excluded). Waits for the dispatched steps."""
+        return self.runner.expert_load()
+
+    def rebalance_experts(self, num_nodes: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Re-places the routed experts from ``expert_load()`` with EPLB (jaxinfer.parallel.rebalance): slots =
+        n_routed_experts + num_redundant_experts, GPUs = the mesh's `expert` axis, groups = n_group, num_nodes
+        hosts. Outputs do not change (every copy of an expert is equal); only which expert rank computes what.
+        Returns EPLB's (phy2log [L, S], log2phy [L, E, max_replicas], logcnt [L, E])."""
+        placement = rebalance_model(self.model, self.expert_load(), num_nodes)
+        self.runner.refresh_state()
+        self._steps_since_rebalance = 0
+        return placement
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them, through the tokenizer's chat

@@ -15,10 +15,16 @@ Tokens stay on device: every step writes its sampled tokens into a device buffer
 a token the host does not know yet (a scheduler PLACEHOLDER) is read from that buffer by the next step, so the
 host can schedule and dispatch step n+1 before step n's tokens come back (``dispatch`` returns at once; ``fetch``
 waits).
+
+Expert load: every step also returns its per-DP-rank expert counts (int32 [ranks, moe layers, experts], padding
+excluded; DeepseekForCausalLM.paged_hidden_states) and adds them on device to a running total over the last
+``expert_load_window`` steps (the step n - window counts, kept as device arrays, are subtracted in the same step):
+no host transfer and no cross-device reduction per step; ``expert_load`` sums the ranks when it is read.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 
@@ -70,11 +76,12 @@ class Runner:
       engine_seed: seed of unseeded requests (sampler.request_seed).
       max_logprobs: the logprobs width computed when any row asks for logprobs (one static width bounds
         compilations; vLLM's ``max_logprobs`` default is 20).
+      expert_load_window: ``expert_load`` covers the last this many steps.
     """
 
     def __init__(self, model, num_pages_per_rank: int, *, max_num_seqs: int = 64, prefill_capacity: int = 1024,
                  min_prefill_t: int = MIN_PREFILL_T, page_size: int = 64, engine_seed: int = 0,
-                 max_logprobs: int = 20):
+                 max_logprobs: int = 20, expert_load_window: int = 1000):
         self.model = model
         self.page_size = page_size
         self.ranks = model.dp_size
@@ -89,6 +96,11 @@ class Runner:
                                        page_size=page_size).layers
         self.tokens = global_array(np.zeros(self.ranks * self.max_rows, np.int32), self._batch)
         self._feed: dict[int, int] = {}  # seq_id -> buffer slot of its token sampled by the last dispatched step
+        self.expert_load_window = expert_load_window
+        load_shape = (self.ranks, model.config.num_moe_layers, model.config.n_routed_experts)
+        self._no_load = global_array(np.zeros(load_shape, np.int32), self._batch)  # subtracted while filling up
+        self._load_total = global_array(np.zeros(load_shape, np.int32), self._batch)  # [ranks, L, E] over window
+        self._load_steps: collections.deque = collections.deque()  # per-step counts in the window, oldest first
 
     @functools.cached_property
     def _write_in_step(self) -> bool:
@@ -103,24 +115,35 @@ class Runner:
         leaves, treedef = jax.tree.flatten(self.model.state)
         return leaves, treedef
 
+    def refresh_state(self) -> None:
+        """Reads the model state again at the next step (after it was changed in place, e.g. rebalanced experts).
+        Shapes, dtypes and shardings must not change: the compiled steps are reused."""
+        self.__dict__.pop("_state_leaves", None)
+
     @functools.cached_property
     def _step(self):
         graphdef = self.model.graphdef
         treedef = self._state_leaves[1]
         write_cache = self._write_in_step
+        batch = self._batch
 
-        @functools.partial(jax.jit, donate_argnums=((1, 2) if write_cache else (2,)))
-        def step(state_leaves, layers, tokens, ids, src, positions, block_table, seqlens, slots, dest, tensors):
+        @functools.partial(jax.jit, donate_argnums=((1, 2, 3) if write_cache else (2, 3)))
+        def step(state_leaves, layers, tokens, load_total, load_evict, ids, src, positions, block_table, seqlens,
+                 slots, dest, tensors):
             ids = jnp.where(src >= 0, tokens[jnp.maximum(src, 0)], ids)  # [R, T] placeholders from the buffer
             model = nnx.merge(graphdef, jax.tree.unflatten(treedef, state_leaves))
-            h, layers = model.paged_hidden_states(ids, positions, layers, block_table, seqlens, slots, write_cache)
+            h, layers, load = model.paged_hidden_states(ids, positions, layers, block_table, seqlens, slots,
+                                                        write_cache)
+            load = jnp.broadcast_to(load, load_total.shape)  # [ranks, L, E] ([1, 0, E] without MoE layers)
+            load = jax.lax.with_sharding_constraint(load, batch)  # each rank keeps its own row
+            load_total = load_total + load - load_evict
             logits = model.head(h[:, -1:])[:, 0]  # [R, V]: the last column holds each row's last real token
             out = sample(logits, tensors)
             tokens = tokens.at[dest].set(out.token_ids, mode="drop")  # dest past the buffer: padding rows
             if write_cache:
-                return out, layers, tokens
+                return out, layers, tokens, (load_total, load)
             # This step's latents and slots, padded per rank to a fixed count: the write program compiles twice.
-            return out, (tuple(self._pack(x, 0) for x in layers), self._pack(slots, -1)), tokens
+            return out, (tuple(self._pack(x, 0) for x in layers), self._pack(slots, -1)), tokens, (load_total, load)
 
         return step
 
@@ -143,10 +166,20 @@ class Runner:
         return write
 
     def _run(self, *args):
-        """One step on the devices (asynchronous): updates the cache and the token buffer, returns the samples."""
-        out, new, self.tokens = self._step(self._state_leaves[0], self.layers, self.tokens, *args)
+        """One step on the devices (asynchronous): updates the cache, the token buffer and the expert load window,
+        returns the samples."""
+        full = len(self._load_steps) >= self.expert_load_window
+        evict = self._load_steps.popleft() if full else self._no_load
+        out, new, self.tokens, (self._load_total, load) = self._step(
+            self._state_leaves[0], self.layers, self.tokens, self._load_total, evict, *args)
+        self._load_steps.append(load)
         self.layers = new if self._write_in_step else self._write(self.layers, *new)
         return out
+
+    def expert_load(self) -> np.ndarray:
+        """np.int64 [moe layers, experts]: (token, choice) pairs routed to each logical expert over the last
+        ``expert_load_window`` steps, real tokens only, summed over DP ranks (waits for the dispatched steps)."""
+        return to_host(self._load_total).astype(np.int64).sum(0)
 
     def shapes(self, plan: StepPlan) -> tuple[int, int, int]:
         """(rows per rank, T, pages per row) of the step's bucketed arrays."""

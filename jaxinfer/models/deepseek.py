@@ -54,11 +54,16 @@ class DecoderLayer(nnx.Module):
         return x, (None if cache is None else kv)
 
     def paged(self, x, cos, sin, cache, block_table, seqlens, slots, write_cache: bool = True):
-        """The block over the paged latent cache (see MLA.paged). Returns (x, cache, this step's latents)."""
+        """The block over the paged latent cache (see MLA.paged). Returns (x, cache, this step's latents, expert
+        load: int32 [P, E] per DP rank from the real tokens (slot >= 0), see MoE.forward; None for a dense MLP)."""
         attn, cache, new = self.self_attn.paged(self.input_layernorm(x), cos, sin, cache, block_table, seqlens,
                                                 slots, self.plan, write_cache)
         x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), cache, new
+        h = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, MoE):
+            y, load = self.mlp.forward(h, slots >= 0)
+            return x + y, cache, new, load
+        return x + self.mlp(h), cache, new, None
 
 
 class MTPLayer(nnx.Module):
@@ -126,19 +131,25 @@ class DeepseekForCausalLM(nnx.Module):
         """One engine step over the paged latent cache: ids, positions, slots [B, T] (the last T tokens of each
         sequence; slot -1 = padding), cache: per layer [pages, 64, 1, C+R], block_table [B, max_pages],
         seqlens [B] (tokens in the cache after this step). Returns (final-normed hidden states [B, T, D], the
-        updated cache) with write_cache, else (hidden states, per layer this step's latents [B, T, C+R]) for the
-        caller to write (paged_attention.write_latents; the XLA path, see paged_attention.paged_mla)."""
+        updated cache, expert load) with write_cache, else (hidden states, per layer this step's latents
+        [B, T, C+R], expert load) for the caller to write (paged_attention.write_latents; the XLA path, see
+        paged_attention.paged_mla). Expert load: int32 [P, L, E], the real tokens' (slot >= 0) choices of each
+        logical expert in each of the L MoE layers, per DP rank P (MoE.forward; sum over P to read it)."""
         cos, sin = rope_cos_sin(self.config, positions)
         x = self.embed(ids).astype(jnp.float32)  # float32 residual stream, as in hidden_states
-        out = []
+        out, loads = [], []
         for layer, layer_cache in zip(self.layers, cache):
-            x, layer_cache, new = layer.paged(x, cos, sin, layer_cache, block_table, seqlens, slots, write_cache)
+            x, layer_cache, new, load = layer.paged(x, cos, sin, layer_cache, block_table, seqlens, slots,
+                                                    write_cache)
             out.append(layer_cache if write_cache else new)
-        return self.norm(x), tuple(out)
+            if load is not None:
+                loads.append(load)
+        load = jnp.stack(loads, 1) if loads else jnp.zeros((1, 0, self.config.n_routed_experts), jnp.int32)
+        return self.norm(x), tuple(out), load
 
     def forward_paged(self, ids, positions, cache: tuple[jax.Array, ...], block_table, seqlens, slots):
         """paged_hidden_states followed by the head: (float32 logits [B, T, V], updated cache)."""
-        h, cache = self.paged_hidden_states(ids, positions, cache, block_table, seqlens, slots)
+        h, cache, _ = self.paged_hidden_states(ids, positions, cache, block_table, seqlens, slots)
         return self.head(h), cache
 
     def mtp_logits(self, h: jax.Array, next_ids: jax.Array, positions: jax.Array, depth: int = 0) -> jax.Array:

@@ -17,7 +17,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.checkpoint.fp8 import scale_shape
 from jaxinfer.models.grouped_matmul import grouped_matmul, tile_plan
 from jaxinfer.models.layers import FP8_DTYPE, MLP, normal_init, dense_weight
-from jaxinfer.parallel.dispatch import expert_parallel
+from jaxinfer.parallel.dispatch import expert_parallel, slot_counts
 from jaxinfer.parallel.placement import default_tables
 from kernels_pallas import fp8_grouped_gemm_contiguous, per_token_cast_to_fp8
 from jaxinfer.parallel.plan import ParallelPlan
@@ -198,6 +198,13 @@ def physical_slots(placement: dict, ids: jax.Array) -> jax.Array:
     return placement["log2phy"][ids, replica]
 
 
+def logical_load(slot_load: jax.Array, log2phy: jax.Array) -> jax.Array:
+    """Per-slot counts [P, S] -> per-expert counts [P, E]: the sum over each expert's copies (log2phy [E, W],
+    -1 padded). A gather along the slot axis: rows (DP ranks) stay where they are."""
+    copies = jnp.take(slot_load, jnp.maximum(log2phy, 0), axis=1)  # [P, E, W]
+    return jnp.where(log2phy[None] >= 0, copies, 0).sum(-1).astype(jnp.int32)
+
+
 class MoE(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, fp8: str = "off",
                  plan: ParallelPlan | None = None):
@@ -212,6 +219,13 @@ class MoE(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [B, T, D] -> [B, T, D]."""
+        return self.forward(x)[0]
+
+    def forward(self, x: jax.Array, token_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """x [B, T, D], token_mask [B, T] bool (False: padding, not counted; None: every token counts) ->
+        (y [B, T, D], load int32 [P, E]): the (token, choice) pairs routed to each logical expert, per DP rank
+        (P = mesh devices; 1 without a mesh). Per rank so that the step adds no collective: callers sum over P
+        when they read it. Unused results cost nothing under jit (XLA drops them)."""
         config = self.gate.config
 
         def route_fn(params, flat):  # [N, D] -> weights, physical slots [N, K]
@@ -226,15 +240,18 @@ class MoE(nnx.Module):
             flat = x.reshape(b * t, d)
             weights, slots = route_fn(route_params, flat)
             y = ffn(self.experts.params(), flat, weights, slots).reshape(x.shape)
+            mask = None if token_mask is None else token_mask.reshape(b * t)
+            slot_load = slot_counts(slots, self.experts.phy2log[...].shape[0], mask)[None]  # [1, S]
+            load = logical_load(slot_load, self.experts.log2phy[...])  # [1, E]
             if hasattr(self, "__captures__"):  # only under nnx.capture (jaxinfer/train); no-op otherwise
-                logical = self.experts.phy2log[...][slots].reshape(-1)  # [N*K] logical expert of each choice
-                self.sow(nnx.Intermediate, "expert_load", jnp.bincount(logical, length=config.n_routed_experts))
+                self.sow(nnx.Intermediate, "expert_load", load[0])  # [E]
         else:
-            y, sent = expert_parallel(self.plan.mesh, x, route_params, self.experts.params(), route_fn, ffn,
-                                      fp8=self.plan.fp8_dispatch)
+            y, sent, slot_load = expert_parallel(self.plan.mesh, x, route_params, self.experts.params(), route_fn,
+                                                 ffn, fp8=self.plan.fp8_dispatch, mask=token_mask)
+            load = logical_load(slot_load, self.experts.log2phy[...])  # [P, E], rows stay on their devices
             if hasattr(self, "__captures__"):  # only under nnx.capture (parallel/comm.py); no-op otherwise
                 self.sow(nnx.Intermediate, "tokens_sent", sent)  # [devices, R]
         y = y.astype(self.dtype)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
-        return y
+        return y, load

@@ -25,6 +25,13 @@ BATCH_AXES = ("data", "expert")
 QUANT_GROUP = 128  # DeepEP / DeepGEMM activation scaling granularity: per token per 128 channels
 
 
+def slot_counts(slots: jax.Array, num_slots: int, mask: jax.Array | None = None) -> jax.Array:
+    """Physical slots [N, K] (mask [N] bool: tokens to count, None = all) -> int32 [S]: choices per slot."""
+    if mask is not None:
+        slots = jnp.where(mask[:, None], slots, num_slots)  # not counted: the extra bin
+    return jnp.bincount(slots.reshape(-1), length=num_slots + 1)[:num_slots].astype(jnp.int32)
+
+
 def dispatch_combine(x: jax.Array, weights: jax.Array, slots: jax.Array, expert_params: dict,
                      expert_fn: Callable, *, slots_per_rank: int, fp8: bool) -> tuple[jax.Array, jax.Array]:
     """Per device (inside shard_map). x [N, D] local tokens, weights/slots [N, K] (physical slot ids),
@@ -57,24 +64,30 @@ def dispatch_combine(x: jax.Array, weights: jax.Array, slots: jax.Array, expert_
 
 
 def expert_parallel(mesh, x: jax.Array, route_params: dict, expert_params: dict, route_fn: Callable,
-                    expert_fn: Callable, *, fp8: bool) -> tuple[jax.Array, jax.Array]:
+                    expert_fn: Callable, *, fp8: bool, mask: jax.Array | None = None
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Global view: x [B, T, D] with the batch split over all devices. Each device routes its own tokens
     (route_fn(route_params, x [N, D]) -> weights, slots [N, K]; route_params replicated), then dispatches and
-    combines over `expert`. expert_params: slots on axis 0, split over `expert`. Returns (float32 [B, T, D],
-    int32 [devices, R]: tokens each DP rank sent to each expert rank)."""
+    combines over `expert`. expert_params: slots on axis 0, split over `expert`. mask [B, T] bool: the tokens to
+    count in the slot loads (None = all). Returns (float32 [B, T, D], int32 [devices, R]: tokens each DP rank
+    sent to each expert rank, int32 [devices, S]: (token, choice) pairs of each DP rank's unmasked tokens per
+    physical slot; per device, so nothing is reduced across devices here)."""
     num_slots = next(iter(expert_params.values())).shape[0]
     slots_per_rank = num_slots // mesh.shape[EXPERT_AXIS]
     batch = P(BATCH_AXES)
+    if mask is None:
+        mask = jnp.ones(x.shape[:2], bool)
 
-    def local(x, route_params, expert_params):
+    def local(x, mask, route_params, expert_params):
         b, t, d = x.shape
         flat = x.reshape(b * t, d)
         weights, slots = route_fn(route_params, flat)
         out, sent = dispatch_combine(flat, weights, slots, expert_params, expert_fn,
                                      slots_per_rank=slots_per_rank, fp8=fp8)
-        return out.reshape(b, t, d), sent[None]
+        load = slot_counts(slots, num_slots, mask.reshape(b * t))  # [S]
+        return out.reshape(b, t, d), sent[None], load[None]
 
-    in_specs = (batch, jax.tree.map(lambda _: P(), route_params), jax.tree.map(lambda _: P(EXPERT_AXIS),
-                                                                               expert_params))
-    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(batch, batch))(
-        x, route_params, expert_params)
+    in_specs = (batch, batch, jax.tree.map(lambda _: P(), route_params),
+                jax.tree.map(lambda _: P(EXPERT_AXIS), expert_params))
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(batch, batch, batch))(
+        x, mask, route_params, expert_params)

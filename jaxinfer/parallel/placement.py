@@ -18,15 +18,19 @@ def identity_phy2log(num_experts: int, num_slots: int) -> np.ndarray:
     return np.arange(num_slots, dtype=np.int64) % num_experts
 
 
-def tables(phy2log: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
-    """phy2log [S] -> (log2phy [E, max_replicas] padded with -1, logcnt [E]); every expert needs a slot."""
+def tables(phy2log: np.ndarray, num_experts: int, width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """phy2log [S] -> (log2phy [E, W] padded with -1, logcnt [E]); every expert needs a slot. Each expert's
+    slots in ascending order; W = width (default: the largest copy count, logcnt.max())."""
     phy2log = np.asarray(phy2log, np.int64)
     if phy2log.ndim != 1 or phy2log.min(initial=0) < 0 or phy2log.max(initial=0) >= num_experts:
         raise ValueError(f"phy2log must be a 1-D array of expert ids in [0, {num_experts}), got {phy2log}")
     logcnt = np.bincount(phy2log, minlength=num_experts)
     if (logcnt == 0).any():
         raise ValueError(f"experts {np.flatnonzero(logcnt == 0).tolist()} have no physical slot")
-    log2phy = -np.ones((num_experts, int(logcnt.max())), np.int64)
+    width = int(logcnt.max()) if width is None else width
+    if width < logcnt.max():
+        raise ValueError(f"{width=} is less than the most copies of one expert, {int(logcnt.max())}")
+    log2phy = -np.ones((num_experts, width), np.int64)
     for e in range(num_experts):
         slots = np.flatnonzero(phy2log == e)
         log2phy[e, : len(slots)] = slots
@@ -44,10 +48,17 @@ def check_slots(num_slots: int, expert_ranks: int) -> int:
 PLACEMENT_LEAVES = ("phy2log", "log2phy", "logcnt")
 
 
+def max_replicas(num_experts: int, num_slots: int) -> int:
+    """The width of the log2phy variables: the most copies any placement can give one expert (all redundant
+    slots to it), so that rebalancing never changes a shape (which would recompile the engine's step)."""
+    return num_slots - num_experts + 1
+
+
 def default_tables(num_experts: int, num_slots: int) -> dict[str, np.ndarray]:
-    """The identity placement as int32 arrays, keyed like the Experts module's placement variables."""
+    """The identity placement as int32 arrays, keyed like the Experts module's placement variables (log2phy
+    [E, max_replicas(E, S)])."""
     phy2log = identity_phy2log(num_experts, num_slots)
-    log2phy, logcnt = tables(phy2log, num_experts)
+    log2phy, logcnt = tables(phy2log, num_experts, max_replicas(num_experts, num_slots))
     return {"phy2log": phy2log.astype(np.int32), "log2phy": log2phy.astype(np.int32),
             "logcnt": logcnt.astype(np.int32)}
 
