@@ -1,4 +1,4 @@
-"""jaxinfer's orbax form of a whole model: save -> load_model is bit-exact, also onto another mesh."""
+"""jaxinfer's orbax form of a whole model: save -> load_model restores the same bits, also onto another mesh."""
 
 import jax
 import numpy as np
@@ -30,7 +30,14 @@ def test_orbax_round_trip_bit_exact(tmp_path, dtype, save_mesh, load_mesh):
     leaf = next(iter(jax.tree.leaves(restored.state)))
     assert leaf.sharding.mesh.devices.shape == restored.mesh.devices.shape
     ids = np.arange(12).reshape(2, 6) % config.vocab_size
-    np.testing.assert_array_equal(model.logits(ids), restored.logits(ids))
+    ref = model.logits(ids)
+    # Restored onto the mesh it was saved from: the same program on the same bits, so bit-equal logits.
+    same_mesh = jaxinfer.load_model(tmp_path / "ckpt", mesh=save_mesh, dtype=dtype)
+    np.testing.assert_array_equal(ref, same_mesh.logits(ids))
+    # On another mesh each device holds other row counts, and the routed experts' compute path is chosen by
+    # shape (models/moe.py moe_path): equal up to float rounding.
+    err = np.abs(restored.logits(ids) - ref).max() / np.abs(ref).max()
+    assert err <= (1e-5 if dtype == "float32" else 2e-2), err
 
 
 def test_save_refuses_non_empty_dir(tmp_path):
