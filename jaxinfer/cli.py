@@ -3,7 +3,7 @@
 Results go to stdout, progress and summaries to stderr. Errors in user input print one line and exit 2.
 Multi-process runs (``--coordinator HOST:PORT --num-processes N --process-id I``, the same command in every
 process): all processes compute, process 0 prints the results.
-``generate`` lives in cli_generate.py; ``bench`` and ``sweep`` arrive with their issue.
+``generate`` lives in cli_generate.py, ``bench`` in bench.py, ``sweep`` in sweep.py.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import pathlib
 import sys
 import time
 
+from jaxinfer import bench, sweep
 from jaxinfer import cli_generate as generate
 
 
@@ -45,6 +46,10 @@ def _parser() -> argparse.ArgumentParser:
 
     generate.add_parser(sub)
     _add_runtime_flags(sub.choices["generate"])
+
+    bench.add_parser(sub)
+    _add_runtime_flags(sub.choices["bench"])
+    sweep.add_parser(sub)  # starts no JAX itself: each mesh runs `bench` in fresh processes
 
     convert = sub.add_parser("convert", help="write an HF checkpoint in jaxinfer's orbax form")
     convert.add_argument("hf_dir")
@@ -175,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         _start_jax(args)
-        {"score": _score, "convert": _convert, "generate": generate.run}[args.command](args)
+        {"score": _score, "convert": _convert, "generate": generate.run, "bench": bench.run,
+         "sweep": sweep.run}[args.command](args)
     except (ValueError, RuntimeError, FileNotFoundError) as e:
         # Multi-process: returning (not os._exit) lets jax.distributed's exit-time shutdown barrier end the run
         # cleanly when every process fails alike; process 0 hosts the coordination service, so its abrupt exit

@@ -1,0 +1,272 @@
+"""``jaxinfer bench``: latency and throughput of ``jaxinfer.LLM`` on random token ids, in the vocabulary of the
+benchmarks users already read.
+
+- ``--mode one-batch`` (SGLang's ``bench_one_batch``): one batch of ``--batch-size`` requests of ``--input-len``
+  prompt tokens, each generating ``--output-len`` tokens. Prefill latency = the time until every request has its
+  first token (the largest TTFT: the whole batch is prefilled in one step), prefill throughput = batch *
+  input_len / prefill latency; median decode latency = the median over requests of TPOT (time per output token
+  after the first), median decode throughput = batch / median decode latency; total latency = the whole
+  ``generate`` call, overall throughput = batch * (input_len + output_len) / total latency. Several batch sizes
+  (``--batch-size 1 8 32``) give one result each. The engine is sized for the batch (``max_num_seqs`` = the
+  batch's requests per DP rank, one prefill step for all of them; batch sizes with as many requests per rank
+  share one engine) and prefix caching is off.
+- ``--mode throughput`` (vLLM's ``benchmark_throughput``, SGLang's ``bench_offline_throughput``): ``--num-prompts``
+  requests submitted at once with the engine's default options; requests/s and input / output / total tok/s over
+  the wall time, TTFT and TPOT percentiles. Lengths: ``--input-len`` / ``--output-len``, or with
+  ``--random-range-ratio r`` uniform integers in [L * (1 - r), L * (1 + r)] (vLLM's random dataset).
+
+Every request samples greedily with ``ignore_eos=True``, so it generates exactly its output length. Each workload
+runs once untimed first with other random ids (compilation: every step shape of the timed run is compiled
+then). ``--json`` prints one JSON object per result on stdout (keys in ``ONE_BATCH_KEYS`` / ``THROUGHPUT_KEYS``);
+otherwise SGLang / vLLM-style lines. ``--dispatch-bytes`` adds the expert-parallel dispatch bytes per token of
+the prompts' routing on the mesh (jaxinfer/parallel/comm.py; keys ``DISPATCH_KEYS``), as ``jaxinfer sweep``
+records them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import time
+
+import numpy as np
+
+MODES = ("one-batch", "throughput")
+ONE_BATCH_KEYS = ("mode", "mesh", "devices", "data", "expert", "platform", "dtype", "batch_size", "input_len",
+                  "output_len", "prefill_latency_s", "prefill_throughput_tok_s", "median_decode_latency_s",
+                  "median_decode_throughput_tok_s", "total_latency_s", "overall_throughput_tok_s", "ttft_s",
+                  "tpot_s")
+THROUGHPUT_KEYS = ("mode", "mesh", "devices", "data", "expert", "platform", "dtype", "num_prompts",
+                   "random_range_ratio", "total_input_tokens", "total_output_tokens", "elapsed_s", "requests_per_s",
+                   "input_tok_s", "output_tok_s", "total_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
+                   "tpot_p99_s")
+DISPATCH_KEYS = ("dispatch_bytes_per_token", "dispatch_bytes_per_token_fp8")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="one-batch latency or offline throughput on random prompts (SGLang / vLLM)")
+    p.add_argument("--mode", choices=MODES, default="one-batch")
+    p.add_argument("--model", default=None,
+                   help="HF checkpoint directory or jaxinfer orbax directory (default: the embedded model)")
+    p.add_argument("--batch-size", nargs="+", default=["1"], metavar="B",
+                   help="one-batch: requests in the batch; several values run one after the other")
+    p.add_argument("--num-prompts", type=int, default=64, metavar="N", help="throughput: number of requests")
+    p.add_argument("--input-len", type=int, default=256, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=32, help="generated tokens per request")
+    p.add_argument("--random-range-ratio", type=float, default=0.0, metavar="R",
+                   help="throughput: lengths uniform in [L(1-R), L(1+R)] (vLLM's random dataset); 0 = fixed")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="throughput: running sequences per DP rank")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="throughput: tokens per DP rank per prefill step")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="run each workload once untimed first (compilation)")
+    p.add_argument("--dispatch-bytes", action="store_true",
+                   help="add dispatch bytes per token of the prompts' routing (parallel/comm.py)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--json", action="store_true", help="one JSON object per result on stdout")
+
+
+def positive_ints(values, flag: str) -> list[int]:
+    """["1", "8"] or "1,8" -> [1, 8]; ValueError naming ``flag`` for anything but positive integers."""
+    items = values.split(",") if isinstance(values, str) else [v for value in values for v in str(value).split(",")]
+    try:
+        numbers = [int(v) for v in items]
+    except ValueError:
+        numbers = []
+    if not numbers or min(numbers) < 1:
+        shown = values if isinstance(values, str) else ",".join(map(str, values))
+        raise ValueError(f"{flag} must be positive integers (e.g. 1,8,32), got {shown!r}")
+    return numbers
+
+
+def _check(args) -> list[int]:
+    """Validates the numbers; returns the batch sizes."""
+    batch_sizes = positive_ints(args.batch_size, "--batch-size")
+    for flag, value in (("--input-len", args.input_len), ("--output-len", args.output_len),
+                        ("--num-prompts", args.num_prompts), ("--max-num-seqs", args.max_num_seqs),
+                        ("--max-num-batched-tokens", args.max_num_batched_tokens)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.mode == "one-batch" and args.output_len < 2:
+        raise ValueError(f"one-batch mode needs --output-len >= 2 (a prefill token, then decode steps), "
+                         f"got {args.output_len}")
+    if not 0 <= args.random_range_ratio < 1:
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
+    return batch_sizes
+
+
+def random_lengths(rng: np.random.Generator, n: int, length: int, ratio: float) -> np.ndarray:
+    """n lengths uniform in [int(L (1 - r)), int(L (1 + r))], at least 1 (vLLM's random dataset)."""
+    low = max(1, int(length * (1 - ratio)))
+    return rng.integers(low, max(low, int(length * (1 + ratio))) + 1, n)
+
+
+def _generate(llm, prompts: list[list[int]], output_lens) -> tuple[list, float]:
+    """Greedy generation of exactly ``output_lens[i]`` tokens per prompt; (outputs, seconds). RuntimeError when a
+    request fails (e.g. prompt + output longer than the model allows)."""
+    from jaxinfer import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=int(n), ignore_eos=True) for n in output_lens]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    for out in outs:
+        if out.outputs[0].finish_reason == "error":
+            raise RuntimeError(f"a benchmark request failed: {out.outputs[0].error}")
+    return outs, elapsed
+
+
+def _prompts(rng: np.random.Generator, vocab: int, lengths) -> list[list[int]]:
+    return [rng.integers(0, vocab, int(n)).tolist() for n in lengths]
+
+
+def mesh_info(llm, mesh_spec) -> dict:
+    """mesh (the mesh file's name, or "DxE"), devices, data, expert, platform."""
+    from jaxinfer.parallel.mesh import read_mesh_file
+
+    mesh = llm.model.mesh
+    d, e = mesh.shape["data"], mesh.shape["expert"]
+    name = read_mesh_file(mesh_spec).name if str(mesh_spec).endswith(".toml") else f"{d}x{e}"
+    return dict(mesh=name, devices=d * e, data=d, expert=e, platform=mesh.devices.flat[0].platform)
+
+
+def one_batch(llm, batch_size: int, input_len: int, output_len: int, *, seed: int = 0, warmup: bool = True) -> dict:
+    """SGLang bench_one_batch figures of one batch (module docstring)."""
+    rng = np.random.default_rng(seed)
+    vocab = llm.model.config.vocab_size
+    lens, outs_len = [input_len] * batch_size, [output_len] * batch_size
+    if warmup:
+        _generate(llm, _prompts(rng, vocab, lens), outs_len)
+    outs, total = _generate(llm, _prompts(rng, vocab, lens), outs_len)
+    ttft = [o.metrics["ttft_s"] for o in outs]
+    tpot = [o.metrics["tpot_s"] for o in outs]
+    prefill, decode = max(ttft), float(np.median(tpot))
+    return dict(batch_size=batch_size, input_len=input_len, output_len=output_len, prefill_latency_s=prefill,
+                prefill_throughput_tok_s=batch_size * input_len / prefill, median_decode_latency_s=decode,
+                median_decode_throughput_tok_s=batch_size / decode, total_latency_s=total,
+                overall_throughput_tok_s=batch_size * (input_len + output_len) / total,
+                ttft_s=float(np.median(ttft)), tpot_s=decode)
+
+
+def throughput(llm, num_prompts: int, input_len: int, output_len: int, *, random_range_ratio: float = 0.0,
+               seed: int = 0, warmup: bool = True) -> dict:
+    """Offline throughput of ``num_prompts`` requests submitted at once (module docstring)."""
+    rng = np.random.default_rng(seed)
+    vocab = llm.model.config.vocab_size
+    in_lens = random_lengths(rng, num_prompts, input_len, random_range_ratio)
+    out_lens = random_lengths(rng, num_prompts, output_len, random_range_ratio)
+    if warmup:
+        _generate(llm, _prompts(rng, vocab, in_lens), out_lens)
+    outs, elapsed = _generate(llm, _prompts(rng, vocab, in_lens), out_lens)
+    n_in = sum(o.metrics["num_prompt_tokens"] for o in outs)
+    n_out = sum(o.metrics["num_output_tokens"] for o in outs)
+    ttft = [o.metrics["ttft_s"] for o in outs]
+    tpot = [o.metrics["tpot_s"] for o in outs if o.metrics["num_output_tokens"] > 1] or [0.0]
+    return dict(num_prompts=num_prompts, input_len=input_len, output_len=output_len,
+                random_range_ratio=random_range_ratio, total_input_tokens=n_in, total_output_tokens=n_out,
+                elapsed_s=elapsed, requests_per_s=num_prompts / elapsed, input_tok_s=n_in / elapsed,
+                output_tok_s=n_out / elapsed, total_tok_s=(n_in + n_out) / elapsed,
+                ttft_p50_s=float(np.percentile(ttft, 50)), ttft_p99_s=float(np.percentile(ttft, 99)),
+                tpot_p50_s=float(np.percentile(tpot, 50)), tpot_p99_s=float(np.percentile(tpot, 99)),
+                steps=llm.stats.steps, preemptions=llm.stats.preemptions)
+
+
+def dispatch_bytes(model, rows: int, input_len: int, seed: int = 0) -> dict:
+    """Dispatch payload bytes per token (summed over the MoE layers) of a [rows, input_len] random batch's routing
+    on the model's mesh (parallel/comm.py: each token once to each other expert rank holding one of its experts):
+    as configured (model dtype, or FP8 with fp8_dispatch) and in DeepEP's FP8 format (H + 4 ceil(H/128) bytes
+    per send). 0 on meshes with one expert rank. rows are rounded up to a multiple of the DP size."""
+    from jaxinfer.parallel.comm import comm_stats
+    from jaxinfer.parallel.dispatch import QUANT_GROUP
+
+    rows = -(-rows // model.dp_size) * model.dp_size
+    ids = np.random.default_rng(seed).integers(0, model.config.vocab_size, (rows, input_len))
+    stats = comm_stats(model, ids)
+    h = model.config.hidden_size
+    return dict(dispatch_bytes_per_token=stats.dispatch_payload_bytes / stats.tokens,
+                dispatch_bytes_per_token_fp8=stats.remote_token_sends * (h + 4 * -(-h // QUANT_GROUP)) / stats.tokens)
+
+
+def _llm(args, mesh, max_model_len: int, **options):
+    """The engine under test (prefix caching off: every prompt is computed); ValueError when the longest request
+    does not fit the model's positions."""
+    import jaxinfer
+
+    llm = jaxinfer.LLM(args.model, mesh=mesh, dtype=args.dtype, enable_prefix_caching=False,
+                       max_model_len=max_model_len, **options)
+    if llm.max_model_len < max_model_len:
+        raise ValueError(f"requests of up to {max_model_len} tokens (input + output) exceed the model's "
+                         f"max_position_embeddings={llm.max_model_len}")
+    return llm
+
+
+def run(args) -> None:
+    from jaxinfer.parallel import multihost
+    from jaxinfer.parallel.mesh import make_mesh
+
+    batch_sizes = _check(args)
+    if args.model is not None and not pathlib.Path(args.model).is_dir():
+        raise ValueError(f"--model {args.model} is not a directory")
+    mesh = make_mesh(args.mesh)
+    dp = mesh.size
+    results, llm = [], None
+    if args.mode == "one-batch":
+        sized_for = None  # requests per DP rank of the current engine
+        for b in batch_sizes:
+            per_rank = -(-b // dp)
+            if per_rank != sized_for:  # batch sizes with the same requests per rank share an engine (and programs)
+                sized_for = per_rank
+                llm = None  # frees the previous engine's cache first
+                # Sized for the batch: every request runs at once and the whole batch is prefilled in one step.
+                llm = _llm(args, mesh, max_num_seqs=per_rank, max_model_len=args.input_len + args.output_len,
+                           max_num_batched_tokens=per_rank * max(16, 1 << (args.input_len - 1).bit_length()))
+            results.append(dict(mode=args.mode, **mesh_info(llm, args.mesh), dtype=args.dtype,
+                                **one_batch(llm, b, args.input_len, args.output_len, seed=args.seed,
+                                            warmup=args.warmup)))
+    else:
+        options = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
+                                     ("max_num_batched_tokens", args.max_num_batched_tokens)) if v is not None}
+        max_len = int(args.input_len * (1 + args.random_range_ratio)) + int(args.output_len *
+                                                                            (1 + args.random_range_ratio))
+        llm = _llm(args, mesh, max_model_len=max_len, **options)
+        results.append(dict(mode=args.mode, **mesh_info(llm, args.mesh), dtype=args.dtype,
+                            **throughput(llm, args.num_prompts, args.input_len, args.output_len,
+                                         random_range_ratio=args.random_range_ratio, seed=args.seed,
+                                         warmup=args.warmup)))
+    if args.dispatch_bytes:
+        rows = max(batch_sizes) if args.mode == "one-batch" else args.num_prompts
+        extra = dispatch_bytes(llm.model, rows, args.input_len, args.seed)
+        for r in results:
+            r.update(extra)
+    if not multihost.is_primary():  # all processes compute, process 0 prints
+        return
+    for r in results:
+        print(json.dumps(r) if args.json else format_result(r), flush=True)
+
+
+def format_result(r: dict) -> str:
+    """SGLang bench_one_batch / vLLM benchmark_throughput-style lines."""
+    head = f"[{r['mode']}] mesh {r['mesh']} ({r['devices']} {r['platform']} devices), {r['dtype']}"
+    if r["mode"] == "one-batch":
+        lines = [f"{head}, batch {r['batch_size']}, input {r['input_len']}, output {r['output_len']}",
+                 f"Prefill. latency: {r['prefill_latency_s']:6.5f} s, throughput: "
+                 f"{r['prefill_throughput_tok_s']:9.2f} token/s",
+                 f"Decode.  median latency: {r['median_decode_latency_s']:6.5f} s, median throughput: "
+                 f"{r['median_decode_throughput_tok_s']:9.2f} token/s",
+                 f"Total. latency: {r['total_latency_s']:6.3f} s, throughput: {r['overall_throughput_tok_s']:9.2f} "
+                 "token/s"]
+    else:
+        lines = [f"{head}, {r['num_prompts']} requests, input {r['input_len']}, output {r['output_len']}, "
+                 f"range ratio {r['random_range_ratio']}",
+                 f"Throughput: {r['requests_per_s']:.2f} requests/s, {r['total_tok_s']:.2f} total tokens/s, "
+                 f"{r['output_tok_s']:.2f} output tokens/s, {r['input_tok_s']:.2f} input tokens/s",
+                 f"Total input tokens: {r['total_input_tokens']}, total output tokens: {r['total_output_tokens']}, "
+                 f"duration {r['elapsed_s']:.3f} s",
+                 f"TTFT p50 {r['ttft_p50_s'] * 1e3:.2f} ms p99 {r['ttft_p99_s'] * 1e3:.2f} ms, "
+                 f"TPOT p50 {r['tpot_p50_s'] * 1e3:.2f} ms p99 {r['tpot_p99_s'] * 1e3:.2f} ms"]
+    if "dispatch_bytes_per_token" in r:
+        lines.append(f"Dispatch: {r['dispatch_bytes_per_token']:.0f} B/token as run, "
+                     f"{r['dispatch_bytes_per_token_fp8']:.0f} B/token in FP8 (all MoE layers)")
+    return "\n".join(lines)
+
