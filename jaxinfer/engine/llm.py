@@ -191,7 +191,8 @@ class LLM:
         for request in requests:
             n_out = sum(len(o.token_ids) for o in request.outputs)
             first = request.metrics.pop("first_token", end)
-            request.metrics = dict(ttft_s=first - start, tpot_s=(end - first) / max(n_out - 1, 1),
+            finished = request.metrics.pop("finished", end)  # when its last sequence completed
+            request.metrics = dict(ttft_s=first - start, tpot_s=(finished - first) / max(n_out - 1, 1),
                                    num_prompt_tokens=len(request.prompt_token_ids),
                                    num_cached_prompt_tokens=max(
                                        (q.num_cached_tokens for q in seqs_of.get(request.request_id, [])), default=0),
@@ -251,6 +252,7 @@ class LLM:
 
     def _close(self, live: dict, seq: Sequence, bar) -> None:
         entry = live.pop(seq.seq_id)
+        entry.request.metrics["finished"] = time.perf_counter()  # the last of its n sequences wins
         entry.out.finish_reason, entry.out.error = seq.finish_reason, seq.error
         if entry.out.logprobs is not None:
             del entry.out.logprobs[len(seq.output_token_ids):]  # tokens dropped after a stop
