@@ -176,7 +176,7 @@ def test_llm_default_generates_what_transformers_generates():
     cache, eos_token_id=None) on the shipped directory; the default (bfloat16) engine runs text and chat."""
     from jaxinfer import LLM, SamplingParams
 
-    llm = LLM(dtype="float32", mesh="1x1", num_kv_pages=8)
+    llm = LLM(dtype="float32", mesh="1x1")  # the engine `jaxinfer generate` builds (test_cli_generate): shared programs
     assert llm.model_path == str(PATH)
     prompts = ["The with statement is used to", "Return a new dictionary"]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)

@@ -47,7 +47,7 @@ def test_batch_invariance_under_preemption_and_chunked_prefill(case):
                 max_num_seqs=8)
     together = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
     assert tight.stats.preemptions > 0
-    roomy = LLM(case.path, mesh="1x1", dtype="float32", num_kv_pages=16, max_num_batched_tokens=256)
+    roomy = LLM(case.path, mesh="1x1", dtype="float32", num_kv_pages=16)  # = the other tests' engine: shared programs
     alone = [roomy.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
     assert together == alone
 
@@ -60,7 +60,7 @@ def test_prefix_caching_same_outputs_fewer_prefill_tokens(case):
     greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     results = {}
     for caching in (False, True):
-        llm = LLM(case.path, mesh="1x1", dtype="float32", num_kv_pages=32, enable_prefix_caching=caching)
+        llm = LLM(case.path, mesh="1x1", dtype="float32", num_kv_pages=16, enable_prefix_caching=caching)
         first = llm.generate([prompts[0]], greedy, use_tqdm=False)
         rest = llm.generate(prompts[1:], greedy, use_tqdm=False)
         results[caching] = ([o.outputs[0].token_ids for o in first + rest], llm.stats.prefill_tokens,
