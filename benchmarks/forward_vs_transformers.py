@@ -33,22 +33,13 @@ def main() -> None:
 
     import numpy as np
     import torch
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     import jaxinfer
 
-    torch.manual_seed(0)
-    torch.set_num_threads(args.threads)
-    cfg = DeepseekV3Config(
-        vocab_size=8192, hidden_size=512, intermediate_size=1408, moe_intermediate_size=256, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=8, n_shared_experts=1, n_routed_experts=16, kv_lora_rank=128,
-        q_lora_rank=192, qk_rope_head_dim=32, v_head_dim=64, qk_nope_head_dim=64, n_group=4, topk_group=2,
-        num_experts_per_tok=4, first_k_dense_replace=1, num_mtp_layers=0, max_position_embeddings=4096,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                         "original_max_position_embeddings": 1024, "mscale": 1.0, "mscale_all_dim": 1.0},
-    )
+    from bench_model import build_reference
+
+    cfg, ref = build_reference(args.threads)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    ref = DeepseekV3ForCausalLM(cfg).eval()
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (args.batch, args.seq))
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
