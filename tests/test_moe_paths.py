@@ -43,7 +43,9 @@ def test_paths_match_reference(m, path):
 
 
 def test_auto_choice_and_bad_path():
-    assert moe_path(2, 4, 16) == "gather" and moe_path(4, 4, 16) == "dense" and moe_path(8, 4, 16) == "dense" and moe_path(1024, 4, 16) == "tiled"
+    # gather up to two assignments per slot and at most 32 assignments; dense to 256 rows; tiled above
+    assert [moe_path(m, 4, 16) for m in (1, 8, 9, 256, 257)] == ["gather"] * 2 + ["dense"] * 2 + ["tiled"]
+    assert moe_path(4, 8, 256) == "gather" and moe_path(5, 8, 256) == "dense" and moe_path(2, 2, 1) == "dense"
     params, x, weights, ids = _case(2)
     with pytest.raises(ValueError, match="path must be"):
         expert_ffn(params, x, weights, ids, jnp.float32, path="ragged")

@@ -77,15 +77,17 @@ class Placement(nnx.Variable):
 
 MoEPath = Literal["auto", "gather", "dense", "tiled"]
 DENSE_MAX_ROWS = 256  # "auto": every local expert densely up to this many rows (benchmarks/moe_paths.py)
+GATHER_MAX_ASSIGNMENTS = 32  # "auto": the gather path unrolls one matvec per assignment; bounds the program size
 
 
 def moe_path(rows: int, top_k: int, num_slots: int) -> str:
     """The XLA compute path of ``expert_ffn`` for a static shape (CPU measurements in docs/benchmarks.md):
-    "gather" (each assignment multiplies its own expert's weights: reads rows * top_k weight matrices) while
-    that is at most half the local experts; "dense" (every row through every local expert, one batched
-    matmul: reads each expert once, computes rows * num_slots) for decode-sized batches; "tiled" (grouped
-    matmul over rows sorted by expert, grouped_matmul.py) for prefill."""
-    if 2 * rows * top_k <= num_slots:
+    "gather" (each assignment multiplies its own expert's weights: reads rows * top_k weight matrices, repeats
+    from cache) while there are at most two assignments per local expert (and at most GATHER_MAX_ASSIGNMENTS);
+    "dense" (every row through every local expert, one batched matmul: reads each expert once, computes
+    rows * num_slots) for decode-sized batches; "tiled" (grouped matmul over rows sorted by expert,
+    grouped_matmul.py) for prefill."""
+    if rows * top_k <= min(2 * num_slots, GATHER_MAX_ASSIGNMENTS):
         return "gather"
     return "dense" if rows <= DENSE_MAX_ROWS else "tiled"
 
@@ -98,7 +100,7 @@ def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, d
     params: gate_proj/up_proj [S, I, D], down_proj [S, D, I] (+ ``*_scale_inv`` block scales for FP8).
     path (``moe_path`` picks one by shape for "auto"; all compute the same per-token products, so a token's
     result does not depend on the batch it is in beyond float rounding):
-      gather: per assignment, its expert's weight matrices gathered: [M*K, I, D].
+      gather: per assignment, a matvec with its expert's weight matrices, indexed in place.
       dense: every token through every slot, masked by the combine weights: [M, S, I].
       tiled: assignments sorted by slot so each slot's rows are contiguous, then one grouped matmul per
         projection (grouped_matmul.py; no Python loop over experts); ids -1 sort last and are never computed.
@@ -118,14 +120,25 @@ def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, d
     f32 = dict(preferred_element_type=jnp.float32)
     xd = x.astype(dtype)
     if path == "gather":
+        # One matvec per assignment on its slot's weights taken with dynamic_index_in_dim, unrolled: XLA:CPU
+        # feeds the indexed weights to the dot in place, whereas a gather w[ids] first copies [M*K, I, D] of
+        # weights (M = 1, hidden 512: 1.4 -> 0.65 ms per layer; benchmarks/moe_paths.py).
         safe = jnp.maximum(ids, 0).reshape(-1)  # [M*K]; assignments with id -1 get weight 0 below
         w = jnp.where(ids < 0, 0.0, weights).reshape(-1)  # [M*K]
-        xs = jnp.repeat(xd, k, axis=0)  # [M*K, D]
-        gate = jnp.einsum("nd,nid->ni", xs, weight("gate_proj")[safe], **f32)
-        up = jnp.einsum("nd,nid->ni", xs, weight("up_proj")[safe], **f32)
-        act = (jax.nn.silu(gate.astype(dtype)) * up.astype(dtype))  # [M*K, I]
-        out = jnp.einsum("ni,ndi->nd", act, weight("down_proj")[safe], **f32)  # [M*K, D]
-        out = out.astype(dtype).astype(jnp.float32)  # rounded like the tiled path's expert outputs
+
+        def slot_weight(name, slot):  # [out, in] of one slot, dequantized after indexing (FP8 weights)
+            scale = params.get(name + "_scale_inv")
+            pick = functools.partial(jax.lax.dynamic_index_in_dim, index=slot, keepdims=False)
+            return dense_weight(pick(params[name]), None if scale is None else pick(scale), dtype)
+
+        outs = []
+        for n in range(m * k):
+            row = xd[n // k]  # [D]
+            gate = jnp.dot(row, slot_weight("gate_proj", safe[n]).T, **f32)
+            up = jnp.dot(row, slot_weight("up_proj", safe[n]).T, **f32)
+            act = jax.nn.silu(gate.astype(dtype)) * up.astype(dtype)  # [I]
+            outs.append(jnp.dot(act, slot_weight("down_proj", safe[n]).T, **f32))  # [D]
+        out = jnp.stack(outs).astype(dtype).astype(jnp.float32)  # [M*K, D], rounded like the tiled path
         return (out * w[:, None]).reshape(m, k, -1).sum(1)
     if path == "dense":
         combine = jnp.zeros((m, num_slots + 1), jnp.float32).at[
