@@ -43,7 +43,7 @@ from jaxinfer.models.paged_attention import write_latents
 from jaxinfer.parallel.dispatch import BATCH_AXES
 from jaxinfer.parallel.multihost import global_array, to_host
 
-MIN_PAGES = 4  # pages per row: fewer shapes; gathering 4 pages costs little more than 1
+MIN_PAGES = 2  # pages per row at least: fewer shapes; at batch 32 and 128-token contexts 4 cost 10% more per step
 _PAD_PARAMS = SamplingParams(temperature=0.0)  # rows that sample nothing: greedy, never read
 
 
