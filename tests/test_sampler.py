@@ -302,7 +302,10 @@ def test_build_defaults_and_padding():
 
 @settings(max_examples=30, deadline=None)
 @given(
-    logits=st.lists(st.floats(-8, 8, width=32), min_size=V, max_size=V),
+    # No subnormal logits: XLA:CPU flushes them to zero (FTZ), numpy does not, so a logit of -1e-45 ties with 0
+    # on device and ranks below it in the reference (a top-p boundary hypothesis found: a platform fact, not the
+    # sampler's rule).
+    logits=st.lists(st.floats(-8, 8, width=32, allow_subnormal=False), min_size=V, max_size=V),
     temperature=st.floats(0.05, 3.0),
     top_k=st.sampled_from([-1, 0, 1, 2, 3, 5, 8, 20]),
     top_p=st.floats(0.01, 1.0),
