@@ -120,9 +120,10 @@ def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, d
     f32 = dict(preferred_element_type=jnp.float32)
     xd = x.astype(dtype)
     if path == "gather":
-        # One matvec per assignment on its slot's weights taken with dynamic_index_in_dim, unrolled: XLA:CPU
-        # feeds the indexed weights to the dot in place, whereas a gather w[ids] first copies [M*K, I, D] of
-        # weights (M = 1, hidden 512: 1.4 -> 0.65 ms per layer; benchmarks/moe_paths.py).
+        # One matvec per assignment on its slot's weights taken with dynamic_index_in_dim, unrolled, written as
+        # x @ w.T: XLA:CPU then fuses index and matvec into one loop that reads the weights in place (as
+        # einsum("d,id->i") it copied each indexed slice first; a gather w[ids] copies [M*K, I, D] of weights).
+        # M = 1, hidden 512, 16 experts top-4: 1.81 -> 0.47 ms per layer (benchmarks/moe_paths.py).
         safe = jnp.maximum(ids, 0).reshape(-1)  # [M*K]; assignments with id -1 get weight 0 below
         w = jnp.where(ids < 0, 0.0, weights).reshape(-1)  # [M*K]
 
