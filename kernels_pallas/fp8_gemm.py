@@ -6,7 +6,8 @@ scales [m, ceil(k/128)]; B [n, k] e4m3 (checkpoint layout out x in) with 128x128
 [ceil(n/128), ceil(k/128)]. Partial last blocks are zero-padded.
 
 Four parts (DESIGN.md "Kernels"): ``_tile_kernel`` (body) -> ``tiled_fp8_gemm_pallas`` (``plgpu.kernel``
-wrapper) -> ``fp8_gemm`` (jitted entry, ``implementation=``, tuning knobs) -> ``fp8_gemm_reference`` (jnp, fp32).
+wrapper) -> ``fp8_gemm`` (jitted entry, ``implementation=``, tuning knobs) -> ``fp8_gemm_reference`` (jnp, fp32);
+the warp-specialized variant's body and wrapper are ``_ws_kernel`` / ``ws_fp8_gemm_pallas`` in fp8_gemm_ws.py.
 
 The kernel is shared with the grouped GEMMs (fp8_grouped_gemm.py): it multiplies row tiles of A, each tagged
 with the group whose weights it uses (-1: skip the tile, its output rows are left unwritten). The dense GEMM is
@@ -16,6 +17,14 @@ with the outer product of the A-row and B-column scales (DeepGEMM's two-level ac
 fp8 accumulation only ever sums 128 products). K-steps are TMA-pipelined ``stages`` deep (``plgpu.emit_pipeline``).
 B-scales are expanded on the host side to one per column ([G, kb, n], 1/32 byte per weight), so a tile may span
 two 128-blocks of n and the kernel needs no scalar shared-memory reads.
+
+Two kernel variants, chosen with the static knob ``kernel=`` of every entry (fp8_gemm and the grouped GEMMs):
+- ``"pipelined"`` (default): this file's ``_tile_kernel``, one warpgroup per CTA, grid (row tiles, column tiles),
+  wgmma -> wait -> promote per k-step, so the tensor cores idle during each wait and promotion.
+- ``"warp_specialized"``: fp8_gemm_ws.py, DeepGEMM's structure (a TMA producer warpgroup and two consumer
+  warpgroups that each own half of a 128- or 256-row CTA tile, persistent grid of one CTA per SM, epilogue stores
+  overlapped with the next tile). Same operands, tile -> group table and skipped tiles; not yet measured on a GPU,
+  hence not the default.
 
 GPU interpret mode (jax 0.10.2) cannot run ``wgmma`` on a transposed (K-major) B ref, nor ``plgpu.load`` with a
 layout or ``plgpu.layout_cast``; when interpreting, the k-step product is a value-level ``dot_general`` of the
@@ -34,9 +43,10 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from kernels_pallas import _mosaic
+from kernels_pallas.fp8_gemm_ws import BLOCK_K, WSTiling, ws_fp8_gemm_pallas
 
-BLOCK_K = 128  # one scale per 128 channels (DeepGEMM); a k-step is exactly one scale block
 FP8 = jnp.float8_e4m3fn
+KERNELS = ("pipelined", "warp_specialized")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -211,6 +221,33 @@ def check_tiling(block_m: int, block_n: int, stages: int):
         raise ValueError(f"stages must be >= 1, got {stages=}")
 
 
+def check_kernel(kernel: str):
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel=}")
+
+
+def resolve_tiling(kernel: str, block_m, block_n: int, block_k: int, stages: int, m_hint: int) -> int:
+    """Validate the static knobs of a Pallas entry (ValueError naming the knob); returns block_m.
+
+  block_m None: pipelined 64 if m_hint <= 64 else 128; warp_specialized 128 (two 64-row consumer halves, DeepGEMM)."""
+    if block_k != BLOCK_K:
+        raise ValueError(f"block_k must be {BLOCK_K} (one scale per k-step), got {block_k=}")
+    if kernel == "warp_specialized":
+        return WSTiling(128 if block_m is None else block_m, block_n, stages).check().block_m
+    block_m = default_block_m(m_hint) if block_m is None else block_m
+    check_tiling(block_m, block_n, stages)
+    return block_m
+
+
+def run_tiles(tile_group, a, a_scale_t, b, b_scale_cols, *, kernel, block_m, block_n, stages, out_dtype, interpret):
+    """Dispatch to the chosen kernel variant (same operands, same result; see the module docstring)."""
+    if kernel == "warp_specialized":
+        return ws_fp8_gemm_pallas(tile_group, a, a_scale_t, b, b_scale_cols, cfg=WSTiling(block_m, block_n, stages),
+                                  out_dtype=out_dtype, interpret=interpret)
+    return tiled_fp8_gemm_pallas(tile_group, a, a_scale_t, b, b_scale_cols, block_m=block_m, block_n=block_n,
+                                 stages=stages, out_dtype=out_dtype, interpret=interpret)
+
+
 def prepare_b(b, b_scale, block_n):
     """b [G, n, k], b_scale [G, nb, kb] -> padded b [G, np, kp] and per-column scales [G, kb, np]."""
     _, n, k = b.shape
@@ -236,26 +273,26 @@ def default_block_m(m: int) -> int:
 
 # ----------------------------------------------------------------------------------------------- entry
 @functools.partial(jax.jit, static_argnames=("out_dtype", "implementation", "interpret", "block_m", "block_n",
-                                             "block_k", "stages"))
+                                             "block_k", "stages", "kernel"))
 def fp8_gemm(a, a_scale, b, b_scale, *, out_dtype=jnp.bfloat16, implementation=None, interpret=None,
-             block_m=None, block_n=128, block_k=BLOCK_K, stages=4):
+             block_m=None, block_n=128, block_k=BLOCK_K, stages=4, kernel="pipelined"):
     """D [m, n] = A [m, k] (e4m3, per-token-per-128 scales) x B [n, k]^T (e4m3, 128x128 block scales).
 
   implementation None: "pallas" on a CUDA GPU, "xla" elsewhere. interpret None: interpret the kernel where the
-  backend cannot run it. Tuning: block_m (64 | 128; None: 64 for m <= 64), block_n (multiple of 16, <= 256),
-  block_k (must be 128: one scale per k-step), stages (TMA pipeline depth)."""
+  backend cannot run it. Tuning: kernel ("pipelined" | "warp_specialized", module docstring), block_m (pipelined:
+  64 | 128, None: 64 for m <= 64; warp_specialized: 128 | 256, None: 128), block_n (multiple of 16, <= 256;
+  warp_specialized: <= 192 at block_m 128, <= 96 at 256), block_k (must be 128: one scale per k-step), stages
+  (TMA pipeline depth; warp_specialized: the ring must fit in 227 KB of SMEM)."""
     m, n, k = check_operands(a, a_scale, b, b_scale)
+    check_kernel(kernel)
     implementation, interpret = resolve(implementation, interpret)
     if implementation == "xla":
         return _fp8_gemm_xla(a, a_scale, b, b_scale, out_dtype)
-    if block_k != BLOCK_K:
-        raise ValueError(f"block_k must be {BLOCK_K} (one scale per k-step), got {block_k=}")
-    block_m = default_block_m(m) if block_m is None else block_m
-    check_tiling(block_m, block_n, stages)
+    block_m = resolve_tiling(kernel, block_m, block_n, block_k, stages, m)
     rows = _round_up(m, block_m)
     a_p, as_t = prepare_a(a, a_scale, rows)
     b_p, bs_cols = prepare_b(b[None], b_scale[None], block_n)
     tile_group = jnp.zeros((rows // block_m,), jnp.int32)
-    out = tiled_fp8_gemm_pallas(tile_group, a_p, as_t, b_p, bs_cols, block_m=block_m, block_n=block_n,
-                                stages=stages, out_dtype=out_dtype, interpret=interpret)
+    out = run_tiles(tile_group, a_p, as_t, b_p, bs_cols, kernel=kernel, block_m=block_m, block_n=block_n,
+                    stages=stages, out_dtype=out_dtype, interpret=interpret)                      # (rows, np)
     return out[:m, :n]

@@ -5,7 +5,8 @@
   each group's segment to be aligned to its M tile; here segments may have any length and order.
 - masked (decode): a [G, m_max, k], masked_m [G] -> [G, m_max, n]; rows at or past masked_m[g] are zero.
 
-Both run the tile kernel of fp8_gemm.py (one group per row tile, -1 = skip), with different row plans:
+Both run the tile kernel of fp8_gemm.py (one group per row tile, -1 = skip; either variant, ``kernel=``), with
+different row plans:
 - contiguous: the wrapper gathers rows into tile-aligned segments (stable sort by group, each group padded to a
   multiple of block_m) and gathers the results back. Chosen over per-tile group boundaries inside the kernel
   because every tile then is a plain dense tile with one weight matrix (no row masks, no second pass over B for
@@ -29,9 +30,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels_pallas.fp8_gemm import (_block_product, _cdiv, _round_up, check_operands, check_tiling,
-                                     default_block_m, dequantize_a, dequantize_b, prepare_a, prepare_b, resolve,
-                                     tiled_fp8_gemm_pallas, BLOCK_K)
+from kernels_pallas.fp8_gemm import (_block_product, _cdiv, _round_up, check_kernel, check_operands,
+                                     dequantize_a, dequantize_b, prepare_a, prepare_b, resolve, resolve_tiling,
+                                     run_tiles, BLOCK_K)
 
 
 def _check_ids(ids, name: str, length: int):
@@ -129,7 +130,7 @@ def contiguous_plan(group_ids, num_groups: int, block_m: int):
     return src, dest, valid, tile_group
 
 
-def _contiguous_pallas(a, a_scale, b, b_scale, group_ids, *, out_dtype, block_m, block_n, stages, interpret):
+def _contiguous_pallas(a, a_scale, b, b_scale, group_ids, *, out_dtype, kernel, block_m, block_n, stages, interpret):
     m, k = a.shape
     _, n, _ = b.shape
     src, dest, valid, tile_group = contiguous_plan(group_ids, b.shape[0], block_m)
@@ -138,13 +139,13 @@ def _contiguous_pallas(a, a_scale, b, b_scale, group_ids, *, out_dtype, block_m,
     as_g = jnp.concatenate([a_scale, jnp.zeros((1, a_scale.shape[1]), a_scale.dtype)])[src]  # (T*bm, kb)
     a_p, as_t = prepare_a(a_g, as_g, rows)
     b_p, bs_cols = prepare_b(b, b_scale, block_n)
-    out = tiled_fp8_gemm_pallas(tile_group, a_p, as_t, b_p, bs_cols, block_m=block_m, block_n=block_n,
-                                stages=stages, out_dtype=out_dtype, interpret=interpret)      # (T*bm, np)
+    out = run_tiles(tile_group, a_p, as_t, b_p, bs_cols, kernel=kernel, block_m=block_m, block_n=block_n,
+                    stages=stages, out_dtype=out_dtype, interpret=interpret)                  # (T*bm, np)
     out = jnp.take(out[:, :n], jnp.minimum(dest, rows - 1), axis=0)                            # (m, n)
     return jnp.where(valid[:, None], out, jnp.zeros((), out_dtype))
 
 
-def _masked_pallas(a, a_scale, b, b_scale, masked_m, *, out_dtype, block_m, block_n, stages, interpret):
+def _masked_pallas(a, a_scale, b, b_scale, masked_m, *, out_dtype, kernel, block_m, block_n, stages, interpret):
     g, m_max, k = a.shape
     _, n, _ = b.shape
     mp = _round_up(m_max, block_m)
@@ -155,48 +156,45 @@ def _masked_pallas(a, a_scale, b, b_scale, masked_m, *, out_dtype, block_m, bloc
     b_p, bs_cols = prepare_b(b, b_scale, block_n)
     t = jnp.arange(g * per_g, dtype=jnp.int32)
     tile_group = jnp.where((t % per_g) * block_m < masked_m[t // per_g], t // per_g, -1).astype(jnp.int32)
-    out = tiled_fp8_gemm_pallas(tile_group, a_p, as_t, b_p, bs_cols, block_m=block_m, block_n=block_n,
-                                stages=stages, out_dtype=out_dtype, interpret=interpret)      # (G*mp, np)
+    out = run_tiles(tile_group, a_p, as_t, b_p, bs_cols, kernel=kernel, block_m=block_m, block_n=block_n,
+                    stages=stages, out_dtype=out_dtype, interpret=interpret)                  # (G*mp, np)
     out = out.reshape(g, mp, -1)[:, :m_max, :n]                                                # (G, m_max, n)
     return jnp.where(_row_mask(masked_m, g, m_max)[..., None], out, jnp.zeros((), out_dtype))
 
 
 # ----------------------------------------------------------------------------------------------- entries
-_STATIC = ("out_dtype", "implementation", "interpret", "block_m", "block_n", "block_k", "stages")
-
-
-def _pallas_tiling(block_m, block_n, block_k, stages, m_hint):
-    if block_k != BLOCK_K:
-        raise ValueError(f"block_k must be {BLOCK_K} (one scale per k-step), got {block_k=}")
-    block_m = default_block_m(m_hint) if block_m is None else block_m
-    check_tiling(block_m, block_n, stages)
-    return block_m
+_STATIC = ("out_dtype", "implementation", "interpret", "block_m", "block_n", "block_k", "stages", "kernel")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def fp8_grouped_gemm_contiguous(a, a_scale, b, b_scale, group_ids, *, out_dtype=jnp.bfloat16, implementation=None,
-                                interpret=None, block_m=None, block_n=128, block_k=BLOCK_K, stages=4):
+                                interpret=None, block_m=None, block_n=128, block_k=BLOCK_K, stages=4,
+                                kernel="pipelined"):
     """a [m, k] e4m3 (+ [m, ceil(k/128)] scales), b [G, n, k] e4m3 (+ [G, ceil(n/128), ceil(k/128)]),
   group_ids [m] int (-1 = padding, anywhere; segments need not be aligned) -> [m, n], padding rows zero.
-  block_m None: 128 unless the mean group is at most 64 rows."""
+  Knobs as fp8_gemm's; block_m None (pipelined): 128 unless the mean group is at most 64 rows."""
     m, _, _, g = _check_contiguous(a, a_scale, b, b_scale, group_ids)
+    check_kernel(kernel)
     implementation, interpret = resolve(implementation, interpret)
     if implementation == "xla":
         return _contiguous_xla(a, a_scale, b, b_scale, group_ids, out_dtype)
-    block_m = _pallas_tiling(block_m, block_n, block_k, stages, _cdiv(m, max(g, 1)))
-    return _contiguous_pallas(a, a_scale, b, b_scale, group_ids, out_dtype=out_dtype, block_m=block_m,
-                              block_n=block_n, stages=stages, interpret=interpret)
+    block_m = resolve_tiling(kernel, block_m, block_n, block_k, stages, _cdiv(m, max(g, 1)))
+    return _contiguous_pallas(a, a_scale, b, b_scale, group_ids, out_dtype=out_dtype, kernel=kernel,
+                              block_m=block_m, block_n=block_n, stages=stages, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def fp8_grouped_gemm_masked(a, a_scale, b, b_scale, masked_m, *, out_dtype=jnp.bfloat16, implementation=None,
-                            interpret=None, block_m=None, block_n=128, block_k=BLOCK_K, stages=4):
+                            interpret=None, block_m=None, block_n=128, block_k=BLOCK_K, stages=4,
+                            kernel="pipelined"):
     """a [G, m_max, k] e4m3 (+ [G, m_max, ceil(k/128)]), b [G, n, k] (+ [G, ceil(n/128), ceil(k/128)]),
-  masked_m [G] int -> [G, m_max, n]; rows at or past masked_m[g] are zero. block_m None: 64 if m_max <= 64."""
+  masked_m [G] int -> [G, m_max, n]; rows at or past masked_m[g] are zero. Knobs as fp8_gemm's; block_m None
+  (pipelined): 64 if m_max <= 64."""
     _, m_max, _, _ = _check_masked(a, a_scale, b, b_scale, masked_m)
+    check_kernel(kernel)
     implementation, interpret = resolve(implementation, interpret)
     if implementation == "xla":
         return _masked_xla(a, a_scale, b, b_scale, masked_m, out_dtype)
-    block_m = _pallas_tiling(block_m, block_n, block_k, stages, m_max)
-    return _masked_pallas(a, a_scale, b, b_scale, masked_m, out_dtype=out_dtype, block_m=block_m, block_n=block_n,
-                          stages=stages, interpret=interpret)
+    block_m = resolve_tiling(kernel, block_m, block_n, block_k, stages, m_max)
+    return _masked_pallas(a, a_scale, b, b_scale, masked_m, out_dtype=out_dtype, kernel=kernel, block_m=block_m,
+                          block_n=block_n, stages=stages, interpret=interpret)

@@ -3,8 +3,9 @@
 Oracles, each written here in numpy: the scale formulas of DeepGEMM's tests (per_token_cast_to_fp8 /
 per_block_cast_to_fp8: s = max(amax, 1e-4) / 448), float64 math on the exactly dequantized operands (tight), and
 DeepGEMM's own accuracy check: calc_diff(out, bf16 product of the unquantized inputs) < 1e-3
-(deep_gemm tests/test_core.py). The Pallas kernels run in GPU interpret mode on a few small shapes, and every
-shipped kernel configuration must lower for cuda to a Mosaic GPU call (so an XLA fallback cannot pass).
+(deep_gemm tests/test_core.py). The Pallas kernels (both variants of the ``kernel=`` knob: "pipelined" and
+"warp_specialized") run in GPU interpret mode on a few small shapes, and every shipped kernel configuration must
+lower for cuda to a Mosaic GPU call (so an XLA fallback cannot pass).
 """
 
 import jax
@@ -15,7 +16,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kernels_pallas import _mosaic
-from kernels_pallas.fp8_gemm import fp8_gemm, fp8_gemm_reference
+from kernels_pallas.fp8_gemm import KERNELS, fp8_gemm, fp8_gemm_reference
 from kernels_pallas.fp8_grouped_gemm import (fp8_grouped_gemm_contiguous, fp8_grouped_gemm_contiguous_reference,
                                              fp8_grouped_gemm_masked, fp8_grouped_gemm_masked_reference)
 from kernels_pallas.quant import per_block_cast_to_fp8, per_token_cast_to_fp8
@@ -268,44 +269,81 @@ def test_bad_input_raises_value_error_with_numbers():
         fp8_gemm(a, a_s, b, b_s, implementation="pallas", block_k=64)
     with pytest.raises(ValueError, match="implementation"):
         fp8_gemm(a, a_s, b, b_s, implementation="triton")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        fp8_gemm(a, a_s, b, b_s, implementation="xla", kernel="ws")
+    ws = dict(implementation="pallas", kernel="warp_specialized")
+    with pytest.raises(ValueError, match="block_m must be 128 or 256.*block_m=64"):
+        fp8_gemm(a, a_s, b, b_s, block_m=64, **ws)
+    with pytest.raises(ValueError, match="block_n must be a multiple of 16.*block_n=40"):
+        fp8_gemm(a, a_s, b, b_s, block_n=40, **ws)
+    with pytest.raises(ValueError, match="block_m=256 x block_n=128 needs 256 fp32 registers"):
+        fp8_gemm(a, a_s, b, b_s, block_m=256, **ws)
+    with pytest.raises(ValueError, match="stages=6 .* shared memory"):
+        fp8_gemm(a, a_s, b, b_s, stages=6, interpret=True, **ws)
+    with pytest.raises(ValueError, match="stages must be >= 1"):
+        fp8_gemm(a, a_s, b, b_s, stages=0, **ws)
     _, _, ga, ga_s, gb, gb_s = make_grouped(2, 8, 16, 200)
     with pytest.raises(ValueError, match=r"group_ids must have shape \(8,\)"):
         fp8_grouped_gemm_contiguous(ga, ga_s, gb, gb_s, jnp.zeros((7,), jnp.int32))
     with pytest.raises(ValueError, match="masked_m"):
         fp8_grouped_gemm_masked(ga[None].repeat(2, 0), ga_s[None].repeat(2, 0), gb, gb_s, jnp.zeros((3,), jnp.int32))
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        fp8_grouped_gemm_contiguous(ga, ga_s, gb, gb_s, jnp.zeros((8,), jnp.int32), kernel="persistent")
+    with pytest.raises(ValueError, match="block_m must be 128 or 256"):
+        fp8_grouped_gemm_masked(ga[None].repeat(2, 0), ga_s[None].repeat(2, 0), gb, gb_s, jnp.zeros((2,), jnp.int32),
+                                implementation="pallas", kernel="warp_specialized", block_m=64)
 
 
 # ------------------------------------------------------------------------------------------------- pallas (interpret)
+# block_m per variant: the pipelined kernel's 64-row tiles, the warp-specialized kernel's 128 (two 64-row consumer
+# halves; its interpret grid has 2 CTAs, so the cases with more tiles also run the persistent loop).
+def _rows(kernel, block_m):
+    return block_m if kernel == "pipelined" else max(block_m, 128)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("m,n,k,block_m,block_n", [(70, 200, 300, 64, 128), (130, 96, 256, 128, 32)])
-def test_fp8_gemm_pallas_interpret(m, n, k, block_m, block_n):
+def test_fp8_gemm_pallas_interpret(kernel, m, n, k, block_m, block_n):
     _, _, a, a_s, b, b_s = make_dense(m, n, k)
-    out = fp8_gemm(a, a_s, b, b_s, out_dtype=F32, implementation="pallas", interpret=True, block_m=block_m,
-                   block_n=block_n, stages=2)
+    out = fp8_gemm(a, a_s, b, b_s, out_dtype=F32, implementation="pallas", interpret=True, kernel=kernel,
+                   block_m=_rows(kernel, block_m), block_n=block_n, stages=2)
     assert rel_err(out, fp8_gemm_reference(a, a_s, b, b_s, out_dtype=F32)) < 1e-5
 
 
-def test_grouped_contiguous_pallas_interpret():
+def test_fp8_gemm_warp_specialized_256_rows_interpret():
+    _, _, a, a_s, b, b_s = make_dense(300, 96, 384)                              # 2 row tiles of 256 (128 per consumer)
+    out = fp8_gemm(a, a_s, b, b_s, out_dtype=F32, implementation="pallas", interpret=True,
+                   kernel="warp_specialized", block_m=256, block_n=32, stages=2)
+    assert rel_err(out, fp8_gemm_reference(a, a_s, b, b_s, out_dtype=F32)) < 1e-5
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_grouped_contiguous_pallas_interpret(kernel):
     g, m, n, k = 4, 100, 136, 200                                               # unaligned segments, -1 anywhere
     _, _, a, a_s, b, b_s = make_grouped(g, m, n, k)
     gid = np.random.default_rng(4).choice([-1, 0, 1, 3], size=m).astype(np.int32)   # group 2 empty
     out = fp8_grouped_gemm_contiguous(a, a_s, b, b_s, jnp.asarray(gid), out_dtype=F32, implementation="pallas",
-                                      interpret=True, block_m=64, stages=2)
+                                      interpret=True, kernel=kernel, block_m=_rows(kernel, 64), stages=2)
     assert rel_err(out, np_contiguous(a, a_s, b, b_s, gid)) < 1e-5 and not np.asarray(out)[gid < 0].any()
 
 
-def test_grouped_masked_pallas_interpret():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_grouped_masked_pallas_interpret(kernel):
     g, m_max, n, k = 3, 70, 136, 200
     masked_m = np.array([0, 70, 33], np.int32)
     _, _, a, a_s, b, b_s = make_masked(g, m_max, n, k)
     out = fp8_grouped_gemm_masked(a, a_s, b, b_s, jnp.asarray(masked_m), implementation="pallas", interpret=True,
-                                  block_m=64, stages=2)
+                                  kernel=kernel, block_m=_rows(kernel, 64), stages=2)
     assert out.dtype == jnp.bfloat16
     exact = np_masked(a, a_s, b, b_s, masked_m)
     assert rel_err(out.astype(F32), exact) < 1e-2 and not np.asarray(out.astype(F32))[0].any()
 
 
 # ------------------------------------------------------------------------------------------------- cross-lowering
-SHIPPED = [dict(block_m=64), dict(block_m=128), dict(block_m=128, block_n=256, stages=3)]
+SHIPPED = [dict(block_m=64), dict(block_m=128), dict(block_m=128, block_n=256, stages=3),
+           dict(kernel="warp_specialized"),                                   # 128 x 128, 4 stages: the benchmark's
+           dict(kernel="warp_specialized", block_n=192, stages=4),
+           dict(kernel="warp_specialized", block_m=256, block_n=96, stages=3)]
 
 
 @pytest.mark.parametrize("cfg", SHIPPED, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))

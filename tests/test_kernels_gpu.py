@@ -1,6 +1,7 @@
 """Native Mosaic GPU kernels against their references, at DeepSeek-V3 shapes: runs only on a CUDA GPU
 (the CPU suite checks the same kernels in GPU interpret mode and by cross-lowering; see test_mla_decode.py and
-test_fp8_gemm.py). Run on the GPU machine by scripts/gpu_check.sh.
+test_fp8_gemm.py). Run on the GPU machine by scripts/gpu_check.sh (the warp-specialized FP8 cases in a step of
+their own).
 
 Metrics: FlashMLA's cal_diff < 1e-5 against the fp32 reference (tests/test_flash_mla.py); DeepGEMM's calc_diff
 < 1e-3 against the bf16 product of the unquantized inputs (tests/test_core.py).
@@ -52,15 +53,19 @@ def _quantized(m, n, k, seed=0):
     return x, w, per_token_cast_to_fp8(x), per_block_cast_to_fp8(w)
 
 
-@pytest.mark.parametrize("m, n, k", [(64, 2112, 7168), (128, 24576, 1536), (4096, 7168, 2048), (70, 200, 300)])
-def test_fp8_gemm_native(m, n, k):
+def _check_dense(m, n, k, **knobs):
     x, w, (a, sa), (bq, sb) = _quantized(m, n, k)
-    out = fp8_gemm(a, sa, bq, sb, implementation="pallas")
+    out = fp8_gemm(a, sa, bq, sb, implementation="pallas", **knobs)
     assert diff(out, (x.astype(jnp.float32) @ w.astype(jnp.float32).T).astype(jnp.bfloat16)) < 1e-3
     assert diff(out, fp8_gemm(a, sa, bq, sb, implementation="xla")) < 1e-6
 
 
-def test_fp8_grouped_native():
+@pytest.mark.parametrize("m, n, k", [(64, 2112, 7168), (128, 24576, 1536), (4096, 7168, 2048), (70, 200, 300)])
+def test_fp8_gemm_native(m, n, k):
+    _check_dense(m, n, k)
+
+
+def _check_grouped(**knobs):
     g, m_max, n, k = 4, 256, 4096, 7168
     rng = np.random.default_rng(1)
     w = jnp.asarray(rng.standard_normal((g, n, k)), jnp.bfloat16)
@@ -68,12 +73,27 @@ def test_fp8_grouped_native():
     x = jnp.asarray(rng.standard_normal((g, m_max, k)), jnp.bfloat16)
     a, sa = jax.vmap(per_token_cast_to_fp8)(x)
     masked_m = jnp.asarray([0, 17, 256, 100], jnp.int32)
-    out = fp8_grouped_gemm_masked(a, sa, bq, sb, masked_m, implementation="pallas")
+    out = fp8_grouped_gemm_masked(a, sa, bq, sb, masked_m, implementation="pallas", **knobs)
     ref = fp8_grouped_gemm_masked(a, sa, bq, sb, masked_m, implementation="xla")
     assert diff(out, ref) < 1e-6
     group_ids = jnp.asarray(rng.integers(-1, g, 700), jnp.int32)
     flat_a, flat_s = per_token_cast_to_fp8(jnp.asarray(rng.standard_normal((700, k)), jnp.bfloat16))
-    out = fp8_grouped_gemm_contiguous(flat_a, flat_s, bq, sb, group_ids, implementation="pallas")
+    out = fp8_grouped_gemm_contiguous(flat_a, flat_s, bq, sb, group_ids, implementation="pallas", **knobs)
     ref = fp8_grouped_gemm_contiguous(flat_a, flat_s, bq, sb, group_ids, implementation="xla")
     assert diff(out, ref) < 1e-6
     assert not np.asarray(out)[np.asarray(group_ids) < 0].any()
+
+
+def test_fp8_grouped_native():
+    _check_grouped()
+
+
+# The warp-specialized variant (kernel="warp_specialized", fp8_gemm_ws.py), same oracles. Kept last and selected by
+# name (-k warp_specialized) so that scripts/gpu_check.sh runs it in its own step after everything else.
+@pytest.mark.parametrize("m, n, k", [(64, 2112, 7168), (4096, 7168, 2048), (70, 200, 300)])
+def test_fp8_gemm_native_warp_specialized(m, n, k):
+    _check_dense(m, n, k, kernel="warp_specialized")
+
+
+def test_fp8_grouped_native_warp_specialized():
+    _check_grouped(kernel="warp_specialized")

@@ -1,0 +1,221 @@
+"""Warp-specialized, persistent FP8 block-scaled GEMM (DeepGEMM's structure) as a Mosaic GPU (Hopper) kernel.
+
+Same contract and operand preparation as the pipelined kernel of fp8_gemm.py (which selects this one with
+``kernel="warp_specialized"``): row tiles of A tagged with a group (-1: skip), padded B [G, np, kp], transposed A
+scales [kb, rows], per-column B scales [G, kb, np]. Structure, after DeepGEMM's fp8_gemm.cuh and JAX's Hopper matmul
+(jax/experimental/pallas/ops/gpu/hopper_matmul_mgpu.py):
+
+- three warpgroups per CTA (``num_threads=3``): one TMA producer and two consumers (DeepGEMM:
+  ``get_num_math_warpgroups(128) = 2``, 128 TMA threads + 2 x 128 math threads). The producer streams the A, B, A-scale
+  and B-scale tiles of each k-step of 128 into a ``stages``-deep SMEM ring (``plgpu.emit_pipeline_warp_specialized``).
+  Register split 40 / 232 per thread (DeepGEMM ``kNumTMARegisters = 40``, ``kNumMathRegisters = 232``; the pipeline
+  gives the consumers min(256, (512 - 40) / 2) rounded down to 8 = 232).
+- each consumer owns one half (block_m / 2 rows) of the CTA tile and its own fp32 register accumulator, carried
+  through the pipeline. Per k-step: read its A-row and the B-column scales, fp8 wgmma into a fresh accumulator
+  (B K-major via ``transpose_ref``), wait, release the stage (manual consumed barriers, arrived right after the last
+  SMEM read, as DeepGEMM's ``empty_barrier_arrive`` after ``warpgroup_wait<0>``), then promote
+  ``acc += part * (As x Bs)`` in registers. While one consumer promotes, the other's wgmma keeps the tensor cores
+  busy (DeepGEMM's overlap of promotion and MMA).
+- persistent grid: one CTA per SM, ``plgpu.nd_loop`` deals output tiles round-robin (DeepGEMM's scheduler:
+  ``block = iter * gridDim.x + blockIdx.x``), in ``plgpu.planar_snake`` order over bands of 16 column tiles
+  (DeepGEMM ``kNumNBlocksPerGroup = 16``: for L2 reuse). The loop runs over the active row tiles only (listed
+  first in ``tile_rows``, their count read in the kernel), so skipped tiles (-1) cost nothing and leave no SM idle,
+  as DeepGEMM's masked scheduler, which never visits blocks past a group's masked_m.
+- epilogue: each consumer casts its half to out_dtype into its own SMEM slot and TMA-stores it; the store runs
+  while the next tile's main loop does, and is awaited only before that slot is rewritten (the JAX matmul's
+  ``wait_smem_to_gmem(0, wait_read_only=True)`` pattern).
+
+Lowering semantics: Lane, as the pipelined kernel (explicit WGMMA layouts for the scale vectors); the
+warp-specialized pipeline, ``nd_loop`` with a data-dependent trip count and ``num_threads=3`` lower under it for
+cuda on jax 0.10.2 (tests/test_fp8_gemm.py). Not yet compiled or run on a GPU.
+
+GPU interpret mode (jax 0.10.2) runs this kernel (three threads per CTA, barriers, TMA, the persistent loop over
+several tiles per CTA) except the wgmma on a K-major B and ``plgpu.load`` with a layout: when interpreting, as in
+fp8_gemm.py, the k-step product is a value-level ``dot_general`` of the same SMEM tiles and the scale vectors are
+plain reads. Its race detector (``detect_races=True``) reports nothing here, but it also reports nothing when the
+epilogue's ``wait_smem_to_gmem`` is removed, so it is no evidence for the SMEM-slot ordering.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from kernels_pallas import _mosaic
+
+BLOCK_K = 128             # one scale per 128 channels (DeepGEMM): a k-step is one scale block
+NUM_CONSUMERS = 2         # DeepGEMM get_num_math_warpgroups(BLOCK_M = 128) = 2; JAX matmul num_compute_wgs=2
+TMA_REGISTERS = 40        # DeepGEMM kNumTMARegisters; JAX matmul memory_registers=40
+TILE_BAND = 16            # DeepGEMM Scheduler kNumNBlocksPerGroup: column tiles per L2 band
+H100_SMS = 132            # SMs of an H100/H200 SXM: the persistent grid when lowering without a GPU
+INTERPRET_SMS = 2         # interpret mode: few CTAs, so each runs several tiles (the persistent path)
+MAX_ACC_REGISTERS = 192   # two fp32 (half x block_n) register tiles per consumer thread must fit in 232
+SMEM_BYTES = 227 * 1024   # H100/H200 dynamic shared memory per CTA (CUDA: 227 KB opt-in); DeepGEMM sizes stages to it
+SMEM_SLACK = 2048         # barriers and allocation alignment
+
+
+@dataclasses.dataclass(frozen=True)
+class WSTiling:
+    """Static tiling of the warp-specialized kernel; ``check()`` raises ValueError naming the bad knob."""
+
+    block_m: int = 128     # CTA rows; each consumer warpgroup owns block_m // 2
+    block_n: int = 128     # CTA columns (wgmma N)
+    stages: int = 4        # SMEM ring depth of the TMA pipeline
+
+    @property
+    def half(self) -> int:
+        return self.block_m // NUM_CONSUMERS
+
+    def check(self) -> "WSTiling":
+        if self.block_m not in (128, 256):
+            raise ValueError(f"block_m must be 128 or 256 for kernel='warp_specialized' (two consumer warpgroups "
+                             f"of 64 or 128 rows, wgmma M granularity 64), got block_m={self.block_m}")
+        if self.block_n % 16 or not 16 <= self.block_n <= 256:
+            raise ValueError(f"block_n must be a multiple of 16 in [16, 256] (wgmma N, 16-byte TMA rows), "
+                             f"got block_n={self.block_n}")
+        regs = 2 * self.half * self.block_n // 128
+        if regs > MAX_ACC_REGISTERS:
+            raise ValueError(f"block_m={self.block_m} x block_n={self.block_n} needs {regs} fp32 registers per "
+                             f"consumer thread for its two accumulators (> {MAX_ACC_REGISTERS} of 232): lower "
+                             f"block_n (block_m 128: <= 192, 256: <= 96)")
+        if self.stages < 1:
+            raise ValueError(f"stages must be >= 1, got stages={self.stages}")
+        return self
+
+    def check_smem(self, out_itemsize: int) -> "WSTiling":
+        """The SMEM ring (A, B tiles and both scale vectors per stage) plus the two epilogue slots must fit."""
+        per_stage = (self.block_m + self.block_n) * (BLOCK_K + 4)                # e4m3 tiles + f32 scales
+        total = self.stages * per_stage + NUM_CONSUMERS * self.half * self.block_n * out_itemsize
+        if total > SMEM_BYTES - SMEM_SLACK:
+            raise ValueError(f"stages={self.stages} with block_m={self.block_m} block_n={self.block_n} needs {total} "
+                             f"bytes of shared memory (> {SMEM_BYTES - SMEM_SLACK}): lower stages or block_n")
+        return self
+
+
+def num_sms(interpret: bool) -> int:
+    """CTAs of the persistent grid: the GPU's SM count (JAX matmul ``get_num_sms``), 132 when lowering elsewhere."""
+    if interpret:
+        return INTERPRET_SMS
+    device = jax.devices()[0]
+    return int(getattr(device, "core_count", 0) or H100_SMS) if device.platform == "gpu" else H100_SMS
+
+
+def active_first(tile_group):
+    """tile_group [T] -> (tile_rows [T]: row tiles, active ones first (stable); their groups [T]; active count [1])."""
+    skip = tile_group < 0                                                                      # (T,)
+    tile_rows = jnp.argsort(skip, stable=True).astype(jnp.int32)                               # (T,)
+    num_active = (skip.size - jnp.sum(skip)).astype(jnp.int32)[None]                            # (1,)
+    return tile_rows, tile_group[tile_rows], num_active
+
+
+# ----------------------------------------------------------------------------------------------- kernel
+def _ws_kernel(tile_rows_gmem, tile_group_gmem, num_active_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, o_gmem, o_smem,
+               *, cfg: WSTiling, num_k: int, sim: bool):
+    """Persistent loop over (active row tile, column tile); per tile a warp-specialized k pipeline.
+
+  tile_rows_gmem [T] i32 (row tiles, the num_active_gmem[0] active ones first), tile_group_gmem [T] i32 (their
+  groups), a_gmem [T*bm, kp] e4m3, as_gmem [kb, T*bm] f32, b_gmem [G, np, kp] e4m3, bs_gmem [G, kb, np] f32,
+  o_gmem [T*bm, np]; o_smem (2, bm/2, bn) out_dtype: one epilogue slot per consumer. Skipped row tiles are never
+  visited (DeepGEMM's masked scheduler likewise stops at the last valid block)."""
+    bm, bn, half = cfg.block_m, cfg.block_n, cfg.half
+    num_active = num_active_gmem[0]
+    n_tiles = o_gmem.shape[1] // bn
+    wg = lax.axis_index("wg")
+    swizzle = 128  # 128 fp8 = 128 bytes per k-row of a tile
+    tiles = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
+
+    def pipeline(body, context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(num_k,),
+            memory_registers=TMA_REGISTERS,
+            in_specs=[
+                plgpu.BlockSpec((bm, BLOCK_K), lambda k: (0, k), transforms=tiles),     # A (bm, 128)
+                plgpu.BlockSpec((bn, BLOCK_K), lambda k: (0, k), transforms=tiles),     # B (bn, 128), K-major
+                plgpu.BlockSpec((1, bm), lambda k: (k, 0)),                             # A scales (1, bm)
+                plgpu.BlockSpec((1, bn), lambda k: (k, 0)),                             # B scales (1, bn)
+            ],
+            wg_axis="wg",
+            num_compute_wgs=NUM_CONSUMERS,
+            max_concurrent_steps=cfg.stages,
+            manual_consumed_barriers=True,
+            compute_context=context,
+        )
+
+    # Scale blocks are (1, n) rather than squeezed (None, n): older warp-specialized pipelines allocate SMEM from
+    # the raw block shape, so this form works across jax releases.
+    def k_step(_, a_smem, b_smem, as_smem, bs_smem, *barriers_and_acc):
+        *consumed, acc = barriers_and_acc
+        mine = pl.ds(wg * half, half)                     # this consumer's rows of the CTA tile
+        if sim:   # interpret mode: same tiles, value-level product (module docstring)
+            part = lax.dot_general(a_smem.at[mine][...], b_smem[...], (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)                          # (half, bn)
+            sa, sb = as_smem.at[0, mine][...], bs_smem.at[0][...]                                # (half,), (bn,)
+        else:     # scales first, so their SMEM latency hides under the wgmma (DeepGEMM reads them before it)
+            sa = plgpu.load(as_smem.at[0, mine], (), layout=plgpu.Layout.WGMMA.reduce(1))       # (half,) rows
+            sb = plgpu.load(bs_smem.at[0], (), layout=plgpu.Layout.WGMMA.reduce(0))             # (bn,) columns
+
+            def mma(acc_ref):
+                plgpu.wgmma(acc_ref, a_smem.at[mine], plgpu.transpose_ref(b_smem, (1, 0)))       # fp8, K-major B
+                return acc_ref[...]                                                             # waits for it
+            part = pl.run_scoped(mma, plgpu.ACC((half, bn), jnp.float32))                      # (half, bn)
+        for barrier in consumed:   # every SMEM read of this stage is done: hand it back to the producer
+            plgpu.barrier_arrive(barrier)
+        shape = (half, bn)
+        scale = lax.broadcast_in_dim(sa, shape, [0]) * lax.broadcast_in_dim(sb, shape, [1])     # As x Bs
+        return acc + part * scale                                                              # promotion
+
+    ignore = lambda *_, **__: None  # noqa: E731 - the bodies do not change the allocations
+    allocs = pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem.at[0], as_gmem, bs_gmem.at[0])
+
+    @functools.partial(pl.run_scoped, allocs=allocs, collective_axes="wg")
+    def _scope(allocs):
+        @plgpu.nd_loop((num_active * n_tiles,), collective_axes="sm")
+        def _tile(info: plgpu.NDLoopInfo):
+            slot, ni = plgpu.planar_snake(info.index[0], (num_active, n_tiles), 1, TILE_BAND)
+            ti, g = tile_rows_gmem[slot], tile_group_gmem[slot]
+            rows, cols = pl.ds(ti * bm, bm), pl.ds(ni * bn, bn)
+
+            def context(run):
+                acc0 = jnp.zeros((half, bn), jnp.float32)
+                if not sim:
+                    acc0 = plgpu.layout_cast(acc0, plgpu.Layout.WGMMA)
+                acc = run(acc0)                                                                 # (half, bn)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # this slot's previous store has read it
+                o_smem[wg] = acc.astype(o_smem.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[pl.ds(ti * bm + wg * half, half), cols])
+
+            pipeline(k_step, context)(a_gmem.at[rows], b_gmem.at[g, cols], as_gmem.at[:, rows],
+                                      bs_gmem.at[g, :, cols], allocations=allocs)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # all stores issued by this warpgroup are out
+
+
+def ws_fp8_gemm_pallas(tile_group, a, a_scale_t, b, b_scale_cols, *, cfg: WSTiling, out_dtype, interpret: bool):
+    """Pallas wrapper, same operands as fp8_gemm.tiled_fp8_gemm_pallas: tile_group [T] int32; a [T*bm, kp];
+  a_scale_t [kb, T*bm]; b [G, np, kp]; b_scale_cols [G, kb, np] -> [T*bm, np] out_dtype (skipped rows unwritten)."""
+    cfg.check().check_smem(jnp.dtype(out_dtype).itemsize)
+    (t,) = tile_group.shape
+    rows, kp = a.shape
+    _, n_pad, _ = b.shape
+    tile_rows, groups, num_active = active_first(tile_group)
+    ctas = max(1, min(num_sms(interpret), t * (n_pad // cfg.block_n)))
+    kernel = plgpu.kernel(
+        functools.partial(_ws_kernel, cfg=cfg, num_k=kp // BLOCK_K, sim=bool(interpret)),
+        out_type=jax.ShapeDtypeStruct((rows, n_pad), out_dtype),
+        scratch_types=[plgpu.SMEM((NUM_CONSUMERS, cfg.half, cfg.block_n), out_dtype)],
+        grid=(ctas,),
+        grid_names=("sm",),
+        num_threads=NUM_CONSUMERS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=_mosaic.interpret_params() if interpret else False,
+    )
+    return kernel(tile_rows, groups, num_active, a, a_scale_t, b, b_scale_cols)
