@@ -103,7 +103,8 @@ def decode_host_share(llm, ours, output_len: int) -> tuple[float, float]:
     captured = []
 
     def capture(*args):  # the first decode step's inputs (T = 1), to replay below
-        if not captured and args[0].shape[1] == 1:
+        packed, layout = args  # layout.columns[0]: the token ids [rows, T]
+        if not captured and layout.columns[0][2] == (1,):
             captured.append(args)
         return run(*args)
 

@@ -8,8 +8,11 @@ holds for every real token; padding columns write nothing (slot -1) and padding 
 
 Bounded compilation: the step compiles once per (rows, T, pages) bucket, penalties on/off and logprobs on/off.
 Decode steps: T = 1, rows per rank a power of two. Prefill steps: T a power of two >= scheduler.min_prefill_t
-and rows = scheduler.prefill_capacity // T (the scheduler keeps every rank's chunks within that grid). Pages per row: a power
-of two >= MIN_PAGES.
+and rows = scheduler.prefill_capacity // T (the scheduler keeps every rank's chunks within that grid). Pages per
+row: a power of two >= MIN_PAGES.
+
+One transfer per step: the step's host arrays and sampling tensors travel packed in one int32 array, unpacked
+inside the jitted step (packing.py).
 
 Tokens stay on device: every step writes its sampled tokens into a device buffer (slot rank * max_rows + row), and
 a token the host does not know yet (a scheduler PLACEHOLDER) is read from that buffer by the next step, so the
@@ -34,6 +37,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxinfer.engine import packing
 from jaxinfer.engine.sampler import SampleOutput, SamplingTensors, sample, token_counts
 from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.engine.scheduler import MIN_PREFILL_T, ScheduledChunk, StepPlan, bucket
@@ -127,9 +131,9 @@ class Runner:
         write_cache = self._write_in_step
         batch = self._batch
 
-        @functools.partial(jax.jit, donate_argnums=((1, 2, 3) if write_cache else (2, 3)))
-        def step(state_leaves, layers, tokens, load_total, load_evict, ids, src, positions, block_table, seqlens,
-                 slots, dest, tensors):
+        @functools.partial(jax.jit, donate_argnums=((1, 2, 3) if write_cache else (2, 3)), static_argnums=6)
+        def step(state_leaves, layers, tokens, load_total, load_evict, packed, layout):
+            ids, src, positions, block_table, seqlens, slots, dest, tensors = packing.unpack(packed, layout)
             ids = jnp.where(src >= 0, tokens[jnp.maximum(src, 0)], ids)  # [R, T] placeholders from the buffer
             model = nnx.merge(graphdef, jax.tree.unflatten(treedef, state_leaves))
             h, layers, load = model.paged_hidden_states(ids, positions, layers, block_table, seqlens, slots,
@@ -165,13 +169,13 @@ class Runner:
 
         return write
 
-    def _run(self, *args):
+    def _run(self, packed: jax.Array, layout: packing.Layout):
         """One step on the devices (asynchronous): updates the cache, the token buffer and the expert load window,
-        returns the samples."""
+        returns the samples. packed / layout: the step's host arrays and sampling tensors (``packing.pack``)."""
         full = len(self._load_steps) >= self.expert_load_window
         evict = self._load_steps.popleft() if full else self._no_load
         out, new, self.tokens, (self._load_total, load) = self._step(
-            self._state_leaves[0], self.layers, self.tokens, self._load_total, evict, *args)
+            self._state_leaves[0], self.layers, self.tokens, self._load_total, evict, packed, layout)
         self._load_steps.append(load)
         self.layers = new if self._write_in_step else self._write(self.layers, *new)
         return out
@@ -210,21 +214,22 @@ class Runner:
         params = [_PAD_PARAMS] * n_rows
         sampled, feed = [], {}
         for rank, chunks in enumerate(plan_chunks):
+            # Per row: few numpy calls on small arrays (a decode step's rows hold one token each; at batch 32 a
+            # numpy call per token and field cost ~3 ms of host time per step on CPU).
             for i, ch in enumerate(chunks):
-                row, n, seq = rank * rows + i, ch.num_tokens, ch.seq
-                pos = np.arange(ch.start, ch.start + n, dtype=np.int32)
-                chunk_ids = np.asarray(seq.token_ids(ch.start, ch.start + n), np.int32)
-                pending = chunk_ids == PLACEHOLDER
-                if pending.any():  # only ever the last token, sampled by the previous step
-                    if not pending[-1] or pending.sum() != 1 or seq.seq_id not in self._feed:
-                        raise RuntimeError(f"seq {seq.seq_id}: unknown token ids {chunk_ids[pending]} in its chunk")
+                row, n, seq, end = rank * rows + i, ch.num_tokens, ch.seq, ch.start + ch.num_tokens
+                chunk_ids = seq.token_ids(ch.start, end)
+                if PLACEHOLDER in chunk_ids:  # only ever the last token, sampled by the previous step
+                    if chunk_ids.index(PLACEHOLDER) != n - 1 or seq.seq_id not in self._feed:
+                        raise RuntimeError(f"seq {seq.seq_id}: unknown token ids in its chunk {chunk_ids}")
                     src[row, t - 1] = self._feed[seq.seq_id]
-                ids[row, t - n:] = np.where(pending, 0, chunk_ids)
-                positions[row, t - n:] = pos
-                seq_pages = np.asarray(seq.pages, np.int32)
-                slots[row, t - n:] = seq_pages[pos // self.page_size] * self.page_size + pos % self.page_size
-                block_table[row, : len(seq_pages)] = seq_pages
-                seqlens[row] = ch.start + n
+                    chunk_ids = chunk_ids[:-1] + [0]
+                ids[row, t - n:] = chunk_ids
+                positions[row, t - n:] = range(ch.start, end)
+                block_table[row, : len(seq.pages)] = seq.pages
+                pos = positions[row, t - n:]  # [n]
+                slots[row, t - n:] = block_table[row, pos // self.page_size] * self.page_size + pos % self.page_size
+                seqlens[row] = end
                 if ch.sample:
                     sampled.append((row, ch))
                     params[row] = seq.params
@@ -261,9 +266,8 @@ class Runner:
         for _, ch in sampled:
             if ch.seq.params.uses_penalties and PLACEHOLDER in ch.seq.output_token_ids:
                 raise RuntimeError(f"seq {ch.seq.seq_id} uses penalties: resolve the previous step first")
-        tensors = jax.tree.map(lambda a: global_array(a, self._batch), self._tensors(params, sampled))
-        args = [global_array(a, self._batch) for a in host]
-        return InFlight(plan, sampled, self._run(*args, tensors))
+        packed, layout = packing.pack((*host, self._tensors(params, sampled)))  # one transfer: packing.py says why
+        return InFlight(plan, sampled, self._run(global_array(packed, self._batch), layout))
 
     def fetch(self, step: InFlight) -> StepResult:
         """Waits for a dispatched step and returns its sampled tokens (and logprobs) by seq_id."""

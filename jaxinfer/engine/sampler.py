@@ -30,6 +30,7 @@ the host (a hash, no JAX op) because every threefry call costs compile time on X
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Sequence
 
@@ -164,7 +165,7 @@ class SamplingTensors:
             repetition_penalty=col(lambda p: p.repetition_penalty, 1.0, np.float32),
             output_counts=counts,
             prompt_mask=mask,
-            key_data=np.stack([seed_key_data(s) for s in seeds]),
+            key_data=seeds_key_data(seeds),
             steps=_host_array("steps", steps, (num_rows,), np.int32, default=0),
             num_logprobs=col(lambda p: -1 if p.logprobs is None else p.logprobs, -1, np.int32),
             max_logprobs=max_logprobs,
@@ -202,6 +203,13 @@ def seed_key_data(seed: int) -> np.ndarray:
     return np.array([s >> 32, s & 0xFFFFFFFF], dtype=np.uint32)
 
 
+def seeds_key_data(seeds: Sequence[int]) -> np.ndarray:
+    """uint32 [B, 2]: ``seed_key_data`` of each seed, in one numpy pass (the engine builds it every step)."""
+    s = np.array([int(seed) % 2**64 for seed in seeds], dtype=np.uint64)  # [B]
+    return np.stack([s >> np.uint64(32), s & np.uint64(0xFFFFFFFF)], axis=1).astype(np.uint32)
+
+
+@functools.lru_cache(maxsize=4096)  # the same (request, child) asks again every step it samples
 def request_seed(engine_seed: int, request_id: int, child_index: int = 0) -> int:
     """64-bit seed of an unseeded request: blake2b of "{engine_seed}/{request_id}/{child_index}" (host only)."""
     digest = hashlib.blake2b(f"{int(engine_seed)}/{int(request_id)}/{int(child_index)}".encode(), digest_size=8)

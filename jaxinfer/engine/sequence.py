@@ -98,7 +98,9 @@ class Sequence:
         p = self.num_prompt_tokens
         if stop <= p:
             return self.prompt_token_ids[start:stop]
-        return self.all_token_ids[start:stop]
+        if start >= p:  # a decode step: O(stop - start), not O(sequence length)
+            return self.output_token_ids[start - p:stop - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - p]
 
     # ---- states ----------------------------------------------------------------------------------------------
     @property
