@@ -1,4 +1,4 @@
-"""The three XLA compute paths of the routed experts (jaxinfer/models/moe.py expert_ffn) by batch size, on CPU.
+"""The four XLA compute paths of the routed experts (jaxinfer/models/moe.py expert_ffn) by batch size, on CPU.
 
     python benchmarks/moe_paths.py [--hidden 512] [--inter 256] [--experts 16] [--top-k 4] [--dtype float32]
 
@@ -39,13 +39,14 @@ def main() -> None:
               "up_proj": jnp.asarray(rng.normal(size=(s, i, d)), dtype),
               "down_proj": jnp.asarray(rng.normal(size=(s, d, i)), dtype)}
     print(f"expert_ffn, {s} experts top-{k}, hidden {d}, moe_intermediate {i}, {args.dtype}; ms per call")
-    print(f"{'M':>6} {'gather':>9} {'dense':>9} {'tiled':>9}  auto")
+    paths = ("gather", "dense", "capacity", "tiled")
+    print(f"{'M':>6} " + " ".join(f"{path:>9}" for path in paths) + "  auto")
     for m in (int(r) for r in args.rows.split(",")):
         x = jnp.asarray(rng.normal(size=(m, d)), dtype)
         ids = jnp.asarray(np.stack([rng.permutation(s)[:k] for _ in range(m)]), jnp.int32)
         w = jnp.asarray(rng.random((m, k)), jnp.float32)
         times = {}
-        for path in ("gather", "dense", "tiled"):
+        for path in paths:
             if path == "gather" and m * k > 128:  # one unrolled matvec per assignment: compiles too long
                 times[path] = float("nan")
                 continue
@@ -57,7 +58,7 @@ def main() -> None:
                 jax.block_until_ready(fn(params, x, w, ids))
                 samples.append(time.perf_counter() - t0)
             times[path] = statistics.median(samples) * 1e3
-        print(f"{m:>6} {times['gather']:>9.2f} {times['dense']:>9.2f} {times['tiled']:>9.2f}  {moe_path(m, k, s)}",
+        print(f"{m:>6} " + " ".join(f"{times[path]:>9.2f}" for path in paths) + f"  {moe_path(m, k, s)}",
               flush=True)
 
 

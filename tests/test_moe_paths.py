@@ -1,11 +1,11 @@
-"""expert_ffn's three XLA compute paths (gather / dense / tiled, moe_path picks one by shape) against a float64
-numpy reference of sum_k w[m, k] * down(silu(gate(x[m])) * up(x[m])) for expert ids[m, k] (-1 = not here)."""
+"""expert_ffn's four XLA compute paths (gather / dense / capacity / tiled, moe_path picks one by shape) against a
+float64 numpy reference of sum_k w[m, k] * down(silu(gate(x[m])) * up(x[m])) for expert ids[m, k] (-1 = not here)."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.models.moe import expert_ffn, moe_path
+from jaxinfer.models.moe import capacity_buckets, expert_ffn, moe_path
 
 
 def _case(m, k=3, s=6, d=32, i=16, seed=0):
@@ -33,7 +33,7 @@ def _reference(params, x, weights, ids):
 
 
 @pytest.mark.parametrize("m", [1, 2, 7, 80])
-@pytest.mark.parametrize("path", ["gather", "dense", "tiled", "auto"])
+@pytest.mark.parametrize("path", ["gather", "dense", "capacity", "tiled", "auto"])
 def test_paths_match_reference(m, path):
     params, x, weights, ids = _case(m)
     got = expert_ffn({n: jnp.asarray(v) for n, v in params.items()}, jnp.asarray(x), jnp.asarray(weights),
@@ -42,9 +42,34 @@ def test_paths_match_reference(m, path):
     np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("hot", [0, 1, 3, 6])
+def test_capacity_buckets_hold_the_busiest_slot(hot):
+    # `hot` of the 6 slots take almost every assignment: the busiest slot's count picks a larger bucket, up to
+    # every row (the last bucket); ids -1 (other ranks) never count
+    m, k, s = 40, 3, 6
+    params, x, weights, ids = _case(m, k=k, s=s, seed=hot)
+    if hot:
+        rng = np.random.default_rng(hot)
+        ids = np.stack([rng.permutation(hot)[:k] if hot >= k else
+                        np.concatenate([rng.permutation(hot), hot + rng.permutation(s - hot)[:k - hot]])
+                        for _ in range(m)]).astype(np.int32)
+        ids[rng.random((m, k)) < 0.1] = -1
+    got = expert_ffn({n: jnp.asarray(v) for n, v in params.items()}, jnp.asarray(x), jnp.asarray(weights),
+                     jnp.asarray(ids), jnp.float32, path="capacity")
+    np.testing.assert_allclose(np.asarray(got), _reference(params, x, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_capacity_buckets():
+    # 1.25x, 1.6x, 2.5x and 4x the balanced load rows * top_k / slots, up to multiples of 8, then every row
+    assert capacity_buckets(1024, 4, 16) == (320, 416, 640, 1024)  # balanced 256: 320, 409.6, 640, 1024
+    assert capacity_buckets(100, 3, 6) == (64, 80, 100)  # balanced 50: 62.5, 80, 125 and 200 capped at 100
+    assert capacity_buckets(40, 3, 6) == (32, 40)  # balanced 20: 25, 32, 50 and 80 capped at 40
+    assert capacity_buckets(1, 1, 1) == (1,)
+
+
 def test_auto_choice_and_bad_path():
-    # gather up to two assignments per slot and at most 32 assignments; dense to 256 rows; tiled above
-    assert [moe_path(m, 4, 16) for m in (1, 8, 9, 256, 257)] == ["gather"] * 2 + ["dense"] * 2 + ["tiled"]
+    # gather up to two assignments per slot and at most 32 assignments; dense to 64 rows; capacity above
+    assert [moe_path(m, 4, 16) for m in (1, 8, 9, 64, 65, 4096)] == ["gather"] * 2 + ["dense"] * 2 + ["capacity"] * 2
     assert moe_path(4, 8, 256) == "gather" and moe_path(5, 8, 256) == "dense" and moe_path(2, 2, 1) == "dense"
     params, x, weights, ids = _case(2)
     with pytest.raises(ValueError, match="path must be"):

@@ -7,6 +7,7 @@ Router semantics follow HF ``DeepseekV3TopkRouter`` / ``DeepseekV2TopkRouter`` (
 from __future__ import annotations
 
 import functools
+import math
 from typing import Literal
 
 import jax
@@ -75,8 +76,8 @@ class Placement(nnx.Variable):
     """Expert placement tables (integers, not trained): filled by EPLB, identity by default."""
 
 
-MoEPath = Literal["auto", "gather", "dense", "tiled"]
-DENSE_MAX_ROWS = 256  # "auto": every local expert densely up to this many rows (benchmarks/moe_paths.py)
+MoEPath = Literal["auto", "gather", "dense", "capacity", "tiled"]
+DENSE_MAX_ROWS = 64  # "auto": every local expert densely up to this many rows (benchmarks/moe_paths.py)
 GATHER_MAX_ASSIGNMENTS = 32  # "auto": the gather path unrolls one matvec per assignment; bounds the program size
 
 
@@ -84,12 +85,28 @@ def moe_path(rows: int, top_k: int, num_slots: int) -> str:
     """The XLA compute path of ``expert_ffn`` for a static shape (CPU measurements in docs/benchmarks.md):
     "gather" (each assignment multiplies its own expert's weights: reads rows * top_k weight matrices, repeats
     from cache) while there are at most two assignments per local expert (and at most GATHER_MAX_ASSIGNMENTS);
-    "dense" (every row through every local expert, one batched matmul: reads each expert once, computes
-    rows * num_slots) for decode-sized batches; "tiled" (grouped matmul over rows sorted by expert,
-    grouped_matmul.py) for prefill."""
+    "dense" (every row through every local expert, one matmul: reads each expert once, computes
+    rows * num_slots) for small decode batches; "capacity" (each expert's rows in a [slots, C, D] buffer, one
+    batched matmul, C the bucketed largest count) above. "tiled" (grouped_matmul.py) is never picked on its own
+    any more: it is the FP8 path's layout and stays selectable."""
     if rows * top_k <= min(2 * num_slots, GATHER_MAX_ASSIGNMENTS):
         return "gather"
-    return "dense" if rows <= DENSE_MAX_ROWS else "tiled"
+    return "dense" if rows <= DENSE_MAX_ROWS else "capacity"
+
+
+CAPACITY_FACTORS = (1.25, 1.6, 2.5, 4.0)  # "capacity" buckets in units of the balanced load
+
+
+def capacity_buckets(rows: int, top_k: int, num_slots: int) -> tuple[int, ...]:
+    """Static capacities of the "capacity" path: CAPACITY_FACTORS times the balanced load per slot (rows * top_k /
+    num_slots; EPLB keeps real loads near it), rounded up to multiples of 8, and ``rows`` itself, which always
+    fits (a slot holds each token at most once: a token's top-k experts are distinct, and so are their physical
+    slots). A step computes at most 1.6x its busiest slot's rows while that is within 4x of balance (the random
+    benchmark model's routing reaches 1.7-2.4x), and every row per slot past that. Five branches compile in
+    about the time of the tiled path (0.8 s for one MoE layer at 1024 rows on CPU; seven took 1.2 s)."""
+    balanced = rows * top_k / num_slots
+    caps = {min(rows, -(-math.ceil(f * balanced) // 8) * 8) for f in CAPACITY_FACTORS}
+    return tuple(sorted(caps | {rows}))
 
 
 def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, dtype,
@@ -102,6 +119,9 @@ def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, d
     result does not depend on the batch it is in beyond float rounding):
       gather: per assignment, a matvec with its expert's weight matrices, indexed in place.
       dense: every token through every slot, masked by the combine weights: [M, S, I].
+      capacity: each slot's assignments scattered into a [S, C, D] buffer, C the smallest of
+        ``capacity_buckets`` that holds the busiest slot (lax.switch over the buckets), three batched matmuls
+        with the weights as they are (no gather or copy of weights), results gathered back.
       tiled: assignments sorted by slot so each slot's rows are contiguous, then one grouped matmul per
         projection (grouped_matmul.py; no Python loop over experts); ids -1 sort last and are never computed.
     fp8_compute: activations quantized per token per 128 channels and FP8 grouped GEMMs in DeepGEMM's contiguous
@@ -111,8 +131,8 @@ def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, d
     path = moe_path(m, k, num_slots) if path == "auto" else path
     if fp8_compute:
         path = "tiled"
-    if path not in ("gather", "dense", "tiled"):
-        raise ValueError(f"path must be 'auto', 'gather', 'dense' or 'tiled', got {path!r}")
+    if path not in ("gather", "dense", "capacity", "tiled"):
+        raise ValueError(f"path must be 'auto', 'gather', 'dense', 'capacity' or 'tiled', got {path!r}")
 
     def weight(name):  # [S, out, in] in the compute dtype
         return dense_weight(params[name], params.get(name + "_scale_inv"), dtype)
@@ -155,6 +175,8 @@ def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, d
         return jnp.einsum("msd,ms->md", out, combine, precision=jax.lax.Precision.HIGHEST)
 
     flat_ids = jnp.where(ids < 0, num_slots, ids).reshape(-1)  # [M*K]
+    if path == "capacity":
+        return _capacity_ffn(weight, xd, weights, flat_ids, num_slots, dtype)
     order = jnp.argsort(flat_ids, stable=True)  # [M*K]
     token = order // k  # source row of each sorted assignment
     group_sizes = jnp.bincount(flat_ids, length=num_slots + 1)[:num_slots].astype(jnp.int32)  # [S]
@@ -172,6 +194,37 @@ def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, d
     act = jax.nn.silu(mm(xs, "gate_proj")) * mm(xs, "up_proj")  # [M*K, I]
     out = mm(act, "down_proj").astype(jnp.float32) * weights.reshape(-1)[order][:, None]  # [M*K, D]
     return jnp.zeros((m, x.shape[-1]), jnp.float32).at[token].add(out)
+
+
+def _capacity_ffn(weight, xd: jax.Array, weights: jax.Array, flat_ids: jax.Array, num_slots: int,
+                  dtype) -> jax.Array:
+    """The "capacity" path of expert_ffn: xd [M, D], weights [M, K], flat_ids [M*K] (num_slots = not here) ->
+    float32 [M, D]. The batched matmuls read each slot's weights in place; measured on CPU (docs/benchmarks.md)
+    2-4x faster than the tiled grouped matmul from 128 rows up (whose per-tile weight gathers copy the weights)
+    and than the dense path from 128 rows up."""
+    m, k = weights.shape
+    order = jnp.argsort(flat_ids, stable=True)  # [M*K]
+    counts = jnp.bincount(flat_ids, length=num_slots + 1)  # [S + 1]; the last: assignments on other ranks
+    starts = jnp.cumsum(counts) - counts  # [S + 1]
+    pos = jnp.zeros_like(flat_ids).at[order].set(jnp.arange(m * k) - starts[flat_ids[order]])  # [M*K] rank in slot
+    token = jnp.arange(m * k) // k  # [M*K] source row of each assignment
+    f32 = dict(preferred_element_type=jnp.float32)
+
+    def run(capacity, xd):
+        buf = jnp.zeros((num_slots, capacity, xd.shape[1]), dtype).at[flat_ids, pos].set(
+            xd[token], mode="drop")  # [S, C, D]; other ranks' assignments (slot S) dropped
+        gate = jnp.einsum("scd,sid->sci", buf, weight("gate_proj"), **f32)  # [S, C, I]
+        up = jnp.einsum("scd,sid->sci", buf, weight("up_proj"), **f32)
+        act = jax.nn.silu(gate.astype(dtype)) * up.astype(dtype)  # [S, C, I]
+        out = jnp.einsum("sci,sdi->scd", act, weight("down_proj"), **f32).astype(dtype)  # [S, C, D]
+        return out.at[flat_ids, pos].get(mode="fill", fill_value=0).astype(jnp.float32)  # [M*K, D]
+
+    buckets = capacity_buckets(m, k, num_slots)
+    busiest = jnp.max(counts[:num_slots])
+    branch = jnp.searchsorted(jnp.asarray(buckets, jnp.int32), busiest)  # the first bucket >= busiest
+    out = jax.lax.switch(branch, [functools.partial(run, c) for c in buckets], xd)  # [M*K, D]
+    w = jnp.where(flat_ids < num_slots, weights.reshape(-1), 0.0)  # [M*K]
+    return (out * w[:, None]).reshape(m, k, -1).sum(1)
 
 
 class Experts(nnx.Module):
