@@ -199,8 +199,7 @@ jax.tree_util.register_dataclass(
 
 def seed_key_data(seed: int) -> np.ndarray:
     """uint32 [2] threefry2x32 key data of an int seed: (s >> 32, s & 0xffffffff) with s = seed mod 2**64."""
-    s = int(seed) % 2**64
-    return np.array([s >> 32, s & 0xFFFFFFFF], dtype=np.uint32)
+    return seeds_key_data([seed])[0]
 
 
 def seeds_key_data(seeds: Sequence[int]) -> np.ndarray:
