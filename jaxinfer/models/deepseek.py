@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.layers import MLP, Linear, RMSNorm, normal_init
+from jaxinfer.models.layers import MLP, Linear, RMSNorm, matmul_nt, normal_init
 from jaxinfer.models.mla import MLA, AttnForm
 from jaxinfer.models.moe import MoE
 from jaxinfer.models.rope import rope_cos_sin
@@ -106,7 +106,7 @@ class DeepseekForCausalLM(nnx.Module):
     def head(self, h: jax.Array) -> jax.Array:
         """h [B, T, D] (normed) -> float32 logits [B, T, V]."""
         w = self.embed_tokens[...] if self.lm_head is None else self.lm_head.kernel()
-        return jnp.einsum("btd,vd->btv", h, w, preferred_element_type=jnp.float32)
+        return matmul_nt(h, w)  # [B, T, V]
 
     def hidden_states(self, ids: jax.Array, positions: jax.Array, cache: Cache | None = None,
                       form: AttnForm = "expanded") -> tuple[jax.Array, Cache | None]:

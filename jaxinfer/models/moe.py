@@ -17,7 +17,7 @@ from flax import nnx
 from jaxinfer.config import ModelConfig
 from jaxinfer.checkpoint.fp8 import scale_shape
 from jaxinfer.models.grouped_matmul import grouped_matmul, tile_plan
-from jaxinfer.models.layers import FP8_DTYPE, MLP, normal_init, dense_weight
+from jaxinfer.models.layers import FP8_DTYPE, MLP, dense_weight, matmul_nt, normal_init
 from jaxinfer.parallel.dispatch import expert_parallel, slot_counts
 from jaxinfer.parallel.placement import default_tables
 from kernels_pallas import fp8_grouped_gemm_contiguous, per_token_cast_to_fp8
@@ -167,8 +167,8 @@ def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, d
         s_, i_, d_ = params["gate_proj"].shape
         # As one [M, D] x [S*I, D]^T matmul (the Linear layers' form): written as "md,sid->msi", XLA:CPU first
         # transposes the [S, I, D] weights, every step.
-        gate = jnp.einsum("md,nd->mn", xd, weight("gate_proj").reshape(s_ * i_, d_), **f32).reshape(m, s_, i_)
-        up = jnp.einsum("md,nd->mn", xd, weight("up_proj").reshape(s_ * i_, d_), **f32).reshape(m, s_, i_)
+        gate = matmul_nt(xd, weight("gate_proj").reshape(s_ * i_, d_)).reshape(m, s_, i_)
+        up = matmul_nt(xd, weight("up_proj").reshape(s_ * i_, d_)).reshape(m, s_, i_)
         act = jax.nn.silu(gate.astype(dtype)) * up.astype(dtype)  # [M, S, I]
         out = jnp.einsum("msi,sdi->msd", act, weight("down_proj"), **f32)  # [M, S, D]
         out = out.astype(dtype).astype(jnp.float32)  # rounded like the tiled path's expert outputs
