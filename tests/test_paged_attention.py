@@ -2,11 +2,10 @@
 kernels_pallas.mla_decode_reference (FlashMLA's causal contract, itself tested against fp32 math) on a cache with
 the step's latents written. Every cache slot no sequence owns holds NaN."""
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from jaxinfer.kv.paged_cache import write
 from jaxinfer.models import paged_attention
@@ -74,7 +73,7 @@ def test_matches_reference_on_written_cache(ends, counts, t, chunk_tokens):
 def test_paged_mla_read_only_leaves_cache_and_matches_writing_path():
     ends, counts, t = [3, 66, 190], [1, 1, 1], 1
     (q, new, cache, table, seqlens, slots), _ = _case(1, ends, counts, t, 4, 40, 16, jnp.float32)
-    kw = dict(head_dim_v=32, softmax_scale=0.2)
+    kw = {"head_dim_v": 32, "softmax_scale": 0.2}
     out, kept = paged_mla(None, q, new, cache, table, seqlens, slots, write_cache=False, **kw)
     ref, _ = paged_mla(None, q, new, cache, table, seqlens, slots, write_cache=True, **kw)
     np.testing.assert_array_equal(np.asarray(kept), np.asarray(cache))  # NaNs included
