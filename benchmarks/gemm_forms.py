@@ -3,7 +3,8 @@
     python benchmarks/gemm_forms.py [--rows 1,2,8,32,64,128] [--shapes 4096x512,8192x512,...] [--repeats 5]
 
 The shapes (N x K) default to the benchmark model's decode GEMMs (forward_vs_transformers.py): routed experts'
-gate/up as one matrix (16 x 256 rows), the LM head, the dense MLP, attention projections. Each call gets the
+gate/up as one matrix (16 x 256 rows), the LM head, the dense MLP, attention projections; S x N x K shapes are
+batched (x [S, M, K] @ W [S, N, K]^T per s: the capacity path's per-expert matmuls, M rows per expert). Each call gets the
 next of several weight copies (over 32 MB in all), so weights come from memory as in a decode step, not from
 cache. Prints the minimum over --repeats passes in ms and the speedup of the transposed form; TRANSPOSED_PRODUCT_ROWS
 in layers.py is where it wins.
@@ -12,13 +13,14 @@ in layers.py is where it wins.
 from __future__ import annotations
 
 import argparse
+import math
 import time
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="1,2,8,32,64,128")
-    p.add_argument("--shapes", default="4096x512,8192x512,1408x512,512x1408,768x192,512x512")
+    p.add_argument("--shapes", default="4096x512,8192x512,1408x512,512x1408,768x192,512x512,16x256x512,16x512x256")
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
 
@@ -27,18 +29,19 @@ def main() -> None:
     import numpy as np
 
     rng = np.random.default_rng(0)
-    plain = jax.jit(lambda x, w: jnp.einsum("mk,nk->mn", x, w))
+    plain = jax.jit(lambda x, w: jnp.einsum("...mk,...nk->...mn", x, w))
     # The transposed form as layers.matmul_nt writes it, whatever the row count.
-    transposed = jax.jit(lambda x, w: jax.lax.optimization_barrier(jnp.einsum("nk,mk->nm", w, x)).T)
+    transposed = jax.jit(lambda x, w: jnp.swapaxes(
+        jax.lax.optimization_barrier(jnp.einsum("...nk,...mk->...nm", w, x)), -1, -2))
 
     print(f"x [M, K] @ W [N, K]^T, float32, {jax.devices()[0].platform}; min ms over {args.repeats} passes")
-    print(f"{'N x K':>10} {'M':>5} {'plain':>8} {'transposed':>11} {'speedup':>8}")
+    print(f"{'[S x] N x K':>12} {'M':>5} {'plain':>8} {'transposed':>11} {'speedup':>8}")
     for shape in args.shapes.split(","):
-        n, k = (int(v) for v in shape.split("x"))
-        copies = max(2, -(-32 * 2**20 // (n * k * 4)))
-        ws = [jnp.asarray(rng.standard_normal((n, k)), jnp.float32) for _ in range(copies)]
+        *batch, n, k = (int(v) for v in shape.split("x"))
+        copies = max(2, -(-32 * 2**20 // (math.prod(batch) * n * k * 4)))
+        ws = [jnp.asarray(rng.standard_normal((*batch, n, k)), jnp.float32) for _ in range(copies)]
         for m in (int(r) for r in args.rows.split(",")):
-            x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+            x = jnp.asarray(rng.standard_normal((*batch, m, k)), jnp.float32)
             np.testing.assert_allclose(np.asarray(transposed(x, ws[0])), np.asarray(plain(x, ws[0])), rtol=1e-4,
                                        atol=1e-3)
             best = {}
@@ -50,7 +53,7 @@ def main() -> None:
                         fn(x, w).block_until_ready()
                         times.append(time.perf_counter() - t0)
                 best[name] = min(times) * 1e3
-            print(f"{shape:>10} {m:5d} {best['plain']:8.3f} {best['transposed']:11.3f} "
+            print(f"{shape:>12} {m:5d} {best['plain']:8.3f} {best['transposed']:11.3f} "
                   f"{best['plain'] / best['transposed']:7.2f}x", flush=True)
 
 

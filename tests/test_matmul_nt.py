@@ -41,3 +41,20 @@ def test_gradients_match_the_plain_product():
     c = np.cos(xd @ wd.T)  # d sum(sin(x W^T)) = cos(x W^T) (d x W^T + x d W^T)
     np.testing.assert_allclose(np.asarray(g[0]), c @ wd, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.asarray(g[1]), c.T @ xd, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 16, 64, 65])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_batched_matches_float64(rows, dtype):
+    rng = np.random.default_rng(rows)
+    x = jnp.asarray(rng.standard_normal((3, rows, 64)), dtype)
+    w = jnp.asarray(rng.standard_normal((3, 24, 64)), dtype)
+    y = jax.jit(matmul_nt)(x, w)
+    ref = np.einsum("smk,snk->smn", np.asarray(x, np.float64), np.asarray(w, np.float64))
+    assert y.shape == (3, rows, 24) and y.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-4)
+
+
+def test_batched_shape_mismatch_raises():
+    with pytest.raises(ValueError, match="S, M, K"):
+        matmul_nt(jnp.zeros((2, 4, 8)), jnp.zeros((3, 5, 8)))

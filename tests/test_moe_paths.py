@@ -68,9 +68,9 @@ def test_capacity_buckets():
 
 
 def test_auto_choice_and_bad_path():
-    # gather up to two assignments per slot and at most 32 assignments; dense to 64 rows; capacity above
-    assert [moe_path(m, 4, 16) for m in (1, 8, 9, 64, 65, 4096)] == ["gather"] * 2 + ["dense"] * 2 + ["capacity"] * 2
-    assert moe_path(4, 8, 256) == "gather" and moe_path(5, 8, 256) == "dense" and moe_path(2, 2, 1) == "dense"
+    # gather up to two assignments per slot and at most 32 assignments; capacity above
+    assert [moe_path(m, 4, 16) for m in (1, 8, 9, 64, 65, 4096)] == ["gather"] * 2 + ["capacity"] * 4
+    assert moe_path(4, 8, 256) == "gather" and moe_path(5, 8, 256) == "capacity" and moe_path(2, 2, 1) == "capacity"
     params, x, weights, ids = _case(2)
     with pytest.raises(ValueError, match="path must be"):
         expert_ffn(params, x, weights, ids, jnp.float32, path="ragged")

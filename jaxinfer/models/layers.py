@@ -49,23 +49,34 @@ def dense_weight(weight: jax.Array, scale_inv: jax.Array | None, dtype) -> jax.A
 
 # XLA:CPU (YNNPACK) multiplies x [M, K] by W [N, K]^T 1.2-1.9x faster for 2 <= M <= 64 when it computes the [N, M]
 # product W @ x^T (the weights as the left operand) and transposes that small result afterwards: [32, 512] x
-# [4096, 512]^T 2.3 -> 1.6 ms, [8, 512] x [4096, 512]^T 1.5 -> 0.8 ms; about equal from M = 128 up
-# (benchmarks/gemm_forms.py, cold weights). These are the decode batches.
+# [4096, 512]^T 2.3 -> 1.6 ms, [8, 512] x [4096, 512]^T 1.5 -> 0.8 ms; about equal from M = 128 up. Batched over
+# experts the gap is wider: [16, C, 512] x [16, 256, 512]^T 3.1 -> 1.2 ms at C = 16, 3.2 -> 1.8 ms at C = 32,
+# 1.2x at C = 64, equal or slower from 128 (benchmarks/gemm_forms.py, cold weights). These are the decode batches.
 TRANSPOSED_PRODUCT_ROWS = (2, 64)
 
 
 def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., K] @ w [N, K]^T -> float32 [..., N] (both operands in their own dtype, float32 accumulation).
+    """x [..., K] @ w [N, K]^T -> float32 [..., N]; or batched, x [S, M, K] @ w [S, N, K]^T -> float32 [S, M, N]
+    (w of rank 3: one matrix per leading index). Both operands in their own dtype, float32 accumulation.
 
-    On CPU, for TRANSPOSED_PRODUCT_ROWS rows, computed as (w @ x^T)^T. The optimization barrier keeps that form:
+    On CPU, for TRANSPOSED_PRODUCT_ROWS rows (M), computed as (w @ x^T)^T. The optimization barrier keeps that form:
     without it XLA's algebraic simplifier folds the transpose back into the dot and picks the slow form again."""
+    f32 = {"preferred_element_type": jnp.float32}
+    lo, hi = TRANSPOSED_PRODUCT_ROWS
+    fast = jax.default_backend() == "cpu"
+    if w.ndim == 3:
+        if x.ndim != 3 or x.shape[0] != w.shape[0] or x.shape[2] != w.shape[2]:
+            raise ValueError(f"batched matmul_nt needs x [S, M, K] and w [S, N, K], got {x.shape} and {w.shape}")
+        if fast and lo <= x.shape[1] <= hi:
+            y = jnp.einsum("snk,smk->snm", w, x, **f32)  # [S, N, M]
+            return jax.lax.optimization_barrier(y).transpose(0, 2, 1)
+        return jnp.einsum("smk,snk->smn", x, w, **f32)
     lead, k = x.shape[:-1], x.shape[-1]
     m = math.prod(lead)
-    lo, hi = TRANSPOSED_PRODUCT_ROWS
-    if lo <= m <= hi and jax.default_backend() == "cpu":
-        y = jnp.einsum("nk,mk->nm", w, x.reshape(m, k), preferred_element_type=jnp.float32)  # [N, M]
+    if fast and lo <= m <= hi:
+        y = jnp.einsum("nk,mk->nm", w, x.reshape(m, k), **f32)  # [N, M]
         return jax.lax.optimization_barrier(y).T.reshape(*lead, w.shape[0])
-    return jnp.einsum("...k,nk->...n", x, w, preferred_element_type=jnp.float32)
+    return jnp.einsum("...k,nk->...n", x, w, **f32)
 
 
 class Linear(nnx.Module):

@@ -77,7 +77,6 @@ class Placement(nnx.Variable):
 
 
 MoEPath = Literal["auto", "gather", "dense", "capacity", "tiled"]
-DENSE_MAX_ROWS = 64  # "auto": every local expert densely up to this many rows (benchmarks/moe_paths.py)
 GATHER_MAX_ASSIGNMENTS = 32  # "auto": the gather path unrolls one matvec per assignment; bounds the program size
 
 
@@ -85,13 +84,13 @@ def moe_path(rows: int, top_k: int, num_slots: int) -> str:
     """The XLA compute path of ``expert_ffn`` for a static shape (CPU measurements in docs/benchmarks.md):
     "gather" (each assignment multiplies its own expert's weights: reads rows * top_k weight matrices, repeats
     from cache) while there are at most two assignments per local expert (and at most GATHER_MAX_ASSIGNMENTS);
-    "dense" (every row through every local expert, one matmul: reads each expert once, computes
-    rows * num_slots) for small decode batches; "capacity" (each expert's rows in a [slots, C, D] buffer, one
-    batched matmul, C the bucketed largest count) above. "tiled" (grouped_matmul.py) is never picked on its own
-    any more: it is the FP8 path's layout and stays selectable."""
+    "capacity" (each expert's rows in a [slots, C, D] buffer, batched matmuls, C the bucketed largest count) above.
+    "dense" (every row through every local expert: computes rows * num_slots) was the decode-batch path until the
+    capacity path's matmuls took the weights as left operand (layers.matmul_nt; 12-64 rows: 1.1-1.5x faster than
+    dense in benchmarks/moe_paths.py); "tiled" (grouped_matmul.py) is the FP8 path's layout. Both stay selectable."""
     if rows * top_k <= min(2 * num_slots, GATHER_MAX_ASSIGNMENTS):
         return "gather"
-    return "dense" if rows <= DENSE_MAX_ROWS else "capacity"
+    return "capacity"
 
 
 CAPACITY_FACTORS = (1.25, 1.6, 2.5, 4.0)  # "capacity" buckets in units of the balanced load
@@ -208,15 +207,14 @@ def _capacity_ffn(weight, xd: jax.Array, weights: jax.Array, flat_ids: jax.Array
     starts = jnp.cumsum(counts) - counts  # [S + 1]
     pos = jnp.zeros_like(flat_ids).at[order].set(jnp.arange(m * k) - starts[flat_ids[order]])  # [M*K] rank in slot
     token = jnp.arange(m * k) // k  # [M*K] source row of each assignment
-    f32 = dict(preferred_element_type=jnp.float32)
 
     def run(capacity, xd):
         buf = jnp.zeros((num_slots, capacity, xd.shape[1]), dtype).at[flat_ids, pos].set(
             xd[token], mode="drop")  # [S, C, D]; other ranks' assignments (slot S) dropped
-        gate = jnp.einsum("scd,sid->sci", buf, weight("gate_proj"), **f32)  # [S, C, I]
-        up = jnp.einsum("scd,sid->sci", buf, weight("up_proj"), **f32)
+        gate = matmul_nt(buf, weight("gate_proj"))  # [S, C, I]
+        up = matmul_nt(buf, weight("up_proj"))
         act = jax.nn.silu(gate.astype(dtype)) * up.astype(dtype)  # [S, C, I]
-        out = jnp.einsum("sci,sdi->scd", act, weight("down_proj"), **f32).astype(dtype)  # [S, C, D]
+        out = matmul_nt(act, weight("down_proj")).astype(dtype)  # [S, C, D]
         return out.at[flat_ids, pos].get(mode="fill", fill_value=0).astype(jnp.float32)  # [M*K, D]
 
     buckets = capacity_buckets(m, k, num_slots)
