@@ -198,9 +198,9 @@ def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, d
 def _capacity_ffn(weight, xd: jax.Array, weights: jax.Array, flat_ids: jax.Array, num_slots: int,
                   dtype) -> jax.Array:
     """The "capacity" path of expert_ffn: xd [M, D], weights [M, K], flat_ids [M*K] (num_slots = not here) ->
-    float32 [M, D]. The batched matmuls read each slot's weights in place; measured on CPU (docs/benchmarks.md)
-    2-4x faster than the tiled grouped matmul from 128 rows up (whose per-tile weight gathers copy the weights)
-    and than the dense path from 128 rows up."""
+    float32 [M, D]. The batched matmuls (matmul_nt: the weights as left operand for up to 64 rows per slot) read
+    each slot's weights in place; measured on CPU (docs/benchmarks.md) faster than the dense path from 12 rows and
+    than the tiled grouped matmul (whose per-tile weight gathers copy the weights) at every size."""
     m, k = weights.shape
     order = jnp.argsort(flat_ids, stable=True)  # [M*K]
     counts = jnp.bincount(flat_ids, length=num_slots + 1)  # [S + 1]; the last: assignments on other ranks
