@@ -86,7 +86,7 @@ def moe_path(rows: int, top_k: int, num_slots: int) -> str:
     from cache) while there are at most two assignments per local expert (and at most GATHER_MAX_ASSIGNMENTS);
     "capacity" (each expert's rows in a [slots, C, D] buffer, batched matmuls, C the bucketed largest count) above.
     "dense" (every row through every local expert: computes rows * num_slots) was the decode-batch path until the
-    capacity path's matmuls took the weights as left operand (layers.matmul_nt; 12-64 rows: 1.1-1.5x faster than
+    capacity path's matmuls took the weights as left operand (layers.matmul_nt; 16-64 rows: 1.5-1.6x faster than
     dense in benchmarks/moe_paths.py); "tiled" (grouped_matmul.py) is the FP8 path's layout. Both stay selectable."""
     if rows * top_k <= min(2 * num_slots, GATHER_MAX_ASSIGNMENTS):
         return "gather"
