@@ -7,8 +7,9 @@ The model is the V3-shaped one of forward_vs_transformers.py (hidden 512, 4 laye
 experts top-4, q_lora, YaRN), saved in DeepSeek's checkpoint format. For each batch size B: B random prompts of
 --input-len tokens, --output-len new tokens, greedy, EOS ignored (transformers: eos_token_id=None,
 min_new_tokens). Decode throughput = B * (output_len - 1) / (time of output_len tokens - time of 1 token), so the
-prefill and the first token are left out for both. Each timing is the median of --repeats runs after a warm-up
-(jaxinfer's compilation).
+prefill and the first token are left out for both; the time of 1 token (prefill + first token, the TTFT of a
+batch) is printed on its own line. Each timing is the median of --repeats runs after a warm-up (jaxinfer's
+compilation).
 
 Host share (jaxinfer, decode): 1 - (device time of one decode step) / (wall time per decode step), where the
 device time is measured by dispatching the same captured decode step back to back (no host work between them).
@@ -82,15 +83,19 @@ def main() -> None:
                                     eos_token_id=None, pad_token_id=0)
 
         steps = args.output_len - 1
-        ours_decode = median_time(lambda: ours(args.output_len)) - median_time(lambda: ours(1))
+        ours_first = median_time(lambda: ours(1))
+        ours_decode = median_time(lambda: ours(args.output_len)) - ours_first
         host_share, device_ms = decode_host_share(llm, ours, args.output_len)
         line = (f"  B={b:3d}  jaxinfer: {b * steps / ours_decode:8.1f} tok/s ({ours_decode / steps * 1e3:6.1f} "
                 f"ms/step; device {device_ms:6.1f} ms/step, host share {host_share:5.1%})")
+        first = f"         first token (prefill): jaxinfer {ours_first * 1e3:7.1f} ms"
         if not args.skip_transformers:
-            theirs_decode = median_time(lambda: theirs(args.output_len)) - median_time(lambda: theirs(1))
+            theirs_first = median_time(lambda: theirs(1))
+            theirs_decode = median_time(lambda: theirs(args.output_len)) - theirs_first
             line += (f"  transformers: {b * steps / theirs_decode:8.1f} tok/s  ->  "
                      f"{theirs_decode / ours_decode:.2f}x")
-        print(line, flush=True)
+            first += f", transformers {theirs_first * 1e3:7.1f} ms  ->  {theirs_first / ours_first:.2f}x"
+        print(line + "\n" + first, flush=True)
     tmp.cleanup()
 
 

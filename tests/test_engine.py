@@ -73,6 +73,26 @@ def test_prefix_caching_same_outputs_fewer_prefill_tokens(case):
           f"{cached_prefill} with it")
 
 
+def test_prefill_grid_is_no_larger_than_its_chunks_need(case):
+    """A prefill step's [rows, T] grid: powers of two >= the chunk count and the longest chunk (T >= 16), not the
+    whole max_num_batched_tokens (1024 here): one short prompt must not cost a full 1024-token step."""
+    llm = LLM(case.path, mesh="1x1", dtype="float32", num_kv_pages=16)  # = the other tests' engine
+    runner, grids = llm.runner, []
+    run = runner._run
+
+    def spy(packed, layout):
+        grids.append((packed.shape[0], *layout.columns[0][2]))  # (rows, T) of the token ids
+        return run(packed, layout)
+
+    runner._run = spy
+    greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    for lengths, grid in [([5], (1, 16)), ([5, 20, 40], (4, 64)), ([100, 3], (2, 128))]:
+        grids.clear()
+        outs = llm.generate(_prompts(case.cfg["vocab_size"], lengths, seed=6), greedy, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 2 for o in outs)
+        assert grids[0] == grid, (lengths, grids)
+
+
 class CompileCounter:
     """Counts backend-compile events while active. JAX records the event around ``compile_or_get_cached``, so
     an executable read back from the persistent compilation cache counts too: a warm cache hides nothing."""

@@ -104,6 +104,38 @@ def test_fp8_dispatch_is_the_moe_of_fp8_tokens(mesh):
     assert q.dtype == jnp.float8_e4m3fn and s.shape == (n_tok, 2)
 
 
+def test_masked_tokens_are_neither_sent_nor_computed():
+    """mask=False (the engine's padding): such tokens get zeros and are not sent; the others are unchanged, and
+    the tokens sent to each expert rank are exactly the unmasked (token, rank) pairs of the routing."""
+    rng = np.random.default_rng(1)
+    d, e, k = 16, 8, 3
+    x = rng.standard_normal((8, 6, d)).astype(np.float32)
+    mask = rng.random((8, 6)) < 0.5
+    params = {"w": rng.standard_normal((e, d, d)).astype(np.float32) / np.sqrt(d)}
+
+    def route_fn(_, flat):  # top-k of the first e channels, sigmoid weights
+        vals, ids = jax.lax.top_k(flat[:, :e], k)
+        return jax.nn.sigmoid(vals), ids.astype(jnp.int32)
+
+    def ffn(p, xs, w, ids):  # a linear "expert", ids -1 = not here
+        out = jnp.einsum("mkod,md->mko", p["w"][jnp.maximum(ids, 0)], xs)
+        return (out * jnp.where(ids >= 0, w, 0.0)[..., None]).sum(1)
+
+    run = jax.jit(functools.partial(expert_parallel, make_mesh("2x4"), route_fn=route_fn, expert_fn=ffn, fp8=False))
+    got, sent, _ = (np.asarray(a) for a in run(jnp.asarray(x), {}, params, mask=jnp.asarray(mask)))
+    flat = x.reshape(-1, d)
+    slots = np.argsort(-flat[:, :e], axis=1, kind="stable")[:, :k]
+    weights = 1 / (1 + np.exp(-np.take_along_axis(flat[:, :e], slots, 1)))
+    ref = np.einsum("nko,nk->no", np.einsum("nkod,nd->nko", params["w"][slots], flat), weights)
+    ref[~mask.reshape(-1)] = 0.0
+    np.testing.assert_allclose(got.reshape(-1, d), ref, rtol=1e-5, atol=1e-5)
+    ranks = slots // (e // 4)  # [N, K] expert rank of each choice (4 expert ranks of 2 slots)
+    pairs = np.zeros((8, 4), np.int64)  # [device, expert rank]: unmasked tokens that need that rank
+    for n in np.flatnonzero(mask.reshape(-1)):
+        pairs[n // 6, np.unique(ranks[n])] += 1
+    np.testing.assert_array_equal(sent, pairs)
+
+
 def test_fp8_dispatch_logits_within_stated_tolerance(tmp_path_factory):
     """End to end the e4m3 rounding of the dispatched activations (relative step 2^-4) shows in the logits;
     stated tolerance: max|diff| / max|ref| <= 2e-2 against transformers, greedy agreement >= 95%."""

@@ -8,8 +8,9 @@ holds for every real token; padding columns write nothing (slot -1) and padding 
 
 Bounded compilation: the step compiles once per (rows, T, pages) bucket, penalties on/off and logprobs on/off.
 Decode steps: T = 1, rows per rank a power of two. Prefill steps: T a power of two >= scheduler.min_prefill_t
-and rows = scheduler.prefill_capacity // T (the scheduler keeps every rank's chunks within that grid). Pages per
-row: a power of two >= MIN_PAGES.
+and rows per rank a power of two, rows * T <= scheduler.prefill_capacity (the scheduler keeps every rank's chunks
+within that). Pages per row: a power of two >= MIN_PAGES. A prefill grid is no larger than its chunks need: one
+64-token prompt runs a [1, 64] grid, not a full prefill_capacity one (1024 tokens by default: 16x the work).
 
 One transfer per step: the step's host arrays and sampling tensors travel packed in one int32 array, unpacked
 inside the jitted step (packing.py).
@@ -192,9 +193,10 @@ class Runner:
         if plan.kind == "decode":
             return bucket(max(len(c) for c in plan.chunks)), 1, pages
         t = bucket(max((ch.num_tokens for ch in chunks), default=1), self.min_prefill_t)
-        rows = self.prefill_capacity // t
-        if any(len(c) > rows for c in plan.chunks):
-            raise RuntimeError(f"prefill step of {[len(c) for c in plan.chunks]} chunks does not fit {rows} x {t}")
+        rows = bucket(max(len(c) for c in plan.chunks))
+        if rows * t > self.prefill_capacity:
+            raise RuntimeError(f"prefill step of {[len(c) for c in plan.chunks]} chunks of up to {t} tokens exceeds "
+                               f"{self.prefill_capacity} tokens per rank")
         return rows, t, pages
 
     def arrays(self, plan: StepPlan) -> tuple[list[np.ndarray], list[tuple[int, ScheduledChunk]], list]:

@@ -13,11 +13,11 @@ fits (a running sequence whose prefill is unfinished, or a waiting one that can 
   computed (``(num_tokens - 1) // page_size`` hashes), and the pages of the whole prefill are allocated (chunks cut
   compute, not memory: see ``_admit``); a waiting sequence whose pages are not available blocks the queue (FIFO).
 - Prefill shapes. A prefill step's rows are laid out as a [rows, T] grid per rank (runner.py) with T the
-  power of two >= the longest chunk (at least ``min_prefill_t``) and rows = ``prefill_capacity // T``, where
-  ``prefill_capacity`` is the power of two >= ``max_num_batched_tokens``: so a prefill step has one of a few
-  shapes (one per T) and never pads past ``prefill_capacity`` tokens per rank. Chunks are admitted (and cut)
-  only while every rank's chunk count times T stays within that capacity (T and the count are shared by all
-  ranks, since they run one program).
+  power of two >= the longest chunk (at least ``min_prefill_t``) and rows the power of two >= the most chunks
+  of a rank, within ``prefill_capacity`` (the power of two >= ``max_num_batched_tokens``) tokens per rank: so a
+  prefill step has one of a few shapes (powers of two on both axes) and pads at most 2x per axis. Chunks are
+  admitted (and cut) only while every rank's chunk count times T stays within that capacity (T and the count
+  are shared by all ranks, since they run one program).
 - Decode: each running sequence computes one token (its last sampled one) and samples the next; it takes a new page
   when its KV crosses a page boundary.
 - Out of pages. A running sequence that cannot make progress preempts the newest running sequence (by arrival) of

@@ -287,10 +287,10 @@ class MoE(nnx.Module):
         return self.forward(x)[0]
 
     def forward(self, x: jax.Array, token_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-        """x [B, T, D], token_mask [B, T] bool (False: padding, not counted; None: every token counts) ->
-        (y [B, T, D], load int32 [P, E]): the (token, choice) pairs routed to each logical expert, per DP rank
-        (P = mesh devices; 1 without a mesh). Per rank so that the step adds no collective: callers sum over P
-        when they read it. Unused results cost nothing under jit (XLA drops them)."""
+        """x [B, T, D], token_mask [B, T] bool (False: padding, which the routed experts neither compute nor count;
+        None: every token counts) -> (y [B, T, D], load int32 [P, E]): the (token, choice) pairs routed to each
+        logical expert, per DP rank (P = mesh devices; 1 without a mesh). Per rank so that the step adds no
+        collective: callers sum over P when they read it. Unused results cost nothing under jit (XLA drops them)."""
         config = self.gate.config
 
         def route_fn(params, flat):  # [N, D] -> weights, physical slots [N, K]
@@ -304,8 +304,10 @@ class MoE(nnx.Module):
             b, t, d = x.shape
             flat = x.reshape(b * t, d)
             weights, slots = route_fn(route_params, flat)
-            y = ffn(self.experts.params(), flat, weights, slots).reshape(x.shape)
             mask = None if token_mask is None else token_mask.reshape(b * t)
+            if mask is not None:  # padding computes nothing (and cannot inflate the capacity path's buckets)
+                slots = jnp.where(mask[:, None], slots, -1)
+            y = ffn(self.experts.params(), flat, weights, slots).reshape(x.shape)
             slot_load = slot_counts(slots, self.experts.phy2log[...].shape[0], mask)[None]  # [1, S]
             load = logical_load(slot_load, self.experts.log2phy[...])  # [1, E]
             if hasattr(self, "__captures__"):  # only under nnx.capture (jaxinfer/train); no-op otherwise

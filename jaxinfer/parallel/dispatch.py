@@ -69,9 +69,9 @@ def expert_parallel(mesh, x: jax.Array, route_params: dict, expert_params: dict,
     """Global view: x [B, T, D] with the batch split over all devices. Each device routes its own tokens
     (route_fn(route_params, x [N, D]) -> weights, slots [N, K]; route_params replicated), then dispatches and
     combines over `expert`. expert_params: slots on axis 0, split over `expert`. mask [B, T] bool: the tokens to
-    count in the slot loads (None = all). Returns (float32 [B, T, D], int32 [devices, R]: tokens each DP rank
-    sent to each expert rank, int32 [devices, S]: (token, choice) pairs of each DP rank's unmasked tokens per
-    physical slot; per device, so nothing is reduced across devices here)."""
+    send, compute and count in the slot loads (None = all; masked tokens get zeros). Returns (float32 [B, T, D],
+    int32 [devices, R]: tokens each DP rank sent to each expert rank, int32 [devices, S]: (token, choice) pairs of
+    each DP rank's unmasked tokens per physical slot; per device, so nothing is reduced across devices here)."""
     num_slots = next(iter(expert_params.values())).shape[0]
     slots_per_rank = num_slots // mesh.shape[EXPERT_AXIS]
     batch = P(BATCH_AXES)
@@ -82,6 +82,7 @@ def expert_parallel(mesh, x: jax.Array, route_params: dict, expert_params: dict,
         b, t, d = x.shape
         flat = x.reshape(b * t, d)
         weights, slots = route_fn(route_params, flat)
+        slots = jnp.where(mask.reshape(b * t)[:, None], slots, -1)  # masked tokens: sent nowhere, not computed
         out, sent = dispatch_combine(flat, weights, slots, expert_params, expert_fn,
                                      slots_per_rank=slots_per_rank, fp8=fp8)
         load = slot_counts(slots, num_slots, mask.reshape(b * t))  # [S]
