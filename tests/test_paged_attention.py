@@ -47,11 +47,15 @@ def _case(seed, ends, counts, t, heads, d, num_pages, dtype):
     return args, written
 
 
-CASES = [  # (ends, counts, t): decode, MTP verification, left-padded prefill chunks, padding rows
+# (ends, counts, t): decode, MTP verification, left-padded prefill chunks, padding rows, fresh prompts (no cached
+# keys: every page chunk skipped), page chunks past every row's cached keys (skipped)
+CASES = [
     ([1, 63, 64, 65, 200], [1, 1, 1, 1, 1], 1),
     ([2, 64, 130], [2, 2, 2], 2),
     ([5, 70, 129, 300], [5, 3, 64, 1], 64),
     ([100, 0, 64], [7, 0, 1], 8),
+    ([5, 40, 64], [5, 40, 64], 64),
+    ([130, 20], [100, 20], 128),
 ]
 
 

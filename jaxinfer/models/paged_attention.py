@@ -110,11 +110,17 @@ def cached_and_new_attention(q: jax.Array, new_latents: jax.Array, cache: jax.Ar
 
     def cached_chunk(carry, xs):
         chunk, pages = xs  # scalar, [B, cp]
-        pos = chunk * cp * ps + jnp.arange(cp * ps, dtype=jnp.int32)  # [L]
-        valid = pos[None, :] < cached_len[:, None]  # [B, L]
-        k = cache[pages].reshape(b, cp * ps, d).astype(jnp.float32)  # [B, L, D]
-        k = jnp.where(valid[..., None], k, 0.0)
-        return update(carry, k, valid[..., None]), None
+        start = chunk * cp * ps
+
+        def attend(carry):
+            pos = start + jnp.arange(cp * ps, dtype=jnp.int32)  # [L]
+            valid = pos[None, :] < cached_len[:, None]  # [B, L]
+            k = cache[pages].reshape(b, cp * ps, d).astype(jnp.float32)  # [B, L, D]
+            k = jnp.where(valid[..., None], k, 0.0)
+            return update(carry, k, valid[..., None])
+
+        # Chunks past every row's cached keys change nothing: skipped (a fresh prompt's prefill has none at all).
+        return lax.cond(start < jnp.max(cached_len), attend, lambda c: c, carry), None
 
     # Built from q so that, inside shard_map, the carry varies over the same mesh axes as the loop body's output.
     zero = jnp.zeros_like(qs[..., 0])  # [B, N]
