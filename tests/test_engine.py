@@ -9,14 +9,18 @@ transformers' generate and logits, and each prompt generated alone.
   equal transformers' generate.
 """
 
+import itertools
+
+import hf_oracle as O
 import jax
 import numpy as np
 import pytest
 import torch
 
-import hf_oracle as O
 from jaxinfer.engine.llm import LLM
 from jaxinfer.engine.sampling_params import SamplingParams
+from jaxinfer.engine.scheduler import Scheduler
+from jaxinfer.engine.sequence import Sequence
 
 CASE = "v3_qlora_yarn"
 
@@ -75,22 +79,21 @@ def test_prefix_caching_same_outputs_fewer_prefill_tokens(case):
 
 def test_prefill_grid_is_no_larger_than_its_chunks_need(case):
     """A prefill step's [rows, T] grid: powers of two >= the chunk count and the longest chunk (T >= 16), not the
-    whole max_num_batched_tokens (1024 here): one short prompt must not cost a full 1024-token step."""
-    llm = LLM(case.path, mesh="1x1", dtype="float32", num_kv_pages=16)  # = the other tests' engine
-    runner, grids = llm.runner, []
-    run = runner._run
-
-    def spy(packed, layout):
-        grids.append((packed.shape[0], *layout.columns[0][2]))  # (rows, T) of the token ids
-        return run(packed, layout)
-
-    runner._run = spy
+    whole max_num_batched_tokens (1024 here): one short prompt must not cost a full 1024-token step. The engine's
+    own scheduler and runner plan the first step of each batch (nothing runs: no compilation)."""
+    llm = LLM(case.path, mesh="1x1", dtype="float32", num_kv_pages=16)
+    assert llm.runner.prefill_capacity == 1024
     greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-    for lengths, grid in [([5], (1, 16)), ([5, 20, 40], (4, 64)), ([100, 3], (2, 128))]:
-        grids.clear()
-        outs = llm.generate(_prompts(case.cfg["vocab_size"], lengths, seed=6), greedy, use_tqdm=False)
-        assert all(len(o.outputs[0].token_ids) == 2 for o in outs)
-        assert grids[0] == grid, (lengths, grids)
+    ids = itertools.count()
+    # [700, 9]: a 1024-column row leaves no room for a second one, the 9 tokens wait; [2000]: a 1024-token chunk.
+    for lengths, grid in [([5], (1, 16)), ([5, 20, 40], (4, 64)), ([100, 3], (2, 128)), ([300, 9], (2, 512)),
+                          ([700, 9], (1, 1024)), ([2000], (1, 1024))]:
+        sched = Scheduler(1, 64, max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=4096,
+                          enable_prefix_caching=False)
+        for prompt in _prompts(case.cfg["vocab_size"], lengths, seed=6):
+            sched.add(Sequence(next(ids), prompt, greedy))
+        plan = sched.schedule()
+        assert plan.kind == "prefill" and llm.runner.shapes(plan)[:2] == grid, lengths
 
 
 class CompileCounter:
