@@ -75,6 +75,22 @@ def _fp8_round_trip(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def _top_k_route(e, k):
+    """route_fn: top-k of the first e channels, sigmoid weights."""
+
+    def route_fn(_, flat):
+        vals, ids = jax.lax.top_k(flat[:, :e], k)
+        return jax.nn.sigmoid(vals), ids.astype(jnp.int32)
+
+    return route_fn
+
+
+def _linear_ffn(p, xs, w, ids):
+    """expert_fn of a linear "expert": y = sum_k w_k * W_{id_k} x, ids -1 = not here."""
+    out = jnp.einsum("mkod,md->mko", p["w"][jnp.maximum(ids, 0)], xs.astype(jnp.float32))
+    return (out * jnp.where(ids >= 0, w, 0.0)[..., None]).sum(1)
+
+
 @pytest.mark.parametrize("mesh", ["1x8", "2x4"])
 def test_fp8_dispatch_is_the_moe_of_fp8_tokens(mesh):
     """FP8 dispatch computes exactly the MoE of the dequantized FP8 tokens (D=200: a partial 128 group)."""
@@ -83,16 +99,9 @@ def test_fp8_dispatch_is_the_moe_of_fp8_tokens(mesh):
     x = rng.standard_normal((8, 6, d)).astype(np.float32)
     params = {"w": rng.standard_normal((e, d, d)).astype(np.float32) / np.sqrt(d)}
 
-    def route_fn(_, flat):  # top-k of the first e channels (on the unquantized tokens), sigmoid weights
-        vals, ids = jax.lax.top_k(flat[:, :e], k)
-        return jax.nn.sigmoid(vals), ids.astype(jnp.int32)
-
-    def ffn(p, xs, w, ids):  # a linear "expert": y = sum_k w_k * W_{id_k} x, ids -1 = not here
-        out = jnp.einsum("mkod,md->mko", p["w"][jnp.maximum(ids, 0)], xs.astype(jnp.float32))
-        return (out * jnp.where(ids >= 0, w, 0.0)[..., None]).sum(1)
-
-    mesh = make_mesh(mesh)
-    run = jax.jit(functools.partial(expert_parallel, mesh, route_fn=route_fn, expert_fn=ffn, fp8=True))
+    mesh = make_mesh(mesh)  # routing on the unquantized tokens
+    run = jax.jit(functools.partial(expert_parallel, mesh, route_fn=_top_k_route(e, k), expert_fn=_linear_ffn,
+                                    fp8=True))
     got = np.asarray(run(jnp.asarray(x), {}, params)[0])
     flat = x.reshape(n_tok, d)
     slots = np.argsort(-flat[:, :e], axis=1, kind="stable")[:, :k]
@@ -113,15 +122,8 @@ def test_masked_tokens_are_neither_sent_nor_computed():
     mask = rng.random((8, 6)) < 0.5
     params = {"w": rng.standard_normal((e, d, d)).astype(np.float32) / np.sqrt(d)}
 
-    def route_fn(_, flat):  # top-k of the first e channels, sigmoid weights
-        vals, ids = jax.lax.top_k(flat[:, :e], k)
-        return jax.nn.sigmoid(vals), ids.astype(jnp.int32)
-
-    def ffn(p, xs, w, ids):  # a linear "expert", ids -1 = not here
-        out = jnp.einsum("mkod,md->mko", p["w"][jnp.maximum(ids, 0)], xs)
-        return (out * jnp.where(ids >= 0, w, 0.0)[..., None]).sum(1)
-
-    run = jax.jit(functools.partial(expert_parallel, make_mesh("2x4"), route_fn=route_fn, expert_fn=ffn, fp8=False))
+    run = jax.jit(functools.partial(expert_parallel, make_mesh("2x4"), route_fn=_top_k_route(e, k),
+                                    expert_fn=_linear_ffn, fp8=False))
     got, sent, _ = (np.asarray(a) for a in run(jnp.asarray(x), {}, params, mask=jnp.asarray(mask)))
     flat = x.reshape(-1, d)
     slots = np.argsort(-flat[:, :e], axis=1, kind="stable")[:, :k]
