@@ -10,6 +10,7 @@ warm-up that includes jaxinfer's compilation) and checks that the logits agree. 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import tempfile
 import time
@@ -24,12 +25,15 @@ def main() -> None:
     p.add_argument("--mesh", default="1x1")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (the CPU machines have 2 cores)")
-    p.add_argument("--cpu-devices", type=int, default=8, help="simulated CPU devices (meshes up to 8 devices)")
+    p.add_argument("--cpu-devices", type=int, default=None,
+                   help="simulated CPU devices (default: the mesh's; 8 made a 1x1 step ~20%% slower)")
     args = p.parse_args()
 
     import jax
 
-    jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+    from jaxinfer.parallel.mesh import mesh_shape
+
+    jax.config.update("jax_num_cpu_devices", args.cpu_devices or math.prod(mesh_shape(args.mesh, 1)))
 
     import numpy as np
     import torch
