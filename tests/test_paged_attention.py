@@ -84,10 +84,13 @@ def test_paged_mla_read_only_leaves_cache_and_matches_writing_path():
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-5)
 
 
-def test_bfloat16_cache():
+@pytest.mark.parametrize("as_bits", [False, True])
+def test_bfloat16_cache(as_bits):
+    """bf16 latents in a bf16 cache or in its bit patterns (uint16; the engine's XLA path, paged_cache doc)."""
     ends, counts, t = [10, 80], [1, 2], 2
     (q, new, cache, table, seqlens, slots), written = _case(2, ends, counts, t, 4, 40, 8, jnp.bfloat16)
-    out = cached_and_new_attention(q, new, cache, table, seqlens, slots, head_dim_v=32, softmax_scale=0.3)
+    stored = jax.lax.bitcast_convert_type(cache, jnp.uint16) if as_bits else cache
+    out = cached_and_new_attention(q, new, stored, table, seqlens, slots, head_dim_v=32, softmax_scale=0.3)
     ref, _ = mla_decode_reference(q, written, table, seqlens, head_dim_v=32, softmax_scale=0.3, causal=True)
     assert out.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(out[0, 1:], np.float32), np.asarray(ref[0, 1:], np.float32), atol=2e-2)

@@ -4,6 +4,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -15,9 +16,12 @@ from jaxinfer.kv import (
     cache_sharding,
     default_num_pages,
     gather,
+    holds_bits,
     init_paged_cache,
     latent_width,
     slot_mapping,
+    take_pages,
+    value_dtype,
     write,
 )
 from jaxinfer.parallel.mesh import make_mesh
@@ -82,6 +86,58 @@ def test_write_casts_to_cache_dtype():
     assert out.dtype == jnp.bfloat16 and float(out[1, 3, 0, 0]) == 1.5
     with pytest.raises(ValueError, match="must be"):
         write(cache, jnp.zeros((2, W + 1)), jnp.zeros((2,), jnp.int32))
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x).view(np.uint16)
+
+
+def test_bit_pattern_cache_write_and_take_pages_vs_numpy():
+    """A bf16 cache held as uint16 bit patterns: writes store the latents' bits, take_pages decodes them; NaN
+    payloads and signed zeros survive unchanged (the oracle compares raw bits)."""
+    rng = np.random.default_rng(3)
+    values = rng.standard_normal((NP, S, 1, W)).astype(ml_dtypes.bfloat16)
+    values[2, 5, 0, :3] = [np.nan, -0.0, np.inf]
+    cache = init_paged_cache(CFG, NP, jnp.bfloat16, num_layers=1, as_bits=True).layers[0]
+    assert cache.dtype == jnp.uint16 and holds_bits(cache) and value_dtype(cache, jnp.bfloat16) == jnp.bfloat16
+    cache = jnp.asarray(_bits(values))
+    n = 50
+    slots = rng.choice(NP * S, size=n, replace=False).astype(np.int32)
+    slots[:5] = -1
+    latents = rng.standard_normal((n, W)).astype(ml_dtypes.bfloat16)
+    latents[7, :2] = [np.nan, -0.0]
+    out = write_jit(cache, jnp.asarray(latents), jnp.asarray(slots))
+    want = np_write(values, latents, slots)                            # [NP, S, 1, W] bf16
+    np.testing.assert_array_equal(np.asarray(out), _bits(want))
+    table = rng.integers(0, NP, size=(3, 4)).astype(np.int32)
+    got = jax.jit(take_pages, static_argnums=2)(out, jnp.asarray(table), jnp.bfloat16)  # [3, 4, S, 1, W]
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(_bits(got), _bits(want[table]))
+    with pytest.raises(ValueError, match="cannot hold float32 latents"):
+        write(out, jnp.zeros((1, W), jnp.float32), jnp.zeros((1,), jnp.int32))
+    with pytest.raises(ValueError, match="cannot hold float32 values"):
+        take_pages(out, jnp.asarray(table), jnp.float32)
+    with pytest.raises(ValueError, match="floating-point"):
+        init_paged_cache(CFG, NP, jnp.int32, as_bits=True)
+
+
+def test_bit_pattern_cache_programs_touch_only_the_written_and_read_slots():
+    """Compiled write and page gather of a bf16 bit-pattern cache: no array of the cache's size in any other dtype
+    (XLA:CPU upcasts bf16 scatters and gathers by converting the whole cache to float32; with a bf16 cache both
+    programs hold f32[NP, S, 1, W] converts, see paged_cache's module doc)."""
+    cache = init_paged_cache(CFG, NP, jnp.bfloat16, num_layers=1, as_bits=True).layers[0]
+    latents, slots = jnp.zeros((4, W), jnp.bfloat16), jnp.arange(4, dtype=jnp.int32)
+    full = f"[{NP},{S},1,{W}]"
+    programs = {"write": write_jit.lower(cache, latents, slots),
+                "take_pages": jax.jit(take_pages, static_argnums=2).lower(cache, jnp.zeros((2, 3), jnp.int32),
+                                                                          jnp.bfloat16)}
+    for name, lowered in programs.items():
+        hlo = lowered.compile().as_text()
+        assert f"u16{full}" in hlo, name
+        assert not [line for line in hlo.splitlines() if full in line and f"u16{full}" not in line], name
+    # the same check sees the conversion in a bf16 (not bit-pattern) cache's write
+    bf16 = write_jit.lower(jnp.zeros((NP, S, 1, W), jnp.bfloat16), latents, slots).compile().as_text()
+    assert f"f32{full}" in bf16
 
 
 def test_nan_in_untouched_pages_does_not_leak():

@@ -97,8 +97,10 @@ class Runner:
         self.max_logprobs = max_logprobs
         self.vocab_size = model.config.vocab_size
         self._batch = NamedSharding(model.mesh, P(BATCH_AXES))
+        # The XLA path's cache holds bit patterns (paged_cache's module doc: XLA:CPU upcasts bf16 scatters and
+        # gathers over the whole cache); the Pallas kernel reads its own dtype.
         self.layers = init_paged_cache(model.config, num_pages_per_rank, model.dtype, mesh=model.mesh,
-                                       page_size=page_size).layers
+                                       page_size=page_size, as_bits=not self._write_in_step).layers
         self.tokens = global_array(np.zeros(self.ranks * self.max_rows, np.int32), self._batch)
         self._feed: dict[int, int] = {}  # seq_id -> buffer slot of its token sampled by the last dispatched step
         self.expert_load_window = expert_load_window

@@ -6,19 +6,23 @@ One ``PageAllocator`` (and ``PrefixCache``) per DP rank; page ids are rank-local
 from jaxinfer.kv.page_allocator import NULL_PAGE, PAGE_SIZE, OutOfPages, PageAllocator
 from jaxinfer.kv.paged_cache import (
     PagedLatentCache,
+    bits_dtype,
     bytes_per_page,
     cache_sharding,
     default_num_pages,
     gather,
+    holds_bits,
     init_paged_cache,
     latent_width,
     slot_mapping,
+    take_pages,
+    value_dtype,
     write,
 )
 from jaxinfer.kv.prefix_cache import PrefixCache, PrefixCacheStats, page_hashes
 
 __all__ = [
     "NULL_PAGE", "PAGE_SIZE", "OutOfPages", "PageAllocator", "PagedLatentCache", "PrefixCache", "PrefixCacheStats",
-    "bytes_per_page", "cache_sharding", "default_num_pages", "gather", "init_paged_cache", "latent_width",
-    "page_hashes", "slot_mapping", "write",
+    "bits_dtype", "bytes_per_page", "cache_sharding", "default_num_pages", "gather", "holds_bits", "init_paged_cache",
+    "latent_width", "page_hashes", "slot_mapping", "take_pages", "value_dtype", "write",
 ]

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.kv.paged_cache import value_dtype
 from jaxinfer.models.layers import Linear, RMSNorm
 from jaxinfer.models.paged_attention import paged_mla
 from jaxinfer.models.rope import apply_rope
@@ -114,7 +115,7 @@ class MLA(nnx.Module):
         q_pad = jnp.pad(q_nope.astype(jnp.float32), [(0, 0)] * 3 + [(0, c.v_head_dim)])  # [B, T, H, N+V]
         q_lat = jnp.einsum("bthk,hkc->bthc", q_pad, w_ukv)  # = q_nope @ W_UK
         q = jnp.concatenate([q_lat.astype(self.dtype), q_pe], axis=-1)  # [B, T, H, C+R]
-        new = self.latents(x, cos, sin).astype(cache.dtype)  # [B, T, C+R]
+        new = self.latents(x, cos, sin).astype(value_dtype(cache, self.dtype))  # [B, T, C+R]
         o_lat, cache = paged_mla(plan, q, new, cache, block_table, seqlens, slots, head_dim_v=c.kv_lora_rank,
                                  softmax_scale=c.softmax_scale, write_cache=write_cache)  # [B, T, H, C]
         out = jnp.einsum("bthc,hkc->bthk", o_lat.astype(jnp.float32), w_ukv)[..., n:]  # = o_lat @ W_UV^T

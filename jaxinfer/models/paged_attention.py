@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxinfer.kv.paged_cache import write
+from jaxinfer.kv.paged_cache import take_pages, write
 from jaxinfer.parallel.dispatch import BATCH_AXES
 from jaxinfer.parallel.plan import ParallelPlan
 from kernels_pallas import mla_decode
@@ -115,7 +115,8 @@ def cached_and_new_attention(q: jax.Array, new_latents: jax.Array, cache: jax.Ar
         def attend(carry):
             pos = start + jnp.arange(cp * ps, dtype=jnp.int32)  # [L]
             valid = pos[None, :] < cached_len[:, None]  # [B, L]
-            k = cache[pages].reshape(b, cp * ps, d).astype(jnp.float32)  # [B, L, D]
+            k = take_pages(cache, pages, new_latents.dtype)  # [B, cp, S, 1, D] values
+            k = k.reshape(b, cp * ps, d).astype(jnp.float32)  # [B, L, D]
             k = jnp.where(valid[..., None], k, 0.0)
             return update(carry, k, valid[..., None])
 
