@@ -53,8 +53,8 @@ def add_parser(sub) -> None:
                        help="process 0's address; mesh k of --meshes uses port PORT + k")
     multi.add_argument("--num-processes", dest="sweep_num_processes", type=int, metavar="N", default=None)
     multi.add_argument("--process-id", dest="sweep_process_id", type=int, metavar="I", default=None)
-    # the sweep itself never starts JAX: cli._start_jax finds nothing to do
-    p.set_defaults(cpu_devices=None, coordinator=None, num_processes=None, process_id=None)
+    # the sweep itself never starts JAX: cli._start_jax finds nothing to do (its bench processes use the cache)
+    p.set_defaults(cpu_devices=None, coordinator=None, num_processes=None, process_id=None, compilation_cache="off")
 
 
 def _free_port() -> int:

@@ -9,19 +9,33 @@ import numpy as np
 import pytest
 
 import jaxinfer
-from jaxinfer.cli import main
+from jaxinfer.cli import compilation_cache_dir, main
 
 
-def test_quickstart_command_in_a_fresh_process():
-    """The README's first command (minus the install), with its own 8 simulated CPU devices."""
+def test_quickstart_command_in_a_fresh_process(tmp_path):
+    """A CLI command in a fresh process with its own 8 simulated CPU devices; its compiled programs land in the
+    --compilation-cache directory."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # cache every program, however fast it compiled
     proc = subprocess.run([sys.executable, "-m", "jaxinfer.cli", "score", "--preset", "tiny", "--cpu-devices", "8",
-                           "--mesh", "1x8", "--token-ids", "1", "5", "9", "42", "7"],
+                           "--mesh", "1x8", "--token-ids", "1", "5", "9", "42", "7",
+                           "--compilation-cache", str(tmp_path / "xla")],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert result["token_ids"] == [1, 5, 9, 42, 7] and len(result["token_logprobs"]) == 5
     assert "mesh 1x8" in proc.stderr
+    assert any((tmp_path / "xla").iterdir())
+
+
+def test_compilation_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert compilation_cache_dir(None) == str(tmp_path / "jaxinfer" / "jax")
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/somewhere")
+    assert compilation_cache_dir(None) == "/somewhere"
+    assert compilation_cache_dir("/flag") == "/flag"
+    assert compilation_cache_dir("off") is None
 
 
 def test_score_matches_model_logits(capsys):
