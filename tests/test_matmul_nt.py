@@ -32,6 +32,18 @@ def test_bfloat16_operands_accumulate_in_float32(rows):
     np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("lead", [(1,), (1, 1), (3,)])
+def test_float32_rows_on_bfloat16_weights(lead):
+    """Mixed operands (the one-row path converts both to float32): products of the exact values."""
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((*lead, 256)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((24, 256)), jnp.bfloat16)
+    y = jax.jit(matmul_nt)(x, w)
+    ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    assert y.shape == (*lead, 24) and y.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-4)
+
+
 def test_gradients_match_the_plain_product():
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((8, 32)), jnp.float32)

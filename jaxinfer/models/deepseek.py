@@ -106,7 +106,9 @@ class DeepseekForCausalLM(nnx.Module):
     def head(self, h: jax.Array) -> jax.Array:
         """h [B, T, D] (normed) -> float32 logits [B, T, V]."""
         w = self.embed_tokens[...] if self.lm_head is None else self.lm_head.kernel()
-        return matmul_nt(h, w)  # [B, T, V]
+        # h in the model dtype, as HF's final norm returns it: a float32 h against bf16 weights made XLA:CPU convert
+        # the whole [V, D] head to float32 at every step (batch 32: a 4.2 M-element convert per decode step).
+        return matmul_nt(h.astype(self.dtype), w)  # [B, T, V]
 
     def hidden_states(self, ids: jax.Array, positions: jax.Array, cache: Cache | None = None,
                       form: AttnForm = "expanded") -> tuple[jax.Array, Cache | None]:
