@@ -1,20 +1,22 @@
-"""Grouped matmul (tiled and ragged_dot forms) against a float64 numpy loop over groups."""
+"""tile_plan (the row-tile layout of moe.py's "tiled" path) against a numpy construction of the same layout."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.models.grouped_matmul import grouped_matmul, tile_plan
+from jaxinfer.models.grouped_matmul import default_tile_m, tile_plan
 
 
-def _reference(x, w, sizes):
-    out = np.zeros((x.shape[0], w.shape[1]))
-    start = 0
+def _layout(sizes, rows, tile_m):
+    """numpy: (dest of each sorted row, group of each used tile) built group by group."""
+    dest, tile_group, nxt = [], [], 0
     for g, n in enumerate(sizes):
-        out[start: start + n] = x[start: start + n].astype(np.float64) @ w[g].astype(np.float64).T
-        start += n
-    return out
+        dest += list(range(nxt, nxt + n))
+        tiles = -(-n // tile_m)
+        tile_group += [g] * tiles
+        nxt += tiles * tile_m
+    return np.array(dest, np.int64), np.array(tile_group, np.int64)
 
 
 @pytest.mark.parametrize("sizes, rows, tile_m", [
@@ -23,24 +25,21 @@ def _reference(x, w, sizes):
     ([16, 16], 32, 8),               # exact tiles
     ([2, 1, 0, 4, 0, 3], 13, 2),     # padding rows past sum(sizes) (3 of them)
     ([40, 1, 23, 0, 64], 128, None),  # prefill-like
+    ([300, 0, 0, 12], 312, None),    # one hot group over many tiles
 ])
-@pytest.mark.parametrize("implementation", ["tiled", "ragged_dot"])
-def test_grouped_matmul_matches_loop(sizes, rows, tile_m, implementation):
-    rng = np.random.default_rng(len(sizes) * 100 + rows)
-    k, n = 24, 10
-    x = rng.standard_normal((rows, k), np.float32)
-    w = rng.standard_normal((len(sizes), n, k), np.float32)
-    gs = jnp.asarray(sizes, jnp.int32)
-    plan = tile_plan(gs, rows, tile_m) if implementation == "tiled" else None
-    got = np.asarray(jax.jit(grouped_matmul, static_argnames="implementation")(
-        jnp.asarray(x), jnp.asarray(w), gs, plan=plan, implementation=implementation))
+def test_tile_plan_matches_numpy_layout(sizes, rows, tile_m):
+    plan = jax.jit(tile_plan, static_argnums=(1, 2))(jnp.asarray(sizes, jnp.int32), rows, tile_m)
+    tm = default_tile_m(rows, len(sizes)) if tile_m is None else tile_m
+    assert plan.tile_m == tm and plan.num_tiles == -(-(rows + len(sizes) * (tm - 1)) // tm)
+    dest, tile_group = _layout(sizes, rows, tm)
     valid = sum(sizes)
-    ref = _reference(x, w, sizes)
-    np.testing.assert_allclose(got[:valid], ref[:valid], rtol=1e-5, atol=1e-5)
-    if implementation == "tiled":
-        np.testing.assert_array_equal(got[valid:], 0.0)
+    got = np.asarray(plan.dest)
+    np.testing.assert_array_equal(got[:valid], dest)
+    assert (got[valid:] >= plan.num_tiles * tm).all()  # padding rows: out of bounds (dropped)
+    np.testing.assert_array_equal(np.asarray(plan.tile_group)[:len(tile_group)], tile_group)
+    assert len(tile_group) <= plan.num_tiles
 
 
-def test_bad_implementation():
-    with pytest.raises(ValueError, match="implementation"):
-        grouped_matmul(jnp.ones((2, 3)), jnp.ones((1, 4, 3)), jnp.asarray([2]), implementation="loop")
+def test_default_tile_m():
+    # the power of two >= the mean group size (rows // 16 here: 0, 8, 16, 62, 256, 6250), within [8, 128]
+    assert [default_tile_m(r, 16) for r in (1, 128, 256, 1000, 4096, 100000)] == [8, 8, 16, 64, 128, 128]

@@ -32,8 +32,10 @@ def _reference(params, x, weights, ids):
     return out
 
 
-@pytest.mark.parametrize("m", [1, 2, 7, 80])
-@pytest.mark.parametrize("path", ["gather", "dense", "capacity", "tiled", "auto"])
+# 300 rows: every path but gather (one unrolled matvec per assignment; moe_path picks it for a few rows only)
+@pytest.mark.parametrize("m, path", [(m, p) for m in (1, 2, 7, 80, 300)
+                                     for p in ("gather", "dense", "capacity", "tiled", "auto")
+                                     if not (m == 300 and p == "gather")])
 def test_paths_match_reference(m, path):
     params, x, weights, ids = _case(m)
     got = expert_ffn({n: jnp.asarray(v) for n, v in params.items()}, jnp.asarray(x), jnp.asarray(weights),
@@ -42,10 +44,12 @@ def test_paths_match_reference(m, path):
     np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("path", ["capacity", "tiled"])
 @pytest.mark.parametrize("hot", [0, 1, 3, 6])
-def test_capacity_buckets_hold_the_busiest_slot(hot):
-    # `hot` of the 6 slots take almost every assignment: the busiest slot's count picks a larger bucket, up to
-    # every row (the last bucket); ids -1 (other ranks) never count
+def test_skewed_routing(hot, path):
+    # `hot` of the 6 slots take almost every assignment: the capacity path's busiest slot picks a larger bucket,
+    # up to every row (the last bucket); the tiled path gives the hot slots many tiles and the others none; ids -1
+    # (other ranks) never count
     m, k, s = 40, 3, 6
     params, x, weights, ids = _case(m, k=k, s=s, seed=hot)
     if hot:
@@ -55,7 +59,7 @@ def test_capacity_buckets_hold_the_busiest_slot(hot):
                         for _ in range(m)]).astype(np.int32)
         ids[rng.random((m, k)) < 0.1] = -1
     got = expert_ffn({n: jnp.asarray(v) for n, v in params.items()}, jnp.asarray(x), jnp.asarray(weights),
-                     jnp.asarray(ids), jnp.float32, path="capacity")
+                     jnp.asarray(ids), jnp.float32, path=path)
     np.testing.assert_allclose(np.asarray(got), _reference(params, x, weights, ids), rtol=1e-5, atol=1e-5)
 
 
@@ -68,9 +72,12 @@ def test_capacity_buckets():
 
 
 def test_auto_choice_and_bad_path():
-    # gather up to two assignments per slot and at most 32 assignments; capacity above
-    assert [moe_path(m, 4, 16) for m in (1, 8, 9, 64, 65, 4096)] == ["gather"] * 2 + ["capacity"] * 4
+    # gather up to two assignments per slot and at most 32 assignments; capacity above; tiled from a balanced load
+    # of 64 assignments per slot (rows * top_k >= 64 * slots)
+    assert [moe_path(m, 4, 16) for m in (1, 8, 9, 64, 255, 256, 4096)] == (
+        ["gather"] * 2 + ["capacity"] * 3 + ["tiled"] * 2)
     assert moe_path(4, 8, 256) == "gather" and moe_path(5, 8, 256) == "capacity" and moe_path(2, 2, 1) == "capacity"
+    assert moe_path(2047, 8, 256) == "capacity" and moe_path(2048, 8, 256) == "tiled"
     params, x, weights, ids = _case(2)
     with pytest.raises(ValueError, match="path must be"):
         expert_ffn(params, x, weights, ids, jnp.float32, path="ragged")

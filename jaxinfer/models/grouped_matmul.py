@@ -1,21 +1,18 @@
-"""Grouped matmul for routed experts: rows sorted by group (expert), one weight matrix per group.
+"""The row-tile layout of grouped matmuls for routed experts: rows sorted by group (expert), each group's rows
+padded to whole tiles of ``tile_m`` rows, every tile belonging to one group.
 
-``jax.lax.ragged_dot`` has these semantics, but XLA:CPU computes it as if every row met every group (DESIGN.md:
-"costs about as much as computing every expert"), E times the useful work. The "tiled" form here is what
-grouped-GEMM kernels do (MegaBlocks, DeepGEMM's contiguous layout): each group's rows are padded to a multiple
-of a row tile, every tile belongs to one group, and one batched matmul multiplies each tile by its group's
-weight. Work is (rows + groups * (tile - 1)) rows instead of rows * groups; the result is the same row by row.
+This is what grouped-GEMM kernels compute over (MegaBlocks; DeepGEMM's contiguous layout aligns each group to its
+M tile the same way): work is (rows + groups * (tile_m - 1)) rows instead of rows * groups. ``jax.lax.ragged_dot``
+has the semantics of a grouped matmul, but XLA:CPU computes it as if every row met every group (DESIGN.md:
+"costs about as much as computing every expert"). moe.py's "tiled" path runs the tiles of this plan.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
-
-Implementation = Literal["tiled", "ragged_dot"]
 
 
 @jax.tree_util.register_dataclass
@@ -24,7 +21,7 @@ class TilePlan:
     """Where each sorted row goes in the padded, tiled layout. Built once, shared by the three projections."""
 
     dest: jax.Array  # [M] int32: padded row of each sorted row (rows past sum(group_sizes): out of bounds)
-    tile_group: jax.Array  # [num_tiles] int32: the group of each tile
+    tile_group: jax.Array  # [num_tiles] int32: the group of each tile (tiles past the used ones: the last group)
     tile_m: int = dataclasses.field(metadata=dict(static=True))
     num_tiles: int = dataclasses.field(metadata=dict(static=True))
 
@@ -36,7 +33,8 @@ def default_tile_m(rows: int, groups: int) -> int:
 
 
 def tile_plan(group_sizes: jax.Array, rows: int, tile_m: int | None = None) -> TilePlan:
-    """group_sizes [G] int32 (sum <= rows) -> the tiling of ``rows`` sorted rows."""
+    """group_sizes [G] int32 (sum <= rows) -> the tiling of ``rows`` sorted rows: group g's rows take the tiles
+    after those of groups < g, in order; num_tiles is the worst case over all group sizes."""
     groups = group_sizes.shape[0]
     tile_m = default_tile_m(rows, groups) if tile_m is None else tile_m
     num_tiles = -(-(rows + groups * (tile_m - 1)) // tile_m)  # worst case over all group sizes
@@ -51,20 +49,3 @@ def tile_plan(group_sizes: jax.Array, rows: int, tile_m: int | None = None) -> T
     tile_start = jnp.arange(num_tiles, dtype=jnp.int32) * tile_m
     tile_group = jnp.searchsorted(jnp.cumsum(padded), tile_start, side="right")
     return TilePlan(dest, jnp.minimum(tile_group, groups - 1).astype(jnp.int32), tile_m, num_tiles)
-
-
-def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, plan: TilePlan | None = None,
-                   implementation: Implementation = "tiled", preferred_element_type=jnp.float32) -> jax.Array:
-    """x [M, K] (rows sorted by group), w [G, N, K] (checkpoint layout: out x in), group_sizes [G] -> [M, N].
-
-    Row r of group g gives x[r] @ w[g].T. Rows past sum(group_sizes) are padding: their output is unspecified
-    for "ragged_dot" and zero for "tiled"."""
-    if implementation == "ragged_dot":
-        return jax.lax.ragged_dot(x, w.swapaxes(1, 2), group_sizes, preferred_element_type=preferred_element_type)
-    if implementation != "tiled":
-        raise ValueError(f"implementation must be 'tiled' or 'ragged_dot', got {implementation!r}")
-    plan = tile_plan(group_sizes, x.shape[0]) if plan is None else plan
-    padded = jnp.zeros((plan.num_tiles * plan.tile_m, x.shape[1]), x.dtype).at[plan.dest].set(x, mode="drop")
-    tiles = padded.reshape(plan.num_tiles, plan.tile_m, x.shape[1])  # [T, m, K]
-    out = jnp.einsum("tmk,tnk->tmn", tiles, w[plan.tile_group], preferred_element_type=preferred_element_type)
-    return jnp.take(out.reshape(-1, w.shape[1]), plan.dest, axis=0, mode="fill", fill_value=0)  # [M, N]

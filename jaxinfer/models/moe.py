@@ -16,7 +16,7 @@ from flax import nnx
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.checkpoint.fp8 import scale_shape
-from jaxinfer.models.grouped_matmul import grouped_matmul, tile_plan
+from jaxinfer.models.grouped_matmul import tile_plan
 from jaxinfer.models.layers import FP8_DTYPE, MLP, dense_weight, matmul_nt, normal_init
 from jaxinfer.parallel.dispatch import expert_parallel, slot_counts
 from jaxinfer.parallel.placement import default_tables
@@ -80,16 +80,24 @@ MoEPath = Literal["auto", "gather", "dense", "capacity", "tiled"]
 GATHER_MAX_ASSIGNMENTS = 32  # "auto": the gather path unrolls one matvec per assignment; bounds the program size
 
 
+TILED_MIN_BALANCED_LOAD = 64  # "auto": the tiled path once a balanced slot fills a 64-row tile
+
+
 def moe_path(rows: int, top_k: int, num_slots: int) -> str:
     """The XLA compute path of ``expert_ffn`` for a static shape (CPU measurements in docs/benchmarks.md):
     "gather" (each assignment multiplies its own expert's weights: reads rows * top_k weight matrices, repeats
     from cache) while there are at most two assignments per local expert (and at most GATHER_MAX_ASSIGNMENTS);
-    "capacity" (each expert's rows in a [slots, C, D] buffer, batched matmuls, C the bucketed largest count) above.
-    "dense" (every row through every local expert: computes rows * num_slots) was the decode-batch path until the
-    capacity path's matmuls took the weights as left operand (layers.matmul_nt; 16-64 rows: 1.5-1.6x faster than
-    dense in benchmarks/moe_paths.py); "tiled" (grouped_matmul.py) is the FP8 path's layout. Both stay selectable."""
+    "capacity" (each expert's rows in a [slots, C, D] buffer, batched matmuls, C the bucketed largest count) for
+    decode batches; "tiled" (each expert's exact rows in row tiles, one tile at a time) once the balanced load
+    rows * top_k / num_slots reaches TILED_MIN_BALANCED_LOAD: its work follows the real counts where the capacity
+    path pays for its bucket (1.25-4x the balanced load: up to 2.5x at 2048 rows on skewed routing; equal within
+    ~10% on balanced routing, benchmarks/moe_paths.py --skew). "dense" (every row through every local expert:
+    computes rows * num_slots) was the decode-batch path until the capacity path's matmuls took the weights as
+    left operand (layers.matmul_nt); it stays selectable."""
     if rows * top_k <= min(2 * num_slots, GATHER_MAX_ASSIGNMENTS):
         return "gather"
+    if rows * top_k >= TILED_MIN_BALANCED_LOAD * num_slots:
+        return "tiled"
     return "capacity"
 
 
@@ -121,17 +129,19 @@ def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, d
       capacity: each slot's assignments scattered into a [S, C, D] buffer, C the smallest of
         ``capacity_buckets`` that holds the busiest slot (lax.switch over the buckets), three batched matmuls
         with the weights as they are (no gather or copy of weights), results gathered back.
-      tiled: assignments sorted by slot so each slot's rows are contiguous, then one grouped matmul per
-        projection (grouped_matmul.py; no Python loop over experts); ids -1 sort last and are never computed.
+      tiled: assignments sorted by slot, each slot's rows padded to whole row tiles (grouped_matmul.tile_plan),
+        then a loop over the tiles in use: each runs its three projections on its slot's weights, indexed in
+        place; ids -1 sort last and are never computed.
     fp8_compute: activations quantized per token per 128 channels and FP8 grouped GEMMs in DeepGEMM's contiguous
-    layout (params hold e4m3 weights + block scales); the path is then always the grouped GEMM."""
+    layout (params hold e4m3 weights + block scales), whatever the path."""
     m, k = ids.shape
     num_slots = params["gate_proj"].shape[0]
     path = moe_path(m, k, num_slots) if path == "auto" else path
-    if fp8_compute:
-        path = "tiled"
     if path not in ("gather", "dense", "capacity", "tiled"):
         raise ValueError(f"path must be 'auto', 'gather', 'dense', 'capacity' or 'tiled', got {path!r}")
+    flat_ids = jnp.where(ids < 0, num_slots, ids).reshape(-1)  # [M*K]; num_slots: not on this rank
+    if fp8_compute:
+        return _fp8_ffn(params, x.astype(dtype), weights, flat_ids, num_slots, dtype)
 
     def weight(name):  # [S, out, in] in the compute dtype
         return dense_weight(params[name], params.get(name + "_scale_inv"), dtype)
@@ -145,19 +155,13 @@ def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, d
         # M = 1, hidden 512, 16 experts top-4: 1.81 -> 0.47 ms per layer (benchmarks/moe_paths.py).
         safe = jnp.maximum(ids, 0).reshape(-1)  # [M*K]; assignments with id -1 get weight 0 below
         w = jnp.where(ids < 0, 0.0, weights).reshape(-1)  # [M*K]
-
-        def slot_weight(name, slot):  # [out, in] of one slot, dequantized after indexing (FP8 weights)
-            scale = params.get(name + "_scale_inv")
-            pick = functools.partial(jax.lax.dynamic_index_in_dim, index=slot, keepdims=False)
-            return dense_weight(pick(params[name]), None if scale is None else pick(scale), dtype)
-
         outs = []
         for n in range(m * k):
             row = xd[n // k]  # [D]
-            gate = jnp.dot(row, slot_weight("gate_proj", safe[n]).T, **f32)
-            up = jnp.dot(row, slot_weight("up_proj", safe[n]).T, **f32)
+            gate = jnp.dot(row, _slot_weight(params, "gate_proj", safe[n], dtype).T, **f32)
+            up = jnp.dot(row, _slot_weight(params, "up_proj", safe[n], dtype).T, **f32)
             act = jax.nn.silu(gate.astype(dtype)) * up.astype(dtype)  # [I]
-            outs.append(jnp.dot(act, slot_weight("down_proj", safe[n]).T, **f32))  # [D]
+            outs.append(jnp.dot(act, _slot_weight(params, "down_proj", safe[n], dtype).T, **f32))  # [D]
         out = jnp.stack(outs).astype(dtype).astype(jnp.float32)  # [M*K, D], rounded like the tiled path
         return (out * w[:, None]).reshape(m, k, -1).sum(1)
     if path == "dense":
@@ -173,26 +177,80 @@ def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, d
         out = out.astype(dtype).astype(jnp.float32)  # rounded like the tiled path's expert outputs
         return jnp.einsum("msd,ms->md", out, combine, precision=jax.lax.Precision.HIGHEST)
 
-    flat_ids = jnp.where(ids < 0, num_slots, ids).reshape(-1)  # [M*K]
     if path == "capacity":
         return _capacity_ffn(weight, xd, weights, flat_ids, num_slots, dtype)
-    order = jnp.argsort(flat_ids, stable=True)  # [M*K]
-    token = order // k  # source row of each sorted assignment
-    group_sizes = jnp.bincount(flat_ids, length=num_slots + 1)[:num_slots].astype(jnp.int32)  # [S]
+    return _tiled_ffn(params, xd, weights, flat_ids, num_slots, dtype)
+
+
+def _slot_weight(params: dict, name: str, slot: jax.Array, dtype) -> jax.Array:
+    """[out, in] of one slot of ``params[name]`` in the compute dtype, taken with dynamic_index_in_dim (read in
+    place) and dequantized after indexing (FP8 weights: only that slot's blocks)."""
+    scale = params.get(name + "_scale_inv")
+    pick = functools.partial(jax.lax.dynamic_index_in_dim, index=slot, keepdims=False)
+    return dense_weight(pick(params[name]), None if scale is None else pick(scale), dtype)
+
+
+def _sorted_by_slot(flat_ids: jax.Array, k: int, num_slots: int):
+    """flat_ids [M*K] (num_slots = not here) -> (order [M*K]: assignments sorted by slot, other ranks' last;
+    token [M*K]: the source row of each sorted assignment; group_sizes [S] int32)."""
+    order = jnp.argsort(flat_ids, stable=True)
+    group_sizes = jnp.bincount(flat_ids, length=num_slots + 1)[:num_slots].astype(jnp.int32)
+    return order, order // k, group_sizes
+
+
+def _tiled_ffn(params: dict, xd: jax.Array, weights: jax.Array, flat_ids: jax.Array, num_slots: int,
+               dtype) -> jax.Array:
+    """The "tiled" path of expert_ffn: xd [M, D], weights [M, K], flat_ids [M*K] -> float32 [M, D].
+
+    Each slot's assignments are padded to whole tiles of tile_m rows (tile_plan: (rows + slots * (tile_m - 1)) /
+    tile_m tiles at most) and a scan runs the tiles in use one at a time: three matmul_nt on the tile's slot's
+    weights, indexed in place, with the tile's rows still in cache between them; the unused tiles of the
+    worst-case count are skipped (lax.cond). Work follows the real per-slot counts plus at most tile_m - 1 rows
+    per slot, where the capacity path computes its bucket for every slot. (Batching the tiles into one matmul
+    instead, as grouped GEMM kernels do, made XLA:CPU gather a copy of the weights for every tile: 1.6-1.8x
+    slower at 1024-2048 rows, benchmarks/moe_paths.py.) A scan of fixed length, so it is differentiable."""
+    m, k = weights.shape
+    order, token, group_sizes = _sorted_by_slot(flat_ids, k, num_slots)
     plan = tile_plan(group_sizes, m * k)
-    xs = xd[token]  # [M*K, D]
+    tm, d = plan.tile_m, xd.shape[1]
+    tiles = jnp.zeros((plan.num_tiles * tm, d), dtype).at[plan.dest].set(xd[token], mode="drop")
+    tiles = tiles.reshape(plan.num_tiles, tm, d)  # [T, tm, D]
+    used = jnp.sum(-(-group_sizes // tm))  # tiles holding rows
+
+    def tile(carry, xs):
+        i, rows, slot = xs  # scalar, [tm, D], scalar
+
+        def compute(rows):
+            gate = matmul_nt(rows, _slot_weight(params, "gate_proj", slot, dtype))  # [tm, I]
+            up = matmul_nt(rows, _slot_weight(params, "up_proj", slot, dtype))
+            act = jax.nn.silu(gate.astype(dtype)) * up.astype(dtype)  # [tm, I]
+            return matmul_nt(act, _slot_weight(params, "down_proj", slot, dtype)).astype(dtype)  # [tm, D]
+
+        return carry, jax.lax.cond(i < used, compute, jnp.zeros_like, rows)
+
+    _, out = jax.lax.scan(tile, None, (jnp.arange(plan.num_tiles), tiles, plan.tile_group))  # [T, tm, D]
+    out = jnp.take(out.reshape(-1, d), plan.dest, axis=0, mode="fill", fill_value=0)  # [M*K, D], sorted
+    w = jnp.where(flat_ids[order] < num_slots, weights.reshape(-1)[order], 0.0)  # [M*K]
+    return jnp.zeros((m, d), jnp.float32).at[token].add(out.astype(jnp.float32) * w[:, None])
+
+
+def _fp8_ffn(params: dict, xd: jax.Array, weights: jax.Array, flat_ids: jax.Array, num_slots: int,
+             dtype) -> jax.Array:
+    """expert_ffn with fp8_compute: assignments sorted by slot, activations quantized per token per 128 channels,
+    three FP8 grouped GEMMs in DeepGEMM's contiguous layout (kernels_pallas; -1 rows: other ranks)."""
+    m, k = weights.shape
+    order, token, _ = _sorted_by_slot(flat_ids, k, num_slots)
+    group_ids = jnp.where(flat_ids[order] < num_slots, flat_ids[order], -1)  # [M*K], -1 = not here
 
     def mm(a, name):
-        if fp8_compute:
-            group_ids = jnp.where(flat_ids[order] < num_slots, flat_ids[order], -1)  # [M*K], -1 = not here
-            q, q_scale = per_token_cast_to_fp8(a)
-            return fp8_grouped_gemm_contiguous(q, q_scale, params[name], params[name + "_scale_inv"], group_ids,
-                                               out_dtype=dtype)
-        return grouped_matmul(a, weight(name), group_sizes, plan=plan).astype(dtype)
+        q, q_scale = per_token_cast_to_fp8(a)
+        return fp8_grouped_gemm_contiguous(q, q_scale, params[name], params[name + "_scale_inv"], group_ids,
+                                           out_dtype=dtype)
 
+    xs = xd[token]  # [M*K, D]
     act = jax.nn.silu(mm(xs, "gate_proj")) * mm(xs, "up_proj")  # [M*K, I]
     out = mm(act, "down_proj").astype(jnp.float32) * weights.reshape(-1)[order][:, None]  # [M*K, D]
-    return jnp.zeros((m, x.shape[-1]), jnp.float32).at[token].add(out)
+    return jnp.zeros((m, xd.shape[-1]), jnp.float32).at[token].add(out)
 
 
 def _capacity_ffn(weight, xd: jax.Array, weights: jax.Array, flat_ids: jax.Array, num_slots: int,
@@ -200,7 +258,7 @@ def _capacity_ffn(weight, xd: jax.Array, weights: jax.Array, flat_ids: jax.Array
     """The "capacity" path of expert_ffn: xd [M, D], weights [M, K], flat_ids [M*K] (num_slots = not here) ->
     float32 [M, D]. The batched matmuls (matmul_nt: the weights as left operand for up to 64 rows per slot) read
     each slot's weights in place; measured on CPU (docs/benchmarks.md) faster than the dense path from 12 rows and
-    than the tiled grouped matmul (whose per-tile weight gathers copy the weights) at every size."""
+    than the tiled path while a balanced slot holds under 64 rows (decode batches)."""
     m, k = weights.shape
     order = jnp.argsort(flat_ids, stable=True)  # [M*K]
     counts = jnp.bincount(flat_ids, length=num_slots + 1)  # [S + 1]; the last: assignments on other ranks
