@@ -26,8 +26,9 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
                    help="simulate N CPU devices (set before JAX starts; CPU only; per process in multi-process runs)")
     p.add_argument("--compilation-cache", metavar="DIR", default=None,
                    help="JAX's persistent compilation cache, so later runs skip compiling the engine's programs "
-                        "(the embedded model's first token: ~10 s -> ~2 s on CPU); default: $JAX_COMPILATION_CACHE_DIR, "
-                        "else $XDG_CACHE_HOME/jaxinfer/jax (~/.cache/jaxinfer/jax); 'off' disables it")
+                        "(the embedded model's first token: ~10 s -> ~2 s on CPU); default: "
+                        "$JAX_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/jaxinfer/jax (~/.cache/jaxinfer/jax); "
+                        "'off' disables it")
     multi = p.add_argument_group("multi-process (jax.distributed; every process runs the same command)")
     multi.add_argument("--coordinator", metavar="HOST:PORT", default=None,
                        help="address of process 0, which serves the coordination service there")

@@ -78,6 +78,7 @@ def test_auto_choice_and_bad_path():
         ["gather"] * 2 + ["capacity"] * 3 + ["tiled"] * 2)
     assert moe_path(4, 8, 256) == "gather" and moe_path(5, 8, 256) == "capacity" and moe_path(2, 2, 1) == "capacity"
     assert moe_path(2047, 8, 256) == "capacity" and moe_path(2048, 8, 256) == "tiled"
+    assert moe_path(4096, 4, 16, platform="gpu") == "capacity"  # the tiled loop: CPU only
     params, x, weights, ids = _case(2)
     with pytest.raises(ValueError, match="path must be"):
         expert_ffn(params, x, weights, ids, jnp.float32, path="ragged")

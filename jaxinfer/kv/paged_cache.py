@@ -150,7 +150,7 @@ def write(cache_layer: jax.Array, latents: jax.Array, slot_mapping: jax.Array) -
 
 
 def gather(cache_layer: jax.Array, block_table: jax.Array) -> jax.Array:
-    """Contiguous latents of each sequence for the XLA prefill path; jittable.
+    """Contiguous latents of each sequence (a float cache; a bit-pattern one: ``take_pages``); jittable.
 
     cache_layer [P, S, 1, W]; block_table [B, M] int32 (pad with the null page 0) -> [B, M * S, W]; row b, token t
     is slot block_table[b, t // S] * S + t % S. Slots past a sequence's length hold whatever their page holds: mask

@@ -83,7 +83,7 @@ GATHER_MAX_ASSIGNMENTS = 32  # "auto": the gather path unrolls one matvec per as
 TILED_MIN_BALANCED_LOAD = 64  # "auto": the tiled path once a balanced slot fills a 64-row tile
 
 
-def moe_path(rows: int, top_k: int, num_slots: int) -> str:
+def moe_path(rows: int, top_k: int, num_slots: int, platform: str | None = None) -> str:
     """The XLA compute path of ``expert_ffn`` for a static shape (CPU measurements in docs/benchmarks.md):
     "gather" (each assignment multiplies its own expert's weights: reads rows * top_k weight matrices, repeats
     from cache) while there are at most two assignments per local expert (and at most GATHER_MAX_ASSIGNMENTS);
@@ -91,12 +91,15 @@ def moe_path(rows: int, top_k: int, num_slots: int) -> str:
     decode batches; "tiled" (each expert's exact rows in row tiles, one tile at a time) once the balanced load
     rows * top_k / num_slots reaches TILED_MIN_BALANCED_LOAD: its work follows the real counts where the capacity
     path pays for its bucket (1.25-4x the balanced load: up to 2.5x at 2048 rows on skewed routing; equal within
-    ~10% on balanced routing, benchmarks/moe_paths.py --skew). "dense" (every row through every local expert:
+    ~10% on balanced routing, benchmarks/moe_paths.py --skew). Tiled on CPU only (platform: None = JAX's default
+    backend): it runs its tiles one after another, which suits XLA:CPU's library GEMMs, and is unmeasured on GPUs,
+    where bf16 runs the FP8 grouped GEMMs anyway (fp8_compute). "dense" (every row through every local expert:
     computes rows * num_slots) was the decode-batch path until the capacity path's matmuls took the weights as
     left operand (layers.matmul_nt); it stays selectable."""
     if rows * top_k <= min(2 * num_slots, GATHER_MAX_ASSIGNMENTS):
         return "gather"
-    if rows * top_k >= TILED_MIN_BALANCED_LOAD * num_slots:
+    cpu = (platform or jax.default_backend()) == "cpu"
+    if cpu and rows * top_k >= TILED_MIN_BALANCED_LOAD * num_slots:
         return "tiled"
     return "capacity"
 

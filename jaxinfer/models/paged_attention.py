@@ -68,7 +68,8 @@ _LOG2E = math.log2(math.e)
 def cached_and_new_attention(q: jax.Array, new_latents: jax.Array, cache: jax.Array, block_table: jax.Array,
                              seqlens: jax.Array, slots: jax.Array, *, head_dim_v: int, softmax_scale: float,
                              chunk_tokens: int = CHUNK_TOKENS) -> jax.Array:
-    """paged_mla's attention without writing the step's latents first (XLA; the engine's CPU path).
+    """paged_mla's attention without writing the step's latents first (XLA; the engine's CPU path). The cache may
+    hold the latents' bit patterns (paged_cache's bit-pattern storage; their dtype is new_latents').
 
     Shapes as paged_mla; a row's real tokens are its last n (slots >= 0; the engine left-pads prefill chunks), at
     positions seqlens - n ... seqlens - 1. Keys: the cached positions < seqlens - n, read page chunk by page chunk
