@@ -159,7 +159,7 @@ def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, d
         # M = 1, hidden 512, 16 experts top-4: 1.81 -> 0.47 ms per layer (benchmarks/moe_paths.py).
         # Up to GATHER_UNROLL assignments the matvecs are unrolled; beyond, a scan over the assignments runs the
         # same body: compile time stays flat (the embedded model's 16-token prefill step, 32 assignments per
-        # layer unrolled, took 6.4 s to compile vs 2.6 s) for 10-35% more run time than unrolled (moe_paths-style
+        # layer unrolled, took 6.4 s to compile, now 2.2 s) for 10-35% more run time than unrolled (moe_paths-style
         # /tmp measurement: 1.10 vs 0.98 ms per layer at 32 assignments; the capacity path: 2.08 ms).
         safe = jnp.maximum(ids, 0).reshape(-1)  # [M*K]; assignments with id -1 get weight 0 below
         w = jnp.where(ids < 0, 0.0, weights).reshape(-1)  # [M*K]
@@ -220,8 +220,8 @@ def _tiled_ffn(params: dict, xd: jax.Array, weights: jax.Array, flat_ids: jax.Ar
     weights, indexed in place, with the tile's rows still in cache between them; the unused tiles of the
     worst-case count are skipped (lax.cond). Work follows the real per-slot counts plus at most tile_m - 1 rows
     per slot, where the capacity path computes its bucket for every slot. (Batching the tiles into one matmul
-    instead, as grouped GEMM kernels do, made XLA:CPU gather a copy of the weights for every tile: 1.6-1.8x
-    slower at 1024-2048 rows, benchmarks/moe_paths.py.) A scan of fixed length, so it is differentiable."""
+    instead, as grouped GEMM kernels do, made XLA:CPU gather a copy of the weights for every tile: 1.7x slower at
+    2048 rows, docs/benchmarks.md.) A scan of fixed length, so it is differentiable."""
     m, k = weights.shape
     order, token, group_sizes = _sorted_by_slot(flat_ids, k, num_slots)
     plan = tile_plan(group_sizes, m * k)
