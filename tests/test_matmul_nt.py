@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.models.layers import TRANSPOSED_PRODUCT_ROWS, matmul_nt
+from jaxinfer.models.layers import TRANSPOSED_PRODUCT_ROWS, materialized, matmul_nt, matmul_nt_many
 
 
 @pytest.mark.parametrize("lead", [(1,), (2,), (1, 7), (4, 8), (64,), (65,), (2, 64)])
@@ -70,3 +70,43 @@ def test_batched_matches_float64(rows, dtype):
 def test_batched_shape_mismatch_raises():
     with pytest.raises(ValueError, match="S, M, K"):
         matmul_nt(jnp.zeros((2, 4, 8)), jnp.zeros((3, 5, 8)))
+
+
+@pytest.mark.parametrize("lead", [(1,), (1, 1), (3,), (2, 64)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_many_matches_float64(lead, dtype):
+    """matmul_nt_many (one concatenated matvec for a single row on CPU): each output the product with its own
+    weight."""
+    rng = np.random.default_rng(len(lead))
+    x = jnp.asarray(rng.standard_normal((*lead, 64)), dtype)
+    ws = [jnp.asarray(rng.standard_normal((n, 64)), dtype) for n in (24, 40, 8)]
+    ys = jax.jit(matmul_nt_many)(x, ws)
+    for y, w in zip(ys, ws):
+        ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+        assert y.shape == (*lead, w.shape[0]) and y.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-4)
+
+
+def test_materialized_is_the_identity_for_products():
+    x = jnp.asarray([1.5, -0.0, jnp.inf, -3.25, jnp.nan], jnp.float32)
+    y = np.asarray(jax.jit(materialized)(x))
+    np.testing.assert_array_equal(y[[0, 2, 3]], np.asarray(x)[[0, 2, 3]])
+    assert y[1] == 0 and np.isnan(y[4])
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the one-row form is XLA:CPU's")
+def test_one_row_matvec_reads_its_row_from_a_buffer():
+    """A single row that is a slice (the decode step's o_proj input: the V half of the absorbed attention's
+    [H, N+V] output): the compiled matvec loop takes the row from a buffer of its own, not the slice's source,
+    which it would index again for every output element (2x slower at [512, 512]). The plain product fuses the
+    slice: the check can fail."""
+    a, w = jnp.zeros((8, 128, 1), jnp.float32), jnp.zeros((256, 512), jnp.float32)
+
+    def matvec_operands(fn):
+        hlo = jax.jit(lambda a, w: fn(a.reshape(8, 128)[:, 64:].reshape(1, 512), w)).lower(a, w).compile().as_text()
+        return [line.split("fusion(")[1] for line in hlo.splitlines()
+                if " = " in line and "dot" in line.split(" = ")[0] and "fusion(" in line]
+
+    ours = matvec_operands(matmul_nt)
+    assert ours and not [ops for ops in ours if "%a" in ops], ours
+    assert [ops for ops in matvec_operands(lambda x, w: x @ w.T) if "%a" in ops]

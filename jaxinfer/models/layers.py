@@ -10,6 +10,7 @@ copy and FP8 block scales ``[ceil(out/128), ceil(in/128)]`` line up with their w
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import jax
@@ -55,6 +56,16 @@ def dense_weight(weight: jax.Array, scale_inv: jax.Array | None, dtype) -> jax.A
 TRANSPOSED_PRODUCT_ROWS = (2, 64)
 
 
+def materialized(x: jax.Array) -> jax.Array:
+    """x, computed into its own buffer before a matrix-vector product reads it (x + 0, written as a sum over a
+    stacked zero: XLA:CPU fuses elementwise ops, slices and transposes into a matvec's loop but never a reduce).
+    Fused, the operand's expression is evaluated again for every output element: the absorbed attention's output,
+    a slice of a [H, N+V] product, made the [512, 512] o_proj matvec 2x slower, and the benchmark model's float32
+    decode step went 3.3 -> 2.4 ms with this and matmul_nt's output barrier (docs/benchmarks.md). Exact for a
+    product: only -0.0 becomes +0.0."""
+    return jnp.stack([x, jnp.zeros_like(x)]).sum(0)
+
+
 def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [..., K] @ w [N, K]^T -> float32 [..., N]; or batched, x [S, M, K] @ w [S, N, K]^T -> float32 [S, M, N]
     (w of rank 3: one matrix per leading index). Both operands in their own dtype, float32 accumulation.
@@ -80,11 +91,27 @@ def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
         # 0.20 ms, [8192, 512] 1.10 -> 0.18 ms against a bf16 dot_general with f32 output (benchmarks/gemm_forms.py
         # --dtype bfloat16); float32: 0.27 -> 0.23 and 0.68 -> 0.37 ms. The benchmark model's bf16 decode step at
         # batch 1: 16.9 -> 2.2 ms. The same products (bf16 x bf16 is exact in float32), float32 accumulation.
-        return jnp.matmul(x.reshape(1, k).astype(jnp.float32), w.astype(jnp.float32).T).reshape(*lead, w.shape[0])
+        # The barrier on y: fused into the dot as an output fusion (the shared expert's sum with the routed
+        # experts'), a consumer made XLA copy w transposed in every step ([512, 256]: 0.11 ms).
+        x = materialized(x.reshape(1, k).astype(jnp.float32))
+        y = jax.lax.optimization_barrier(jnp.matmul(x, w.astype(jnp.float32).T))  # [1, N]: no output fusion
+        return y.reshape(*lead, w.shape[0])
     if fast and lo <= m <= hi:
         y = jnp.einsum("nk,mk->nm", w, x.reshape(m, k), **f32)  # [N, M]
         return jax.lax.optimization_barrier(y).T.reshape(*lead, w.shape[0])
     return jnp.einsum("...k,nk->...n", x, w, **f32)
+
+
+def matmul_nt_many(x: jax.Array, ws: list[jax.Array]) -> list[jax.Array]:
+    """[matmul_nt(x, w) for w in ws] for weights [N_i, K] that share the input x [..., K] (gate and up of a
+    SwiGLU MLP). On CPU one row (M = 1) runs as a single matvec over the weights concatenated along N: XLA:CPU
+    fuses the concatenation into the matvec's loop, so the weights are still read in place, and one loop
+    replaces len(ws), each with its own fixed cost (about 10 us on the CPUs here, where the benchmark model's
+    decode step runs ~65 matvecs)."""
+    if jax.default_backend() == "cpu" and math.prod(x.shape[:-1]) == 1 and len(ws) > 1:
+        y = matmul_nt(x, jnp.concatenate(ws))  # [..., sum N_i]
+        return jnp.split(y, list(itertools.accumulate(w.shape[0] for w in ws))[:-1], axis=-1)
+    return [matmul_nt(x, w) for w in ws]
 
 
 class Linear(nnx.Module):
@@ -125,4 +152,8 @@ class MLP(nnx.Module):
         self.down_proj = Linear(intermediate, hidden, **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_proj.fp8 == "compute":
+            return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        dtype = self.gate_proj.dtype
+        gate, up = matmul_nt_many(x.astype(dtype), [self.gate_proj.kernel(), self.up_proj.kernel()])
+        return self.down_proj(jax.nn.silu(gate.astype(dtype)) * up.astype(dtype))
