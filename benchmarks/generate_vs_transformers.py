@@ -1,18 +1,22 @@
 """Greedy generation: jaxinfer's engine (LLM.generate) vs transformers' generate on the same random checkpoint.
 
     python benchmarks/generate_vs_transformers.py [--batch-sizes 1,32] [--input-len 64] [--output-len 64]
-        [--dtype float32] [--mesh 1x1]
+        [--dtype float32] [--mesh 1x1] [--num-scheduler-steps K]
 
 The model is the V3-shaped one of forward_vs_transformers.py (hidden 512, 4 layers of which 3 MoE, 16 routed
 experts top-4, q_lora, YaRN), saved in DeepSeek's checkpoint format. For each batch size B: B random prompts of
 --input-len tokens, --output-len new tokens, greedy, EOS ignored (transformers: eos_token_id=None,
 min_new_tokens). Decode throughput = B * (output_len - 1) / (time of output_len tokens - time of 1 token), so the
 prefill and the first token are left out for both; the time of 1 token (prefill + first token, the TTFT of a
-batch) is printed on its own line. Each timing is the median of --repeats runs after a warm-up (jaxinfer's
-compilation).
+batch) is printed on its own line. After a warm-up (jaxinfer's compilation) the two run in alternation, --repeats
+rounds of (jaxinfer 1 token, jaxinfer output_len tokens, transformers 1 token, transformers output_len tokens):
+the CPU machines here share memory bandwidth with other tenants and their speed drifts by 15-40% within minutes,
+so each round's ratio compares the two under the same conditions. Printed: the median of each side's per-round
+throughput and the median and range of the per-round ratios.
 
-Host share (jaxinfer, decode): 1 - (device time of one decode step) / (wall time per decode step), where the
-device time is measured by dispatching the same captured decode step back to back (no host work between them).
+Host share (jaxinfer, decode): 1 - (device time per token) / (wall time per token), where the device time is
+measured by dispatching the same captured decode step back to back (no host work between them) and divided by
+the tokens it computes per sequence (--num-scheduler-steps).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--mesh", default="1x1")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--num-scheduler-steps", type=int, default=None,
+                   help="jaxinfer's decode iterations per step (LLM's num_scheduler_steps; default: LLM's default)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (the CPU machines have 2 cores)")
     p.add_argument("--cpu-devices", type=int, default=None,
                    help="simulated CPU devices (default: the mesh's; 8 made a 1x1 step ~20%% slower)")
@@ -60,20 +66,19 @@ def main() -> None:
         warnings.simplefilter("ignore")
         ref.save_pretrained(tmp.name)
     ref = ref.to(torch_dtype)
+    options = {} if args.num_scheduler_steps is None else {"num_scheduler_steps": args.num_scheduler_steps}
     llm = LLM(tmp.name, mesh=args.mesh, dtype=args.dtype, max_num_seqs=max(batch_sizes),
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, **options)
 
-    def median_time(fn) -> float:
-        fn()  # warm-up
-        times = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+    def timed(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
 
     print(f"greedy generation, input {args.input_len}, output {args.output_len}, dtype {args.dtype}, mesh "
-          f"{args.mesh} (hidden 512, 4 layers, 16 experts top-4); decode tok/s exclude prefill + first token")
+          f"{args.mesh} (hidden 512, 4 layers, 16 experts top-4), num_scheduler_steps "
+          f"{llm.runner.num_scheduler_steps}; decode tok/s exclude prefill + first token; median of {args.repeats} "
+          f"alternating rounds")
     for b in batch_sizes:
         prompts = np.random.default_rng(b).integers(0, cfg.vocab_size, (b, args.input_len))
 
@@ -86,25 +91,35 @@ def main() -> None:
                 return ref.generate(torch.as_tensor(prompts), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                                     eos_token_id=None, pad_token_id=0)
 
+        sides = {"jaxinfer": ours} if args.skip_transformers else {"jaxinfer": ours, "transformers": theirs}
+        for fn in sides.values():  # warm-up: compilation, caches
+            fn(1), fn(args.output_len)
+        first = {name: [] for name in sides}
+        decode = {name: [] for name in sides}  # seconds of output_len - 1 decode steps, per round
+        for _ in range(args.repeats):
+            for name, fn in sides.items():
+                t1 = timed(lambda: fn(1))
+                first[name].append(t1)
+                decode[name].append(timed(lambda: fn(args.output_len)) - t1)
         steps = args.output_len - 1
-        ours_first = median_time(lambda: ours(1))
-        ours_decode = median_time(lambda: ours(args.output_len)) - ours_first
         host_share, device_ms = decode_host_share(llm, ours, args.output_len)
-        line = (f"  B={b:3d}  jaxinfer: {b * steps / ours_decode:8.1f} tok/s ({ours_decode / steps * 1e3:6.1f} "
-                f"ms/step; device {device_ms:6.1f} ms/step, host share {host_share:5.1%})")
-        first = f"         first token (prefill): jaxinfer {ours_first * 1e3:7.1f} ms"
+        ours_decode = statistics.median(decode["jaxinfer"])
+        line = (f"  B={b:3d}  jaxinfer: {b * steps / ours_decode:8.1f} tok/s ({ours_decode / steps * 1e3:6.2f} "
+                f"ms/token; device {device_ms:6.2f} ms/token, host share {host_share:5.1%})")
+        first_line = f"         first token (prefill): jaxinfer {statistics.median(first['jaxinfer']) * 1e3:7.1f} ms"
         if not args.skip_transformers:
-            theirs_first = median_time(lambda: theirs(1))
-            theirs_decode = median_time(lambda: theirs(args.output_len)) - theirs_first
-            line += (f"  transformers: {b * steps / theirs_decode:8.1f} tok/s  ->  "
-                     f"{theirs_decode / ours_decode:.2f}x")
-            first += f", transformers {theirs_first * 1e3:7.1f} ms  ->  {theirs_first / ours_first:.2f}x"
-        print(line + "\n" + first, flush=True)
+            ratios = sorted(t / o for t, o in zip(decode["transformers"], decode["jaxinfer"]))
+            line += (f"  transformers: {b * steps / statistics.median(decode['transformers']):8.1f} tok/s  ->  "
+                     f"{statistics.median(ratios):.2f}x (rounds {ratios[0]:.2f}-{ratios[-1]:.2f}x)")
+            first_ratio = statistics.median(t / o for t, o in zip(first["transformers"], first["jaxinfer"]))
+            first_line += (f", transformers {statistics.median(first['transformers']) * 1e3:7.1f} ms  ->  "
+                           f"{first_ratio:.2f}x")
+        print(line + "\n" + first_line, flush=True)
     tmp.cleanup()
 
 
 def decode_host_share(llm, ours, output_len: int) -> tuple[float, float]:
-    """(host share, device ms per step) of the decode steps of ``ours(output_len)`` (see the module doc)."""
+    """(host share, device ms per token) of the decode steps of ``ours(output_len)`` (see the module doc)."""
     import jax
 
     runner = llm.runner
@@ -112,7 +127,7 @@ def decode_host_share(llm, ours, output_len: int) -> tuple[float, float]:
     captured = []
 
     def capture(*args):  # the first decode step's inputs (T = 1), to replay below
-        packed, layout = args  # layout.columns[0]: the token ids [rows, T]
+        packed, layout = args  # layout.columns[0]: the token ids [rows, T]; [5]: the slots [rows, iterations]
         if not captured and layout.columns[0][2] == (1,):
             captured.append(args)
         return run(*args)
@@ -127,7 +142,8 @@ def decode_host_share(llm, ours, output_len: int) -> tuple[float, float]:
         wall_prefill = time.perf_counter() - t0
     finally:
         del runner._run
-    wall_step = (wall - wall_prefill) / (output_len - 1)
+    wall_token = (wall - wall_prefill) / (output_len - 1)
+    iterations = captured[0][1].columns[5][2][0]
     # Device time: the captured decode step dispatched back to back, then one wait (it rewrites the same cache
     # slots of finished sequences: harmless).
     n = 20
@@ -136,8 +152,8 @@ def decode_host_share(llm, ours, output_len: int) -> tuple[float, float]:
     for _ in range(n):
         out = run(*captured[0])
     jax.block_until_ready((out, runner.layers))
-    device_step = (time.perf_counter() - t0) / n
-    return max(0.0, 1 - device_step / wall_step), device_step * 1e3
+    device_token = (time.perf_counter() - t0) / n / iterations
+    return max(0.0, 1 - device_token / wall_token), device_token * 1e3
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from jaxinfer.engine.llm import LLM
+from jaxinfer.engine.runner import Runner
 from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.sequence import Sequence
@@ -167,3 +168,48 @@ def test_logprobs_stop_tokens_and_repetition_penalty_match_transformers(case):
     penalised = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
                                                       repetition_penalty=1.5), use_tqdm=False)[0].outputs[0]
     assert penalised.token_ids == _hf_generate(case.model, prompt, 6, repetition_penalty=1.5)
+
+
+class _WriteInStepRunner(Runner):
+    """The Pallas path's step structure (the cache written inside the step, here by XLA on CPU)."""
+
+    _write_in_step = True
+
+
+def _outputs(llm, prompts, params):
+    return [[(c.token_ids, c.finish_reason, c.logprobs) for c in o.outputs]
+            for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_multi_step_decode_equals_single_step(case):
+    """num_scheduler_steps = 4 against 1 iteration per step: the same tokens, finish reasons and logprobs for greedy,
+    seeded random sampling, penalties (counted on device inside the step), n > 1, a stop token inside a step,
+    max_tokens and a max_model_len that are not multiples of 4, and prompts of 1-130 tokens; on both step
+    structures (latents written after the step: the XLA path; inside it: the Pallas path's)."""
+    vocab = case.cfg["vocab_size"]
+    prompts = _prompts(vocab, [1, 63, 64, 65, 130, 7, 20], seed=6)
+    params = [SamplingParams(temperature=0, max_tokens=11, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, presence_penalty=0.5,
+                             frequency_penalty=0.3, repetition_penalty=1.2),
+              SamplingParams(temperature=1.0, n=2, seed=5, max_tokens=7, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=13, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)]
+    kw = dict(mesh="1x1", dtype="float32", num_kv_pages=16, max_model_len=45)  # the last prompt stops at 45
+    one = LLM(case.path, num_scheduler_steps=1, **kw)
+    ref = _outputs(one, prompts, params)
+    steps_one = one.stats.steps
+    greedy = ref[5][0][0]
+    params[5] = SamplingParams(temperature=0, max_tokens=13, stop_token_ids=[greedy[6]])  # stops inside a step
+    ref[5] = _outputs(one, [prompts[5]], [params[5]])[0]
+    assert ref[5][0][1] == "stop" and ref[6][0][1] == "length" and len(ref[6][0][0]) == 45 - 20
+    for runner_cls in (Runner, _WriteInStepRunner):
+        four = LLM(case.path, num_scheduler_steps=4, **kw)
+        if runner_cls is not Runner:
+            four.runner = runner_cls(four.model, 16, max_num_seqs=64, prefill_capacity=four.scheduler.prefill_capacity,
+                                     min_prefill_t=four.scheduler.min_prefill_t, num_scheduler_steps=4)
+        got = _outputs(four, prompts[:5] + [prompts[6]], params[:5] + [params[6]])
+        assert four.stats.steps < steps_one
+        got.insert(5, _outputs(four, [prompts[5]], [params[5]])[0])
+        assert got == ref, runner_cls.__name__

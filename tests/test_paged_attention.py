@@ -103,3 +103,36 @@ def test_rejects_multi_head_cache():
         cached_and_new_attention(q, jnp.zeros((1, 1, 8)), jnp.zeros((2, PS, 2, 8)), jnp.zeros((1, 1), jnp.int32),
                                  jnp.ones((1,), jnp.int32), jnp.zeros((1, 1), jnp.int32), head_dim_v=8,
                                  softmax_scale=1.0)
+
+
+@pytest.mark.parametrize("length", [0, 1, 5])
+@pytest.mark.parametrize("chunk_tokens", [64, 256])
+def test_window_reads_like_the_written_cache(length, chunk_tokens):
+    """A multi-step decode iteration (engine/runner.py) reads its earlier iterations' latents from a DecodeWindow;
+    the result must be bit-identical to reading them from the cache, and the cache slots it stands in for (NaN
+    here) and the window's entries past ``length`` (NaN too) must not leak in."""
+    ends, w = [7, 66, 130, 200], 8  # windows across page (64) and chunk boundaries
+    (q, new, cache, table, seqlens, slots), written = _case(3, ends, [1] * 4, 1, 4, 40, 24, jnp.float32)
+    kw = {"head_dim_v": 32, "softmax_scale": 0.3, "chunk_tokens": chunk_tokens}
+    start = np.array(ends) - 1 - length  # the window: positions start .. start + length - 1, before the query
+    table_np, cache_np = np.asarray(table), np.array(cache)
+    latents = np.full((len(ends), w, 40), np.nan, np.float32)
+    for row, s in enumerate(start):
+        for i in range(length):
+            page, offset = table_np[row, (s + i) // PS], (s + i) % PS
+            latents[row, i] = cache_np[page, offset, 0]
+            cache_np[page, offset, 0] = np.nan  # not written yet
+    window = paged_attention.DecodeWindow(jnp.asarray(latents), jnp.asarray(start, jnp.int32), jnp.int32(length))
+    out = cached_and_new_attention(q, new, jnp.asarray(cache_np), table, seqlens, slots, window=window, **kw)
+    same = cached_and_new_attention(q, new, cache, table, seqlens, slots, **kw)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(same))
+    ref, _ = mla_decode_reference(q, written, table, seqlens, head_dim_v=32, softmax_scale=0.3, causal=True)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-5)
+
+
+def test_window_is_for_the_read_only_path():
+    (q, new, cache, table, seqlens, slots), _ = _case(4, [5], [1], 1, 4, 40, 4, jnp.float32)
+    window = paged_attention.DecodeWindow(jnp.zeros((1, 2, 40)), jnp.zeros((1,), jnp.int32), jnp.int32(0))
+    with pytest.raises(ValueError, match="write_cache=False"):
+        paged_attention.paged_mla(None, q, new, cache, table, seqlens, slots, head_dim_v=32, softmax_scale=0.3,
+                                  write_cache=True, window=window)

@@ -95,9 +95,10 @@ def test_expert_load_equals_transformers_routing(workload):
 
 
 def test_expert_load_window_is_the_last_steps(workload):
-    """Window of 1 step: after a generate, the load is the last decode step's single token."""
+    """Window of 1 step: after a generate, the load is the last decode step's single token (one decode
+    iteration per step, so that a step is one token)."""
     case, prompts, _, _ = workload
-    llm = _llm(case, "2x4", num_redundant_experts=4, expert_load_window=1)
+    llm = _llm(case, "2x4", num_redundant_experts=4, expert_load_window=1, num_scheduler_steps=1)
     out = llm.generate([prompts[1]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
     last = hf_choices(case.model, _computed([prompts[1]], out)[0])[:, -1]  # [layers, top_k] of the last position
     ref = np.stack([np.bincount(layer, minlength=case.cfg["n_routed_experts"]) for layer in last])
@@ -151,7 +152,8 @@ def test_rebalance_keeps_outputs_and_evens_the_expert_ranks(workload):
 
 def test_automatic_rebalancing_between_steps(workload):
     case, prompts, params, reference = workload
-    llm = _llm(case, "2x4", num_redundant_experts=4, rebalance_every_n_steps=3)
+    # One decode iteration per step: the workload then runs enough steps for several rebalances.
+    llm = _llm(case, "2x4", num_redundant_experts=4, rebalance_every_n_steps=3, num_scheduler_steps=1)
     initial = rebalance.current_phy2log(llm.model.state, llm.model.config)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert _ids(outs) == reference

@@ -241,6 +241,29 @@ def test_engine_finish_for_stop_strings_and_stale_chunks():
         sched.update(sched.schedule(), {})
 
 
+def test_multi_step_decode_chunks():
+    """num_scheduler_steps = 4: a decode chunk covers the last token and the tokens the step samples, within
+    max_tokens, max_model_len and the pages it can get; tokens after a stop token are dropped."""
+    sched = make(num_pages=4, num_scheduler_steps=4, max_model_len=12)  # 3 usable pages of 4 tokens
+    a = sched.add(seq(0, 5, max_tokens=10))
+    b = sched.add(seq(1, 2, max_tokens=3))
+    plan, _ = step(sched)                                           # prefill: a gets 2 pages, b 1; 1 token each
+    assert plan.kind == "prefill" and a.num_output_tokens == b.num_output_tokens == 1
+    plan = sched.schedule()                                         # a: 4 tokens need page 3; b: 2 left (max 3)
+    assert plan.kind == "decode" and [(c.seq.seq_id, c.start, c.num_tokens) for c in plan.chunks[0]] == [
+        (0, 5, 3), (1, 2, 2)]                                       # a: 3 granted (its pages hold 12 positions)
+    sched.update(plan, fake_sampled(plan))
+    assert b.is_finished and b.finish_reason == "length" and b.num_output_tokens == 3
+    assert a.num_output_tokens == 4 and a.num_computed_tokens == 8
+    plan = sched.schedule()                                         # max_model_len 12: 3 more tokens at most
+    assert [(c.start, c.num_tokens) for c in plan.chunks[0]] == [(8, 3)]
+    tokens = [EOS if j == 1 else 3 for j in range(3)]
+    a.params = SamplingParams(max_tokens=10, ignore_eos=False)
+    sched.update(plan, {0: tokens})
+    assert a.is_finished and a.finish_reason == "stop" and a.output_token_ids[-2:] == [3, EOS]
+    assert a.num_output_tokens == 6
+
+
 # ---- property test ------------------------------------------------------------------------------------------------
 def _check_plan(sched: Scheduler, plan):
     """Invariants of every step: limits, prefill grid, page ownership, refcounts, shared pages never written."""
@@ -255,13 +278,17 @@ def _check_plan(sched: Scheduler, plan):
         assert len({id(c.seq) for c in chunks}) == len(chunks)
         if plan.kind == "prefill":
             assert plan.num_tokens(rank) <= sched.max_num_batched_tokens
-        else:
-            assert all(c.num_tokens == 1 and c.sample for c in chunks)
         for c in chunks:
             s = c.seq
             assert s.rank == rank and s.status is SequenceStatus.RUNNING and c.num_tokens >= 1
-            assert c.start == s.num_computed_tokens and c.start + c.num_tokens <= s.num_tokens
-            assert c.sample == (c.start + c.num_tokens == s.num_tokens)
+            assert c.start == s.num_computed_tokens
+            if plan.kind == "prefill":
+                assert c.start + c.num_tokens <= s.num_tokens
+                assert c.sample == (c.start + c.num_tokens == s.num_tokens)
+            else:  # the last token, then up to k - 1 it samples itself, within max_tokens and max_model_len
+                assert c.sample and c.start == s.num_tokens - 1
+                assert c.num_tokens <= min(sched.num_scheduler_steps, s.params.max_tokens - s.num_output_tokens,
+                                           sched.max_model_len - s.num_tokens)
             assert len(s.pages) * sched.page_size >= c.start + c.num_tokens
             for p in s.pages[c.start // sched.page_size:(c.start + c.num_tokens - 1) // sched.page_size + 1]:
                 assert cache.page_hash(p) is None and alloc.refcount(p) == 1, "a shared/cached page is written"
@@ -294,11 +321,19 @@ def workloads(draw):
     return dict(reqs=reqs, num_ranks=draw(st.integers(1, 3)), extra_pages=draw(st.integers(0, 6)),
                 max_num_seqs=draw(st.integers(1, 4)), max_num_batched_tokens=draw(st.integers(1, 16)),
                 max_model_len=draw(st.integers(8, 40)), prefix=draw(st.booleans()),
-                min_prefill_t=draw(st.sampled_from([1, 2, 8])))
+                min_prefill_t=draw(st.sampled_from([1, 2, 8])), steps=draw(st.sampled_from([1, 2, 4])))
 
 
-def fake_sampled(plan) -> dict[int, int]:
-    return {c.seq.seq_id: fake_token(c.seq.seq_id, c.start + c.num_tokens) for c in plan.all_chunks() if c.sample}
+def fake_sampled(plan) -> dict[int, int | list[int]]:
+    """The fake model's tokens for a plan: one per sampling chunk; for a multi-step decode chunk, one per
+    iteration (iteration j computes position start + j and samples the token at start + j + 1)."""
+    out = {}
+    for c in plan.all_chunks():
+        if c.sample and plan.kind == "decode" and c.num_tokens > 1:
+            out[c.seq.seq_id] = [fake_token(c.seq.seq_id, c.start + 1 + j) for j in range(c.num_tokens)]
+        elif c.sample:
+            out[c.seq.seq_id] = fake_token(c.seq.seq_id, c.start + c.num_tokens)
+    return out
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
@@ -313,7 +348,7 @@ def test_random_workloads(w, overlap):
     sched = Scheduler(w["num_ranks"], 1 + need + w["extra_pages"], max_num_seqs=w["max_num_seqs"],
                       max_num_batched_tokens=w["max_num_batched_tokens"], max_model_len=L,
                       enable_prefix_caching=w["prefix"], page_size=S, eos_token_id=EOS,
-                      min_prefill_t=w["min_prefill_t"])
+                      min_prefill_t=w["min_prefill_t"], num_scheduler_steps=w["steps"])
     seqs, in_flight = [], None
     pending = sorted(enumerate(w["reqs"]), key=lambda x: x[1][0])
     for t in range(20_000):

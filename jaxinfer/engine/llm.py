@@ -11,6 +11,7 @@ brought to the host afterwards. A step whose rows use penalties waits for the pr
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import os
@@ -53,6 +54,13 @@ class RequestOutput:
     metrics: dict[str, Any]
 
 
+# Decode iterations per decode step on CPU. A batch-1 decode step of the benchmark model costs about 1 ms of host
+# CPU time (arrays, transfer, dispatch, bookkeeping), which on 2 cores comes out of the device's threads: 3.2-3.5
+# ms per float32 token with 1 iteration per step, 2.6-2.9 ms with 4 or 8 (docs/benchmarks.md,
+# benchmarks/generate_vs_transformers.py --num-scheduler-steps K); 8 leaves the host about 5% of a token.
+DEFAULT_SCHEDULER_STEPS = 8
+
+
 class LLM:
     """Offline generation on a mesh. Engine options are per DP rank where they count pages or sequences.
 
@@ -63,21 +71,29 @@ class LLM:
 
     Expert load balancing (DeepSeek's EPLB): num_redundant_experts extra expert slots per MoE layer (None: the
     checkpoint's; the slots must split evenly over the mesh's `expert` axis); ``expert_load()`` counts the tokens
-    each logical expert received over the last expert_load_window engine steps; ``rebalance_experts()``
+    each logical expert received over the last expert_load_window engine steps (a multi-step decode step, see
+    num_scheduler_steps, is one); ``rebalance_experts()``
     re-places the experts from those counts, and rebalance_every_n_steps (None = never) does so automatically,
-    between steps, every that many steps."""
+    between steps, every that many steps.
+
+    num_scheduler_steps: decode iterations per decode step (vLLM's multi-step scheduling): the device computes up
+    to that many tokens of every decoding sequence in one program, so the host's work per step (scheduling,
+    building and transferring the step's arrays, the dispatch, applying the tokens) is paid once per that many
+    tokens. Outputs do not change; a sequence that stops inside a step wastes the rest of its iterations. None:
+    DEFAULT_SCHEDULER_STEPS on CPU (the XLA path), 1 on GPU (the Pallas path; not measured there yet)."""
 
     def __init__(self, model: str | pathlib.Path | None = None, mesh=None, dtype: str | None = None, *,
                  num_kv_pages: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  fp8_compute: bool | None = None, seed: int = 0, max_logprobs: int = 20,
                  num_redundant_experts: int | None = None, expert_load_window: int = 1000,
-                 rebalance_every_n_steps: int | None = None):
+                 rebalance_every_n_steps: int | None = None, num_scheduler_steps: int | None = None):
         if model is None:
             model = default_model.path()
         positive = [("num_kv_pages", 2 if num_kv_pages is None else num_kv_pages),
                     ("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                     ("max_logprobs", max_logprobs + 1), ("expert_load_window", expert_load_window),
+                    ("num_scheduler_steps", 1 if num_scheduler_steps is None else num_scheduler_steps),
                     ("rebalance_every_n_steps", 1 if rebalance_every_n_steps is None else rebalance_every_n_steps)]
         for name, value in positive:
             if not isinstance(value, int) or value < 1:
@@ -85,6 +101,8 @@ class LLM:
         if num_redundant_experts is not None and (not isinstance(num_redundant_experts, int)
                                                   or num_redundant_experts < 0):
             raise ValueError(f"num_redundant_experts must be an integer >= 0, got {num_redundant_experts!r}")
+        if num_scheduler_steps is None:
+            num_scheduler_steps = 1 if jax.default_backend() == "gpu" else DEFAULT_SCHEDULER_STEPS
         self.model_path = str(pathlib.Path(model))
         self.model = load_model(model, mesh=mesh, dtype=dtype or "bfloat16", fp8_compute=fp8_compute,
                                 num_redundant_experts=num_redundant_experts)
@@ -96,11 +114,13 @@ class LLM:
         eos = self.tokenizer.eos_token_id if self.tokenizer else (config.eos_token_ids or (None,))[0]
         self.scheduler = Scheduler(self.model.dp_size, num_kv_pages, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
-                                   enable_prefix_caching=enable_prefix_caching, eos_token_id=eos)
+                                   enable_prefix_caching=enable_prefix_caching, eos_token_id=eos,
+                                   num_scheduler_steps=num_scheduler_steps)
         self.runner = Runner(self.model, num_kv_pages, max_num_seqs=max_num_seqs,
                              prefill_capacity=self.scheduler.prefill_capacity,
                              min_prefill_t=self.scheduler.min_prefill_t, engine_seed=seed,
-                             max_logprobs=max_logprobs, expert_load_window=expert_load_window)
+                             max_logprobs=max_logprobs, expert_load_window=expert_load_window,
+                             num_scheduler_steps=num_scheduler_steps)
         self.max_logprobs = max_logprobs
         self.rebalance_every_n_steps = rebalance_every_n_steps
         self._steps_since_rebalance = 0
@@ -207,13 +227,16 @@ class LLM:
         t1 = time.perf_counter()
         self.stats.wait_s += t1 - t0
         done = self.scheduler.resolve(step.plan, result.tokens)
+        nth = collections.Counter()
         for seq, index in step.plan.pending:
+            j = nth[seq.seq_id]  # the j-th token this step sampled for seq
+            nth[seq.seq_id] += 1
             entry = live.get(seq.seq_id)
             if entry is None or index >= len(seq.output_token_ids):
                 continue
             entry.request.metrics.setdefault("first_token", t1)
             if entry.out.logprobs is not None:
-                entry.out.logprobs.append(result.logprobs[seq.seq_id])
+                entry.out.logprobs.append(result.logprobs[seq.seq_id][j])
             if not seq.is_finished and seq.params.stop:
                 self._check_stop(entry)
         for seq in done:

@@ -20,6 +20,15 @@ a token the host does not know yet (a scheduler PLACEHOLDER) is read from that b
 host can schedule and dispatch step n+1 before step n's tokens come back (``dispatch`` returns at once; ``fetch``
 waits).
 
+Multi-step decode (``num_scheduler_steps`` = k > 1, vLLM's multi-step scheduling): a decode step whose chunks
+cover several tokens runs k iterations in one program (``lax.scan``). Iteration j computes position start + j of
+every row (its input: the token iteration j - 1 sampled) and samples the next token; a row with fewer tokens than
+k is masked after its last one (no slot, no token to the buffer, outputs dropped by the host). The latents of the
+earlier iterations are read from a per-layer window (paged_attention.DecodeWindow) and written after the
+program with the others, so an iteration computes what a one-token step over the written cache would. On a
+2-core CPU the host's work per step (arrays, the transfer, the dispatch, the bookkeeping: about 1 ms of CPU
+time, taken from the device's threads) is then paid once per k tokens.
+
 Expert load: every step also returns its per-DP-rank expert counts (int32 [ranks, moe layers, experts], padding
 excluded; DeepseekForCausalLM.paged_hidden_states) and adds them on device to a running total over the last
 ``expert_load_window`` steps (the step n - window counts, kept as device arrays, are subtracted in the same step):
@@ -39,12 +48,12 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxinfer.engine import packing
-from jaxinfer.engine.sampler import SampleOutput, SamplingTensors, sample, token_counts
+from jaxinfer.engine.sampler import SampleOutput, SamplingTensors, advance, sample, token_counts
 from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.engine.scheduler import MIN_PREFILL_T, ScheduledChunk, StepPlan, bucket
 from jaxinfer.engine.sequence import PLACEHOLDER, SequenceStatus
 from jaxinfer.kv.paged_cache import init_paged_cache
-from jaxinfer.models.paged_attention import write_latents
+from jaxinfer.models.paged_attention import DecodeWindow, write_latents
 from jaxinfer.parallel.dispatch import BATCH_AXES
 from jaxinfer.parallel.multihost import global_array, to_host
 
@@ -63,11 +72,11 @@ class InFlight:
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
-    """Host values of a step: token per seq_id; logprobs per seq_id ({token: logprob}, sampled token included)
-    for rows that asked for them."""
+    """Host values of a step: per seq_id its sampled tokens (one, or one per iteration of a multi-step decode
+    chunk); per seq_id the logprobs of each ({token: logprob}, sampled token included) for rows that asked."""
 
-    tokens: dict[int, int]
-    logprobs: dict[int, dict[int, float]]
+    tokens: dict[int, list[int]]
+    logprobs: dict[int, list[dict[int, float]]]
 
 
 class Runner:
@@ -82,11 +91,12 @@ class Runner:
       max_logprobs: the logprobs width computed when any row asks for logprobs (one static width bounds
         compilations; vLLM's ``max_logprobs`` default is 20).
       expert_load_window: ``expert_load`` covers the last this many steps.
+      num_scheduler_steps: decode iterations per decode step at most (Scheduler.num_scheduler_steps).
     """
 
     def __init__(self, model, num_pages_per_rank: int, *, max_num_seqs: int = 64, prefill_capacity: int = 1024,
                  min_prefill_t: int = MIN_PREFILL_T, page_size: int = 64, engine_seed: int = 0,
-                 max_logprobs: int = 20, expert_load_window: int = 1000):
+                 max_logprobs: int = 20, expert_load_window: int = 1000, num_scheduler_steps: int = 1):
         self.model = model
         self.page_size = page_size
         self.ranks = model.dp_size
@@ -95,6 +105,7 @@ class Runner:
         self.min_prefill_t = min_prefill_t
         self.engine_seed = engine_seed
         self.max_logprobs = max_logprobs
+        self.num_scheduler_steps = num_scheduler_steps
         self.vocab_size = model.config.vocab_size
         self._batch = NamedSharding(model.mesh, P(BATCH_AXES))
         # The XLA path's cache holds bit patterns (paged_cache's module doc: XLA:CPU upcasts bf16 scatters and
@@ -139,25 +150,70 @@ class Runner:
             ids, src, positions, block_table, seqlens, slots, dest, tensors = packing.unpack(packed, layout)
             ids = jnp.where(src >= 0, tokens[jnp.maximum(src, 0)], ids)  # [R, T] placeholders from the buffer
             model = nnx.merge(graphdef, jax.tree.unflatten(treedef, state_leaves))
-            h, layers, load = model.paged_hidden_states(ids, positions, layers, block_table, seqlens, slots,
-                                                        write_cache)
+            if ids.shape[1] == 1 and slots.shape[1] > 1:  # a multi-step decode step: slots [R, k]
+                out, layers, tokens, load, latents = self._decode_loop(
+                    model, layers, tokens, ids, positions, block_table, seqlens, slots, dest, tensors, write_cache)
+                n = self.max_rows * slots.shape[1]
+            else:
+                h, layers, load = model.paged_hidden_states(ids, positions, layers, block_table, seqlens, slots,
+                                                            write_cache)
+                logits = model.head(h[:, -1:])[:, 0]  # [R, V]: the last column holds each row's last real token
+                out = sample(logits, tensors)
+                tokens = tokens.at[dest].set(out.token_ids, mode="drop")  # dest past the buffer: padding rows
+                latents = layers
+                n = self.max_rows if ids.shape[1] == 1 else self.prefill_capacity
             load = jnp.broadcast_to(load, load_total.shape)  # [ranks, L, E] ([1, 0, E] without MoE layers)
             load = jax.lax.with_sharding_constraint(load, batch)  # each rank keeps its own row
             load_total = load_total + load - load_evict
-            logits = model.head(h[:, -1:])[:, 0]  # [R, V]: the last column holds each row's last real token
-            out = sample(logits, tensors)
-            tokens = tokens.at[dest].set(out.token_ids, mode="drop")  # dest past the buffer: padding rows
             if write_cache:
                 return out, layers, tokens, (load_total, load)
-            # This step's latents and slots, padded per rank to a fixed count: the write program compiles twice.
-            return out, (tuple(self._pack(x, 0) for x in layers), self._pack(slots, -1)), tokens, (load_total, load)
+            # This step's latents and slots, padded per rank to a fixed count: the write program compiles once per
+            # kind of step (decode, multi-step decode, prefill).
+            return (out, (tuple(self._pack(x, 0, n) for x in latents), self._pack(slots, -1, n)), tokens,
+                    (load_total, load))
 
         return step
 
-    def _pack(self, x: jax.Array, fill) -> jax.Array:
+    def _decode_loop(self, model, layers, tokens, ids, positions, block_table, seqlens, slots, dest, tensors,
+                     write_cache: bool):
+        """k decode iterations (slots [R, k]; see the module doc). ids, positions [R, 1]: each row's first
+        token and its position; seqlens [R]: tokens in the cache after iteration 0 (0: padding row). Returns
+        (SampleOutput with a leading [k] axis, layers, tokens, expert load summed over the iterations, per layer
+        the latents [R, k, C+R] of all iterations (write_cache=False; else None))."""
+        r, k = slots.shape
+        live = jnp.sum(slots >= 0, axis=1)  # [R] iterations with a token of the row's own
+        start = positions[:, 0]  # [R]
+        no_dest = self.ranks * self.max_rows  # out of the buffer: dropped
+        c = model.config
+        width = c.kv_lora_rank + c.qk_rope_head_dim
+        windows = None if write_cache else tuple(jnp.zeros((r, k, width), self.model.dtype) for _ in layers)
+        cache = layers
+
+        def iteration(carry, j):
+            ids, layers, windows, tokens, tensors = carry  # layers: carried (written) with write_cache only
+            slot = jax.lax.dynamic_slice_in_dim(slots, j, 1, axis=1)  # [R, 1]
+            lens = jnp.where(seqlens > 0, seqlens + j, 0)  # [R]
+            if write_cache:
+                h, layers, load = model.paged_hidden_states(ids, positions + j, layers, block_table, lens, slot, True)
+            else:
+                views = tuple(DecodeWindow(w, start, j) for w in windows)
+                h, new, load = model.paged_hidden_states(ids, positions + j, cache, block_table, lens, slot, False,
+                                                         views)
+                windows = tuple(jax.lax.dynamic_update_slice_in_dim(w, x.astype(w.dtype), j, axis=1)
+                                for w, x in zip(windows, new))  # [R, k, C+R]
+            out = sample(model.head(h)[:, 0], tensors)  # [R]
+            tokens = tokens.at[jnp.where(j < live, dest, no_dest)].set(out.token_ids, mode="drop")
+            tensors = advance(tensors, out.token_ids)
+            return (out.token_ids[:, None], layers, windows, tokens, tensors), (out, load)
+
+        carry = (ids, layers if write_cache else None, windows, tokens, tensors)
+        (_, layers, windows, tokens, _), (out, load) = jax.lax.scan(iteration, carry, jnp.arange(k, dtype=jnp.int32))
+        return out, (layers if write_cache else cache), tokens, load.sum(0), windows
+
+    def _pack(self, x: jax.Array, fill, n: int) -> jax.Array:
         """[ranks * rows, T, ...] -> [ranks * n, 1, ...]: each rank's rows * T tokens padded with fill to n, the
-        most a decode step (T = 1: max_rows) or a prefill step (its grid: prefill_capacity) holds."""
-        ranks, n = self.ranks, (self.max_rows if x.shape[1] == 1 else self.prefill_capacity)
+        most a step of its kind holds (decode: max_rows, times k for a multi-step one; prefill: prefill_capacity)."""
+        ranks = self.ranks
         x = x.reshape(ranks, -1, *x.shape[2:])
         x = jnp.pad(x, [(0, 0), (0, n - x.shape[1])] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
         return x.reshape(ranks * n, 1, *x.shape[2:])
@@ -204,14 +260,22 @@ class Runner:
     def arrays(self, plan: StepPlan) -> tuple[list[np.ndarray], list[tuple[int, ScheduledChunk]], list]:
         """Host arrays of one step: (ids, src, positions, block_table, seqlens, slots, dest), the (row, chunk) of
         every sampling chunk, and each row's SamplingParams (padding rows: greedy). Chunks of sequences finished
-        since ``schedule`` are left out."""
+        since ``schedule`` are left out. A multi-step decode step (chunks of more than one token) has slots
+        [rows, k], column j for iteration j, and ids / positions [rows, 1] for each row's first token."""
         plan_chunks = [[ch for ch in cs if ch.seq.status is SequenceStatus.RUNNING] for cs in plan.chunks]
         rows, t, pages = self.shapes(dataclasses.replace(plan, chunks=plan_chunks))
+        k = t
+        if plan.kind == "decode":
+            most = max((ch.num_tokens for cs in plan_chunks for ch in cs), default=1)
+            if most > self.num_scheduler_steps:
+                raise RuntimeError(f"decode chunk of {most} tokens exceeds num_scheduler_steps="
+                                   f"{self.num_scheduler_steps}")
+            k = 1 if most == 1 else self.num_scheduler_steps  # two programs per bucket: one step or k
         n_rows = self.ranks * rows
         ids = np.zeros((n_rows, t), np.int32)
         src = np.full((n_rows, t), -1, np.int32)
         positions = np.zeros((n_rows, t), np.int32)
-        slots = np.full((n_rows, t), -1, np.int32)
+        slots = np.full((n_rows, k), -1, np.int32)
         block_table = np.zeros((n_rows, pages), np.int32)  # page 0: each rank's null page
         seqlens = np.zeros((n_rows,), np.int32)
         dest = np.full((n_rows,), self.ranks * self.max_rows, np.int32)  # out of range: dropped
@@ -221,18 +285,21 @@ class Runner:
             # Per row: few numpy calls on small arrays (a decode step's rows hold one token each; at batch 32 a
             # numpy call per token and field cost ~3 ms of host time per step on CPU).
             for i, ch in enumerate(chunks):
-                row, n, seq, end = rank * rows + i, ch.num_tokens, ch.seq, ch.start + ch.num_tokens
+                row, n, seq = rank * rows + i, ch.num_tokens, ch.seq
+                n_in = 1 if plan.kind == "decode" else n  # a decode chunk's later tokens are sampled in the step
+                end = ch.start + n_in
                 chunk_ids = seq.token_ids(ch.start, end)
                 if PLACEHOLDER in chunk_ids:  # only ever the last token, sampled by the previous step
-                    if chunk_ids.index(PLACEHOLDER) != n - 1 or seq.seq_id not in self._feed:
+                    if chunk_ids.index(PLACEHOLDER) != n_in - 1 or seq.seq_id not in self._feed:
                         raise RuntimeError(f"seq {seq.seq_id}: unknown token ids in its chunk {chunk_ids}")
                     src[row, t - 1] = self._feed[seq.seq_id]
                     chunk_ids = chunk_ids[:-1] + [0]
-                ids[row, t - n:] = chunk_ids
-                positions[row, t - n:] = range(ch.start, end)
+                ids[row, t - n_in:] = chunk_ids
+                positions[row, t - n_in:] = range(ch.start, end)
                 block_table[row, : len(seq.pages)] = seq.pages
-                pos = positions[row, t - n:]  # [n]
-                slots[row, t - n:] = block_table[row, pos // self.page_size] * self.page_size + pos % self.page_size
+                pos = np.arange(ch.start, ch.start + n)  # [n] positions computed
+                cols = slice(0, n) if plan.kind == "decode" else slice(t - n, t)
+                slots[row, cols] = block_table[row, pos // self.page_size] * self.page_size + pos % self.page_size
                 seqlens[row] = end
                 if ch.sample:
                     sampled.append((row, ch))
@@ -275,17 +342,28 @@ class Runner:
 
     def fetch(self, step: InFlight) -> StepResult:
         """Waits for a dispatched step and returns its sampled tokens (and logprobs) by seq_id."""
-        token_ids = to_host(step.output.token_ids)
-        tokens = {ch.seq.seq_id: int(token_ids[row]) for row, ch in step.sampled}
+        out = step.output
+        single = out.token_ids.ndim == 1  # one iteration: the fields get the [k = 1] axis of a multi-step step
+
+        def host(x):
+            x = to_host(x)
+            return x[None] if single else x
+
+        token_ids = host(out.token_ids)  # [k, R]
+        # A decode chunk of n tokens owns its row's first n iterations; any other sampling chunk the one.
+        counts = [(row, ch, ch.num_tokens if step.plan.kind == "decode" else 1) for row, ch in step.sampled]
+        tokens = {ch.seq.seq_id: [int(t) for t in token_ids[:n, row]] for row, ch, n in counts}
         logprobs = {}
-        if step.output.logprobs is not None:
-            chosen, top_ids, top_lp = (to_host(x) for x in (step.output.logprobs, step.output.top_ids,
-                                                            step.output.top_logprobs))
-            for row, ch in step.sampled:
-                n = ch.seq.params.logprobs
-                if n is None:
+        if out.logprobs is not None:
+            chosen, top_ids, top_lp = (host(x) for x in (out.logprobs, out.top_ids, out.top_logprobs))
+            for row, ch, n in counts:
+                width = ch.seq.params.logprobs
+                if width is None:
                     continue
-                entry = {int(top_ids[row, j]): float(top_lp[row, j]) for j in range(n)}
-                entry[int(token_ids[row])] = float(chosen[row])
-                logprobs[ch.seq.seq_id] = entry
+                entries = []
+                for i in range(n):
+                    entry = {int(top_ids[i, row, j]): float(top_lp[i, row, j]) for j in range(width)}
+                    entry[int(token_ids[i, row])] = float(chosen[i, row])
+                    entries.append(entry)
+                logprobs[ch.seq.seq_id] = entries
         return StepResult(tokens, logprobs)

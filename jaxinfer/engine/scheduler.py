@@ -19,7 +19,11 @@ fits (a running sequence whose prefill is unfinished, or a waiting one that can 
   admitted (and cut) only while every rank's chunk count times T stays within that capacity (T and the count
   are shared by all ranks, since they run one program).
 - Decode: each running sequence computes one token (its last sampled one) and samples the next; it takes a new page
-  when its KV crosses a page boundary.
+  when its KV crosses a page boundary. With ``num_scheduler_steps`` = k > 1 (vLLM's multi-step scheduling) a
+  decode step runs k iterations on device: a sequence's chunk covers its last token and the up to k - 1 tokens it
+  samples in the step, so it computes ``num_tokens`` <= k positions and samples as many tokens, limited by
+  ``max_tokens``, ``max_model_len`` and the pages it can get (a chunk with fewer tokens than k is masked in the
+  later iterations). One dispatch, one transfer and one round of host bookkeeping then serve k tokens.
 - Out of pages. A running sequence that cannot make progress preempts the newest running sequence (by arrival) of
   its rank, itself included: that one frees its pages and goes to the FRONT of the rank's waiting queue with
   ``num_computed_tokens = 0``, keeping its outputs (it recomputes prompt + outputs as its next prefill; with prefix
@@ -35,8 +39,9 @@ fits (a running sequence whose prefill is unfinished, or a waiting one that can 
   reach the host: fills the placeholders, applies EOS (unless ``ignore_eos``) / ``stop_token_ids`` -> "stop"
   (which wins over "length", vLLM's order) and drops any later placeholder of a stopped sequence, and registers
   pages that became full of real tokens in the prefix cache. ``update`` = commit + resolve (synchronous use).
-  Stop strings need detokenization: the engine calls ``finish``. At most two placeholders are outstanding per
-  sequence (steps n and n+1); a sequence is complete when it is finished and holds none.
+  Stop strings need detokenization: the engine calls ``finish``. At most two steps' placeholders are outstanding
+  per sequence (steps n and n+1); a sequence is complete when it is finished and holds none. A multi-step chunk
+  commits one placeholder per token; tokens after a stop token are dropped (computed, never output).
 
 Invariants kept for ``PrefixCache`` (see its module doc): pages only go through the cache's ``allocate`` / ``free``;
 a chunk only writes positions ``>= num_computed_tokens``, which lie in pages that are neither cached nor shared
@@ -48,7 +53,9 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence as _Seq
+
+import numpy as np
 
 from jaxinfer.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from jaxinfer.kv.page_allocator import PAGE_SIZE, PageAllocator
@@ -91,7 +98,9 @@ class ScheduledChunk:
 
     ``sample``: this chunk reaches the sequence's last token, so its last logits are sampled (``update`` then needs
     a token for ``seq.seq_id``). The runner reads token ids (``seq.token_ids``), positions, slots (from
-    ``seq.pages``) and the block table from the sequence.
+    ``seq.pages``) and the block table from the sequence. A decode chunk of a multi-step decode step may have
+    ``num_tokens`` > 1: it computes the last token and then the tokens it samples itself, one per iteration, and
+    samples ``num_tokens`` tokens.
     """
 
     seq: Sequence
@@ -153,16 +162,18 @@ class Scheduler:
       page_size: tokens per page (64 = FlashMLA's block size).
       eos_token_id: None or the EOS id for the stop check.
       cache_key: ``extra_key`` of the page hashes (model identity).
+      num_scheduler_steps: decode iterations per decode step (see "Decode" above).
 
     Raises ValueError (naming the value) for invalid arguments.
     """
 
     def __init__(self, num_ranks: int, num_pages_per_rank: int, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_prefix_caching: bool = True, page_size: int = PAGE_SIZE,
-                 eos_token_id: int | None = None, cache_key=None, min_prefill_t: int = MIN_PREFILL_T):
+                 eos_token_id: int | None = None, cache_key=None, min_prefill_t: int = MIN_PREFILL_T,
+                 num_scheduler_steps: int = 1):
         for name, value in [("num_ranks", num_ranks), ("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens), ("max_model_len", max_model_len),
-                            ("page_size", page_size)]:
+                            ("page_size", page_size), ("num_scheduler_steps", num_scheduler_steps)]:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
         if not isinstance(num_pages_per_rank, int) or num_pages_per_rank < 2:
@@ -172,6 +183,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.num_scheduler_steps = num_scheduler_steps
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.eos_token_id = eos_token_id
         self.cache_key = cache_key
@@ -313,8 +325,12 @@ class Scheduler:
         for seq in list(self.running[rank]):
             if seq.status is not SequenceStatus.RUNNING or seq.is_prefilling:
                 continue
-            if self._grow(seq, 1, plan):
-                out.append(self._chunk(seq, 1))
+            # Tokens it may still sample (>= 1: commit finishes a sequence that reaches either limit).
+            left = min(self.num_scheduler_steps, seq.params.max_tokens - seq.num_output_tokens,
+                       self.max_model_len - seq.num_tokens)
+            n = self._grow(seq, max(left, 1), plan)
+            if n:
+                out.append(ScheduledChunk(seq, seq.num_computed_tokens, n, True))
 
     def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
         start = seq.num_computed_tokens
@@ -403,7 +419,8 @@ class Scheduler:
     # ---- results ------------------------------------------------------------------------------------------
     def commit(self, plan: StepPlan) -> list[tuple[Sequence, int]]:
         """The step of ``plan`` is running: advances ``num_computed_tokens``, appends a PLACEHOLDER output for each
-        sampling chunk and finishes sequences that reached ``max_tokens`` / ``max_model_len`` ("length"). Chunks of
+        token a sampling chunk samples (one; ``num_tokens`` for a decode chunk) and finishes sequences that reached
+        ``max_tokens`` / ``max_model_len`` ("length"). Chunks of
         sequences finished since ``schedule`` are skipped. Returns (and stores in ``plan.pending``) the
         placeholders as (sequence, output index). Raises ValueError for a stale or already committed plan."""
         if plan.pending is not None:
@@ -420,28 +437,38 @@ class Scheduler:
             self._register_full_pages(seq)
             if not chunk.sample:
                 continue
-            seq.output_token_ids.append(PLACEHOLDER)
-            pending.append((seq, seq.num_output_tokens - 1))
+            sampled = chunk.num_tokens if plan.kind == "decode" else 1
+            for _ in range(sampled):
+                seq.output_token_ids.append(PLACEHOLDER)
+                pending.append((seq, seq.num_output_tokens - 1))
             if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
                 self.finish(seq, "length", keep_pending=True)  # resolve still fills its last tokens
         plan.pending = pending
         return pending
 
-    def resolve(self, plan: StepPlan, sampled: Mapping[int, int]) -> list[Sequence]:
-        """The tokens of a committed plan arrived: ``sampled[seq_id]`` for each placeholder. Fills them, applies
-        EOS / stop_token_ids ("stop") and registers full pages. Returns the sequences of the plan that are now
+    def resolve(self, plan: StepPlan, sampled: Mapping[int, int | _Seq[int]]) -> list[Sequence]:
+        """The tokens of a committed plan arrived: ``sampled[seq_id]``, the token of each placeholder (a list of
+        them, in order, for a multi-token decode chunk; an int for one). Fills them, applies EOS /
+        stop_token_ids ("stop") and registers full pages. Returns the sequences of the plan that are now
         complete (finished, no placeholder left), each once. Raises ValueError for an uncommitted plan or a
         missing token."""
         if plan.pending is None:
             raise ValueError("resolve needs a committed plan (commit it first)")
-        done = []
+        done, nth = [], collections.Counter()
         for seq, index in plan.pending:
+            j = nth[seq.seq_id]                            # this placeholder's place among the sequence's
+            nth[seq.seq_id] += 1
             outputs = seq.output_token_ids
             if index >= len(outputs) or outputs[index] != PLACEHOLDER:
                 continue                                   # dropped: the sequence stopped at an earlier token
-            if seq.seq_id not in sampled:
-                raise ValueError(f"no sampled token for seq {seq.seq_id} (its chunk ends at its last token)")
-            token = int(sampled[seq.seq_id])
+            tokens = sampled.get(seq.seq_id)
+            if tokens is not None and not isinstance(tokens, (int, np.integer)):
+                tokens = tokens[j] if j < len(tokens) else None
+            elif j > 0:
+                tokens = None
+            if tokens is None:
+                raise ValueError(f"no sampled token {j} for seq {seq.seq_id} (its chunk ends at its last token)")
+            token = int(tokens)
             outputs[index] = token
             if self._is_stop_token(seq, token):
                 if seq.is_finished:                        # finished by length at commit: "stop" wins

@@ -53,11 +53,11 @@ class DecoderLayer(nnx.Module):
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, (None if cache is None else kv)
 
-    def paged(self, x, cos, sin, cache, block_table, seqlens, slots, write_cache: bool = True):
+    def paged(self, x, cos, sin, cache, block_table, seqlens, slots, write_cache: bool = True, window=None):
         """The block over the paged latent cache (see MLA.paged). Returns (x, cache, this step's latents, expert
         load: int32 [P, E] per DP rank from the real tokens (slot >= 0), see MoE.forward; None for a dense MLP)."""
         attn, cache, new = self.self_attn.paged(self.input_layernorm(x), cos, sin, cache, block_table, seqlens,
-                                                slots, self.plan, write_cache)
+                                                slots, self.plan, write_cache, window)
         x = x + attn
         h = self.post_attention_layernorm(x)
         if isinstance(self.mlp, MoE):
@@ -129,20 +129,23 @@ class DeepseekForCausalLM(nnx.Module):
         return self.head(h), cache
 
     def paged_hidden_states(self, ids, positions, cache: tuple[jax.Array, ...], block_table, seqlens, slots,
-                            write_cache: bool = True):
+                            write_cache: bool = True, windows=None):
         """One engine step over the paged latent cache: ids, positions, slots [B, T] (the last T tokens of each
         sequence; slot -1 = padding), cache: per layer [pages, 64, 1, C+R], block_table [B, max_pages],
         seqlens [B] (tokens in the cache after this step). Returns (final-normed hidden states [B, T, D], the
         updated cache, expert load) with write_cache, else (hidden states, per layer this step's latents
         [B, T, C+R], expert load) for the caller to write (paged_attention.write_latents; the XLA path, see
         paged_attention.paged_mla). Expert load: int32 [P, L, E], the real tokens' (slot >= 0) choices of each
-        logical expert in each of the L MoE layers, per DP rank P (MoE.forward; sum over P to read it)."""
+        logical expert in each of the L MoE layers, per DP rank P (MoE.forward; sum over P to read it).
+        windows: None, or per layer the paged_attention.DecodeWindow of a multi-step decode program (cached
+        positions whose latents are not written yet; write_cache=False only)."""
         cos, sin = rope_cos_sin(self.config, positions)
         x = self.embed(ids).astype(jnp.float32)  # float32 residual stream, as in hidden_states
         out, loads = [], []
-        for layer, layer_cache in zip(self.layers, cache):
+        windows = windows if windows is not None else (None,) * len(self.layers)
+        for layer, layer_cache, window in zip(self.layers, cache, windows, strict=True):
             x, layer_cache, new, load = layer.paged(x, cos, sin, layer_cache, block_table, seqlens, slots,
-                                                    write_cache)
+                                                    write_cache, window)
             out.append(layer_cache if write_cache else new)
             if load is not None:
                 loads.append(load)

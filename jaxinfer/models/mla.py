@@ -97,11 +97,13 @@ class MLA(nnx.Module):
         out = out.astype(self.dtype).reshape(*x.shape[:2], c.num_attention_heads * c.v_head_dim)
         return self.o_proj(out)
 
-    def paged(self, x, cos, sin, cache, block_table, seqlens, slots, plan=None, write_cache: bool = True):
+    def paged(self, x, cos, sin, cache, block_table, seqlens, slots, plan=None, write_cache: bool = True,
+              window=None):
         """Absorbed attention over the paged latent cache (decode, MTP verification, chunked prefill).
         x [B, T, D]: the last T tokens of each sequence; cache [pages, 64, 1, C+R]; block_table [B, max_pages];
-        seqlens [B]; slots [B, T]. Returns ([B, T, D], cache, this step's latents [B, T, C+R]); the cache is
-        updated with write_cache, else unchanged (see paged_attention.paged_mla)."""
+        seqlens [B]; slots [B, T]; window: this layer's paged_attention.DecodeWindow or None. Returns
+        ([B, T, D], cache, this step's latents [B, T, C+R]); the cache is updated with write_cache, else unchanged
+        (see paged_attention.paged_mla)."""
         c = self.config
         n = c.qk_nope_head_dim
         q_nope, q_pe = self.queries(x, cos, sin)
@@ -117,7 +119,8 @@ class MLA(nnx.Module):
         q = jnp.concatenate([q_lat.astype(self.dtype), q_pe], axis=-1)  # [B, T, H, C+R]
         new = self.latents(x, cos, sin).astype(value_dtype(cache, self.dtype))  # [B, T, C+R]
         o_lat, cache = paged_mla(plan, q, new, cache, block_table, seqlens, slots, head_dim_v=c.kv_lora_rank,
-                                 softmax_scale=c.softmax_scale, write_cache=write_cache)  # [B, T, H, C]
+                                 softmax_scale=c.softmax_scale, write_cache=write_cache,
+                                 window=window)  # [B, T, H, C]
         out = jnp.einsum("bthc,hkc->bthk", o_lat.astype(jnp.float32), w_ukv)[..., n:]  # = o_lat @ W_UV^T
         out = out.astype(self.dtype).reshape(*x.shape[:2], c.num_attention_heads * c.v_head_dim)
         return self.o_proj(out), cache, new

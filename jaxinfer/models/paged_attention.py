@@ -8,12 +8,15 @@ and the attention run inside ``shard_map`` on the rank's local pages with rank-l
 
 The engine's CPU path (write_cache=False) reads the cache without writing it: ``cached_and_new_attention``
 attends to the cached keys page chunk by page chunk and to the step's own latents, which the engine writes into
-the cache after the step (``write_latents``).
+the cache after the step (``write_latents``). A multi-step decode program (engine/runner.py) computes several
+tokens of each sequence before anything is written: the latents of its earlier iterations come in a
+``DecodeWindow`` and are read as if they were already cached (the same chunks, the same arithmetic).
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,9 +29,22 @@ from jaxinfer.parallel.plan import ParallelPlan
 from kernels_pallas import mla_decode
 
 
+class DecodeWindow(NamedTuple):
+    """Latents of a multi-step decode program's earlier iterations, not yet in the cache (engine/runner.py).
+
+    latents [B, W, C+R]: row b's tokens at positions start[b] .. start[b] + W - 1 (iteration i computed position
+    start + i); start int32 [B]; length: int32 scalar, how many of them exist (the current iteration's index).
+    Attention reads positions start .. start + length - 1 from here instead of the cache."""
+
+    latents: jax.Array
+    start: jax.Array
+    length: jax.Array
+
+
 def paged_mla(plan: ParallelPlan | None, q: jax.Array, new_latents: jax.Array, cache: jax.Array,
               block_table: jax.Array, seqlens: jax.Array, slots: jax.Array, *, head_dim_v: int,
-              softmax_scale: float, write_cache: bool = True) -> tuple[jax.Array, jax.Array]:
+              softmax_scale: float, write_cache: bool = True,
+              window: DecodeWindow | None = None) -> tuple[jax.Array, jax.Array]:
     """q [B, T, H, C+R] (absorbed queries: [q_nope @ W_UK | roped q_pe]), new_latents [B, T, C+R],
     cache [pages, 64, 1, C+R], block_table [B, max_pages], seqlens [B] (including this step's tokens),
     slots [B, T] (page * 64 + offset, -1 = padding) -> (o_lat [B, T, H, head_dim_v], cache).
@@ -38,24 +54,27 @@ def paged_mla(plan: ParallelPlan | None, q: jax.Array, new_latents: jax.Array, c
     (``cached_and_new_attention``); it comes back unchanged and the caller writes the latents afterwards
     (``write_latents``, donated). That is the XLA path: when one program both scatters into the donated cache and
     gathers from it, XLA:CPU copies the whole cache (twice per layer and step), so the cost of a step grows with
-    num_kv_pages instead of the batch.
+    num_kv_pages instead of the batch. ``window`` (write_cache=False only): cached positions not in the cache yet.
     """
+    if window is not None and write_cache:
+        raise ValueError("a DecodeWindow is read by the write_cache=False path only (the other writes every token)")
 
-    def local(q, new, cache, block_table, seqlens, slots):
+    def local(q, new, cache, block_table, seqlens, slots, window):
         if write_cache:
             cache = write(cache, new.reshape(-1, new.shape[-1]), slots.reshape(-1))
             out, _ = mla_decode(q, cache, block_table, seqlens, head_dim_v=head_dim_v, softmax_scale=softmax_scale,
                                 causal=True)
             return out, cache
         out = cached_and_new_attention(q, new, cache, block_table, seqlens, slots, head_dim_v=head_dim_v,
-                                       softmax_scale=softmax_scale)
+                                       softmax_scale=softmax_scale, window=window)
         return out, cache
 
     if plan is None:
-        return local(q, new_latents, cache, block_table, seqlens, slots)
+        return local(q, new_latents, cache, block_table, seqlens, slots, window)
     spec = P(BATCH_AXES)
-    return jax.shard_map(local, mesh=plan.mesh, in_specs=(spec,) * 6, out_specs=(spec, spec))(
-        q, new_latents, cache, block_table, seqlens, slots)
+    window_spec = None if window is None else DecodeWindow(spec, spec, P())
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=(spec,) * 6 + (window_spec,), out_specs=(spec, spec))(
+        q, new_latents, cache, block_table, seqlens, slots, window)
 
 
 # Keys per online-softmax step of cached_and_new_attention: 4 pages. B=32 decode steps over 1024 cached tokens of V3's
@@ -67,7 +86,7 @@ _LOG2E = math.log2(math.e)
 
 def cached_and_new_attention(q: jax.Array, new_latents: jax.Array, cache: jax.Array, block_table: jax.Array,
                              seqlens: jax.Array, slots: jax.Array, *, head_dim_v: int, softmax_scale: float,
-                             chunk_tokens: int = CHUNK_TOKENS) -> jax.Array:
+                             chunk_tokens: int = CHUNK_TOKENS, window: DecodeWindow | None = None) -> jax.Array:
     """paged_mla's attention without writing the step's latents first (XLA; the engine's CPU path). The cache may
     hold the latents' bit patterns (paged_cache's bit-pattern storage; their dtype is new_latents').
 
@@ -77,6 +96,11 @@ def cached_and_new_attention(q: jax.Array, new_latents: jax.Array, cache: jax.Ar
     the keys of FlashMLA's causal contract (mla_decode); padding queries (slot -1) get outputs that nothing reads.
     Cache slots at or past seqlens - n are masked as values, not only as scores (they may hold anything, NaN
     included). Online softmax in fp32 and log2 units. Returns o_lat [B, T, H, head_dim_v] in q's dtype.
+
+    ``window``: positions window.start .. window.start + window.length - 1 of each row are read from
+    window.latents instead of the cache (they count as cached keys: seqlens includes them). The chunks hold the
+    same values as if those latents had been written, so a multi-step decode iteration computes exactly what a
+    single decode step over the written cache does.
 
     Why not gather the pages and call mla_decode: gathering all of a step's pages and masking them are passes over
     every key in memory, and XLA:CPU runs the batched dots best as "bld,bnd->bln" and "bln,bld->bnd" (the scores
@@ -117,7 +141,14 @@ def cached_and_new_attention(q: jax.Array, new_latents: jax.Array, cache: jax.Ar
             pos = start + jnp.arange(cp * ps, dtype=jnp.int32)  # [L]
             valid = pos[None, :] < cached_len[:, None]  # [B, L]
             k = take_pages(cache, pages, new_latents.dtype)  # [B, cp, S, 1, D] values
-            k = k.reshape(b, cp * ps, d).astype(jnp.float32)  # [B, L, D]
+            k = k.reshape(b, cp * ps, d)  # [B, L, D]
+            if window is not None:
+                w = pos[None, :] - window.start[:, None]  # [B, L]: index into the window
+                in_window = (w >= 0) & (w < window.length)
+                w_k = jnp.take_along_axis(window.latents, jnp.clip(w, 0, window.latents.shape[1] - 1)[..., None],
+                                          axis=1)  # [B, L, D]
+                k = jnp.where(in_window[..., None], w_k.astype(k.dtype), k)
+            k = k.astype(jnp.float32)
             k = jnp.where(valid[..., None], k, 0.0)
             return update(carry, k, valid[..., None])
 
