@@ -170,6 +170,12 @@ def test_logprobs_stop_tokens_and_repetition_penalty_match_transformers(case):
     assert penalised.token_ids == _hf_generate(case.model, prompt, 6, repetition_penalty=1.5)
 
 
+@pytest.mark.parametrize("bad", [0, -2, 2.0])
+def test_num_scheduler_steps_must_be_a_positive_integer(case, bad):
+    with pytest.raises(ValueError, match="num_scheduler_steps"):
+        LLM(case.path, mesh="1x1", dtype="float32", num_kv_pages=16, num_scheduler_steps=bad)
+
+
 class _WriteInStepRunner(Runner):
     """The Pallas path's step structure (the cache written inside the step, here by XLA on CPU)."""
 

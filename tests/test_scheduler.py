@@ -74,6 +74,8 @@ def test_invalid_arguments():
         make(max_num_seqs=0)
     with pytest.raises(ValueError, match="num_pages_per_rank=1"):
         make(num_pages=1)
+    with pytest.raises(ValueError, match="num_scheduler_steps=0"):
+        make(num_scheduler_steps=0)
     sched = make()
     s = sched.add(seq(0, 3))
     with pytest.raises(ValueError, match="already added"):
