@@ -37,14 +37,18 @@ JAX_PLATFORMS=cuda,cpu step kernel_tests.txt 180 python -m pytest -q -x --durati
   tests/test_kernels_gpu.py
 step bench.log 90 python benchmarks/kernels_mla.py --out "$OUT/bench_mla.txt"
 step bench.log 90 python benchmarks/kernels_fp8.py --out "$OUT/bench_fp8.txt"
-step engine.txt 90 python -c "
+# num_scheduler_steps: 1 is the GPU default; 8 (multi-step decode, the CPU default) is not measured on GPUs yet.
+step engine.txt 120 python -c "
 import time, jaxinfer
-llm = jaxinfer.LLM()
 p = jaxinfer.SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-for b in (1, 32):
-    llm.generate(['def f(x):'] * b, p, use_tqdm=False)
-    t0 = time.perf_counter(); outs = llm.generate(['def f(x):'] * b, p, use_tqdm=False); dt = time.perf_counter() - t0
-    print(f'embedded model bf16, batch {b}: {b * 64 / dt:.1f} tok/s, text {outs[0].outputs[0].text[:60]!r}')
+for k in (1, 8):
+    llm = jaxinfer.LLM(num_scheduler_steps=k)
+    for b in (1, 32):
+        llm.generate(['def f(x):'] * b, p, use_tqdm=False)
+        t0 = time.perf_counter(); outs = llm.generate(['def f(x):'] * b, p, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        print(f'embedded model bf16, num_scheduler_steps {k}, batch {b}: {b * 64 / dt:.1f} tok/s, '
+              f'text {outs[0].outputs[0].text[:60]!r}', flush=True)
 "
 JAX_PLATFORMS=cuda,cpu step kernel_tests_ws.txt 75 python -m pytest -q --durations=5 -k warp_specialized \
   tests/test_kernels_gpu.py
