@@ -11,7 +11,6 @@ brought to the host afterwards. A step whose rows use penalties waits for the pr
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import os
@@ -227,10 +226,7 @@ class LLM:
         t1 = time.perf_counter()
         self.stats.wait_s += t1 - t0
         done = self.scheduler.resolve(step.plan, result.tokens)
-        nth = collections.Counter()
-        for seq, index in step.plan.pending:
-            j = nth[seq.seq_id]  # the j-th token this step sampled for seq
-            nth[seq.seq_id] += 1
+        for seq, index, j in step.plan.placeholders():  # j: the j-th token this step sampled for seq
             entry = live.get(seq.seq_id)
             if entry is None or index >= len(seq.output_token_ids):
                 continue

@@ -357,7 +357,7 @@ class Runner:
 
         token_ids = host(out.token_ids)  # [k, R]
         # A decode chunk of n tokens owns its row's first n iterations; any other sampling chunk the one.
-        counts = [(row, ch, ch.num_tokens if step.plan.kind == "decode" else 1) for row, ch in step.sampled]
+        counts = [(row, ch, step.plan.num_sampled(ch)) for row, ch in step.sampled]
         tokens = {ch.seq.seq_id: [int(t) for t in token_ids[:n, row]] for row, ch, n in counts}
         logprobs = {}
         if out.logprobs is not None:

@@ -53,9 +53,8 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
+import numbers
 from collections.abc import Mapping, Sequence as _Seq
-
-import numpy as np
 
 from jaxinfer.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from jaxinfer.kv.page_allocator import PAGE_SIZE, PageAllocator
@@ -132,6 +131,18 @@ class StepPlan:
 
     def all_chunks(self) -> list[ScheduledChunk]:
         return [c for cs in self.chunks for c in cs]
+
+    def num_sampled(self, chunk: ScheduledChunk) -> int:
+        """Tokens a sampling chunk of this plan samples: one per iteration for a decode chunk, else one."""
+        return chunk.num_tokens if self.kind == "decode" else 1
+
+    def placeholders(self):
+        """(sequence, output index, j) for each placeholder of a committed plan, j counting the sequence's
+        placeholders in this step (its j-th sampled token)."""
+        nth = collections.Counter()
+        for seq, index in self.pending:
+            yield seq, index, nth[seq.seq_id]
+            nth[seq.seq_id] += 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -437,8 +448,7 @@ class Scheduler:
             self._register_full_pages(seq)
             if not chunk.sample:
                 continue
-            sampled = chunk.num_tokens if plan.kind == "decode" else 1
-            for _ in range(sampled):
+            for _ in range(plan.num_sampled(chunk)):
                 seq.output_token_ids.append(PLACEHOLDER)
                 pending.append((seq, seq.num_output_tokens - 1))
             if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
@@ -454,21 +464,16 @@ class Scheduler:
         missing token."""
         if plan.pending is None:
             raise ValueError("resolve needs a committed plan (commit it first)")
-        done, nth = [], collections.Counter()
-        for seq, index in plan.pending:
-            j = nth[seq.seq_id]                            # this placeholder's place among the sequence's
-            nth[seq.seq_id] += 1
+        done = []
+        for seq, index, j in plan.placeholders():
             outputs = seq.output_token_ids
             if index >= len(outputs) or outputs[index] != PLACEHOLDER:
                 continue                                   # dropped: the sequence stopped at an earlier token
-            tokens = sampled.get(seq.seq_id)
-            if tokens is not None and not isinstance(tokens, (int, np.integer)):
-                tokens = tokens[j] if j < len(tokens) else None
-            elif j > 0:
-                tokens = None
-            if tokens is None:
+            got = sampled.get(seq.seq_id, [])
+            tokens = [got] if isinstance(got, numbers.Integral) else got
+            if j >= len(tokens):
                 raise ValueError(f"no sampled token {j} for seq {seq.seq_id} (its chunk ends at its last token)")
-            token = int(tokens)
+            token = int(tokens[j])
             outputs[index] = token
             if self._is_stop_token(seq, token):
                 if seq.is_finished:                        # finished by length at commit: "stop" wins
