@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxinfer.engine import SamplingParams, SamplingTensors, advance, sample, token_counts
-from jaxinfer.engine.sampler import apply_penalties, request_seed, seed_key_data
+from jaxinfer.engine.sampler import ARGMAX_BLOCK, apply_penalties, first_argmax, request_seed, seed_key_data
 
 B, V, K = 4096, 8, 3
 _sample = jax.jit(sample)
@@ -318,3 +318,22 @@ def test_never_samples_outside_the_kept_set(logits, temperature, top_k, top_p, m
     out = run([p] * B, logits, steps=np.arange(B))
     allowed = ref_probs(logits, p, top_p_slack=1e-4, min_p_slack=1e-4) > 0
     assert allowed[out.token_ids].all(), (np.unique(out.token_ids), np.nonzero(allowed)[0])
+
+
+@pytest.mark.parametrize("v", [1, 8, ARGMAX_BLOCK, 300, 1024])
+def test_first_argmax_is_numpy_argmax(v):
+    """The blocked argmax returns numpy's index (the first maximum, or the first NaN) on rows full of ties: a few
+    values repeated, with -inf, NaN and both zeros; some rows all -inf, some with the maximum only in the last
+    (possibly partial) block."""
+    rng = np.random.default_rng(v)
+    values = np.array([-np.inf, -3.0, -0.0, 0.0, 1.5, 2.0, np.nan], np.float32)
+    x = values[rng.integers(0, len(values), (512, v))]
+    x[rng.random((512, v)) < 0.5] = -np.inf
+    no_nan = rng.random(512) < 0.8
+    x[no_nan] = np.where(np.isnan(x[no_nan]), -3.0, x[no_nan])
+    x[:8] = -np.inf  # all -inf
+    x[8:16, -1] = 7.0  # the maximum at the very end
+    x[16:24] = 1.0  # all equal
+    got = np.asarray(jax.jit(first_argmax)(x))
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+    assert got.dtype == np.int32
