@@ -71,13 +71,20 @@ def _materialized_shapes(hlo: str) -> set[str]:
 
 def test_single_token_decode_reads_weights_in_place():
     """A batch-1 decode step on CPU (layers.matmul_nt's one-row form, moe's gather path) computes no array of any
-    weight's shape or its transpose: every weight is read where it lies, none is copied per step (a transposed
+    weight's shape or its transpose, nor of the concatenations that matmul_nt_many reads as one matrix: every
+    weight is read where it lies, none is copied per step (a transposed
     copy of the shared expert's down projection once cost 0.11 ms per layer of a 2.4 ms step). The check sees a
     copy where there is one."""
     config = jaxinfer.ModelConfig.tiny(num_nextn_predict_layers=0)
     model = jaxinfer.Model.random(config, mesh="1x1", dtype="float32", seed=2)
     weights = [a for a in jax.tree.leaves(model.state) if a.ndim >= 2 and a.size >= 1024]
+    c = config
+    concatenated = [  # products that read several weights as one matvec (layers.matmul_nt_many)
+        (2 * c.num_experts_per_tok * c.moe_intermediate_size, c.hidden_size),  # a row's routed gate/up (moe)
+        (c.q_lora_rank + c.kv_lora_rank + c.qk_rope_head_dim, c.hidden_size),  # q_a and kv_a (mla)
+        (2 * c.intermediate_size, c.hidden_size)]  # a dense MLP's gate and up
     dims = {tuple(a.shape) for a in weights} | {tuple(a.shape[::-1]) for a in weights}
+    dims |= set(concatenated) | {d[::-1] for d in concatenated}
     weight_shapes = {f"f32[{','.join(map(str, d))}]" for d in dims}
     graphdef = model.graphdef
     cache = init_paged_cache(config, PAGES_PER_RANK, jnp.float32).layers

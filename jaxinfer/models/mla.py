@@ -18,7 +18,7 @@ from flax import nnx
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv.paged_cache import value_dtype
-from jaxinfer.models.layers import Linear, RMSNorm
+from jaxinfer.models.layers import Linear, RMSNorm, matmul_nt_many
 from jaxinfer.models.paged_attention import paged_mla
 from jaxinfer.models.rope import apply_rope
 
@@ -45,21 +45,36 @@ class MLA(nnx.Module):
         self.o_proj = Linear(h * c.v_head_dim, c.hidden_size, **kw)
 
     # ---- projections ---------------------------------------------------------------------------------
-    def queries(self, x, cos, sin):
-        """x [B, T, D] -> q_nope [B, T, H, N], q_pe [B, T, H, R] (roped)."""
+    def queries(self, x, cos, sin, q_a=None):
+        """x [B, T, D] -> q_nope [B, T, H, N], q_pe [B, T, H, R] (roped). q_a: q_a_proj(x) when already computed
+        (``a_projections``)."""
         c = self.config
-        q = self.q_proj(x) if c.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        if c.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x) if q_a is None else q_a))
         q = q.reshape(*x.shape[:2], c.num_attention_heads, c.qk_head_dim)  # [B, T, H, N+R]
         q_nope, q_pe = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
         return q_nope, apply_rope(q_pe, cos, sin, c.rope_interleave)
 
-    def latents(self, x, cos, sin):
-        """x [B, T, D] -> the cache entries [B, T, C + R]: [rms(c_kv) | rope(k_pe)]."""
+    def latents(self, x, cos, sin, kv=None):
+        """x [B, T, D] -> the cache entries [B, T, C + R]: [rms(c_kv) | rope(k_pe)]. kv: kv_a_proj_with_mqa(x)
+        when already computed (``a_projections``)."""
         c = self.config
-        kv = self.kv_a_proj_with_mqa(x)  # [B, T, C+R]
+        kv = self.kv_a_proj_with_mqa(x) if kv is None else kv  # [B, T, C+R]
         c_kv = self.kv_a_layernorm(kv[..., : c.kv_lora_rank])
         k_pe = apply_rope(kv[..., c.kv_lora_rank:], cos, sin, c.rope_interleave)
         return jnp.concatenate([c_kv, k_pe], axis=-1)
+
+    def a_projections(self, x):
+        """x [B, T, D] -> (q_a_proj(x), kv_a_proj_with_mqa(x)) as one matmul_nt_many: the two products that read
+        the hidden state (one matrix-vector product on CPU for one row, like an MLP's gate and up). (None, None)
+        where they stay separate: no q_lora, or FP8 compute (its own GEMMs)."""
+        if self.config.q_lora_rank is None or self.q_a_proj.fp8 == "compute":
+            return None, None
+        ws = [self.q_a_proj.kernel(), self.kv_a_proj_with_mqa.kernel()]
+        q_a, kv = matmul_nt_many(x.astype(self.dtype), ws)
+        return q_a.astype(self.dtype), kv.astype(self.dtype)
 
     def w_uk_uv(self):
         """kv_b_proj split per head: W_UK [H, N, C], W_UV [H, V, C]."""
@@ -106,7 +121,8 @@ class MLA(nnx.Module):
         (see paged_attention.paged_mla)."""
         c = self.config
         n = c.qk_nope_head_dim
-        q_nope, q_pe = self.queries(x, cos, sin)
+        q_a, kv = self.a_projections(x)
+        q_nope, q_pe = self.queries(x, cos, sin, q_a)
         # Both absorbed products use kv_b_proj whole, [H, N+V, C] (a reshape): slicing W_UK and W_UV out of it
         # costs XLA:CPU a copy of each per layer and step (1.8 ms of a 10 ms decode step of the benchmark
         # model); zero-padding q_nope to N+V and dropping the first N outputs costs a few flops instead.
@@ -121,7 +137,7 @@ class MLA(nnx.Module):
         q_lat = jnp.einsum("hmk,hkc->hmc", q_pad, w_ukv, preferred_element_type=jnp.float32)  # = q_nope @ W_UK
         q_lat = q_lat.transpose(1, 0, 2).reshape(b, t, h, c.kv_lora_rank)  # [B, T, H, C]
         q = jnp.concatenate([q_lat.astype(self.dtype), q_pe], axis=-1)  # [B, T, H, C+R]
-        new = self.latents(x, cos, sin).astype(value_dtype(cache, self.dtype))  # [B, T, C+R]
+        new = self.latents(x, cos, sin, kv).astype(value_dtype(cache, self.dtype))  # [B, T, C+R]
         o_lat, cache = paged_mla(plan, q, new, cache, block_table, seqlens, slots, head_dim_v=c.kv_lora_rank,
                                  softmax_scale=c.softmax_scale, write_cache=write_cache,
                                  window=window)  # [B, T, H, C]
