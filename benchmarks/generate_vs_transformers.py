@@ -17,6 +17,10 @@ throughput and the median and range of the per-round ratios.
 Host share (jaxinfer, decode): 1 - (device time per token) / (wall time per token), where the device time is
 measured by dispatching the same captured decode step back to back (no host work between them) and divided by
 the tokens it computes per sequence (--num-scheduler-steps).
+
+Memory floor (batch 1): a decode token reads every weight it uses once (the routed experts' top-k, one embedding
+row). The line after batch 1 gives those bytes and the time of one matrix-vector product over as many bytes,
+timed in alternation with the captured decode step: what streaming the weights costs in the same minutes.
 """
 
 from __future__ import annotations
@@ -102,7 +106,7 @@ def main() -> None:
                 first[name].append(t1)
                 decode[name].append(timed(lambda: fn(args.output_len)) - t1)
         steps = args.output_len - 1
-        host_share, device_ms = decode_host_share(llm, ours, args.output_len)
+        host_share, device_ms, replay = decode_host_share(llm, ours, args.output_len)
         ours_decode = statistics.median(decode["jaxinfer"])
         line = (f"  B={b:3d}  jaxinfer: {b * steps / ours_decode:8.1f} tok/s ({ours_decode / steps * 1e3:6.2f} "
                 f"ms/token; device {device_ms:6.2f} ms/token, host share {host_share:5.1%})")
@@ -115,11 +119,17 @@ def main() -> None:
             first_line += (f", transformers {statistics.median(first['transformers']) * 1e3:7.1f} ms  ->  "
                            f"{first_ratio:.2f}x")
         print(line + "\n" + first_line, flush=True)
+        if b == 1:
+            mb, floor_ms, step_ms = weight_stream_floor(llm, replay)
+            print(f"         weights read per token {mb:.1f} MB; one matrix-vector product over as many bytes: "
+                  f"{floor_ms:.2f} ms ({mb / floor_ms:.1f} GB/s); the decode token took {step_ms / floor_ms:.2f}x "
+                  f"that (interleaved, min of 7)", flush=True)
     tmp.cleanup()
 
 
-def decode_host_share(llm, ours, output_len: int) -> tuple[float, float]:
-    """(host share, device ms per token) of the decode steps of ``ours(output_len)`` (see the module doc)."""
+def decode_host_share(llm, ours, output_len: int):
+    """(host share, device ms per token, replay) of the decode steps of ``ours(output_len)`` (see the module doc);
+    replay() times the captured decode step again (seconds per token)."""
     import jax
 
     runner = llm.runner
@@ -153,7 +163,53 @@ def decode_host_share(llm, ours, output_len: int) -> tuple[float, float]:
         out = run(*captured[0])
     jax.block_until_ready((out, runner.layers))
     device_token = (time.perf_counter() - t0) / n / iterations
-    return max(0.0, 1 - device_token / wall_token), device_token * 1e3
+
+    def replay():  # seconds per token of the captured decode step, dispatched back to back
+        t0 = time.perf_counter()
+        for _ in range(n):
+            out = run(*captured[0])
+        jax.block_until_ready((out, runner.layers))
+        return (time.perf_counter() - t0) / n / iterations
+
+    return max(0.0, 1 - device_token / wall_token), device_token * 1e3, replay
+
+
+def weight_stream_floor(llm, replay) -> tuple[float, float, float]:
+    """Batch-1 decode reads every weight once per token (routed experts: top_k of each layer's slots; the
+    embedding: one row). Returns (those MB, ms of one float32-accumulating matrix-vector product over as many
+    bytes of the model dtype (layers.matmul_nt, the engine's one-row product), ms of a decode token by
+    ``replay``), both the min of 7 interleaved rounds: the memory-bandwidth floor of the token, measured in the
+    same minutes (the machines here drift)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxinfer.models.layers import matmul_nt
+
+    top_k = llm.model.config.num_experts_per_tok
+    total = 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(llm.model.state):
+        keys = jax.tree_util.keystr(path)
+        if getattr(leaf, "ndim", 0) < 2 or "embed_tokens" in keys or "mtp" in keys:
+            continue
+        share = top_k / leaf.shape[0] if "['experts']" in keys else 1.0
+        total += leaf.nbytes * share
+    dtype = llm.model.dtype
+    k = 512
+    w = jnp.asarray(np.random.default_rng(0).standard_normal((int(total) // (k * jnp.dtype(dtype).itemsize), k)),
+                    dtype)
+    x = jnp.ones((1, k), dtype)
+    mv = jax.jit(matmul_nt)
+    jax.block_until_ready(mv(x, w))
+    floor, token = [], []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        for _ in range(10):
+            y = mv(x, w)
+        jax.block_until_ready(y)
+        floor.append((time.perf_counter() - t0) / 10)
+        token.append(replay())
+    return total / 1e6, min(floor) * 1e3, min(token) * 1e3
 
 
 if __name__ == "__main__":
