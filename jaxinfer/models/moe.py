@@ -164,12 +164,15 @@ def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, d
         safe = jnp.maximum(ids, 0).reshape(-1)  # [M*K]; assignments with id -1 get weight 0 below
         w = jnp.where(ids < 0, 0.0, weights).reshape(-1)  # [M*K]
 
+        def down(n, gate, up):  # [D]: expert safe[n]'s output from its gate and up products [I]
+            act = jax.nn.silu(gate.astype(dtype)) * up.astype(dtype)  # [I]
+            return jnp.dot(act, _slot_weight(params, "down_proj", safe[n], dtype).T, **f32)
+
         def assignment(n):  # [D]: expert safe[n] on row n // k
             row = xd[n // k]  # [D]
             gate = jnp.dot(row, _slot_weight(params, "gate_proj", safe[n], dtype).T, **f32)
             up = jnp.dot(row, _slot_weight(params, "up_proj", safe[n], dtype).T, **f32)
-            act = jax.nn.silu(gate.astype(dtype)) * up.astype(dtype)  # [I]
-            return jnp.dot(act, _slot_weight(params, "down_proj", safe[n], dtype).T, **f32)  # [D]
+            return down(n, gate, up)
 
         # float32 weights: a row's gate and up products of all its assignments run as one matvec over their
         # concatenation (matmul_nt_many; the slices are still read in place), 8 matvecs of [256, 512] -> 1 per
@@ -182,9 +185,7 @@ def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, d
                 rows = range(r * k, (r + 1) * k)
                 ws = [_slot_weight(params, name, safe[n], dtype) for n in rows for name in ("gate_proj", "up_proj")]
                 gate_up = matmul_nt_many(xd[r][None], ws)  # 2k x [1, I] float32
-                for j, n in enumerate(rows):
-                    act = jax.nn.silu(gate_up[2 * j][0]) * gate_up[2 * j + 1][0]  # [I]
-                    out.append(jnp.dot(act, _slot_weight(params, "down_proj", safe[n], dtype).T, **f32))  # [D]
+                out += [down(n, gate_up[2 * j][0], gate_up[2 * j + 1][0]) for j, n in enumerate(rows)]
             out = jnp.stack(out)  # [M*K, D]
         elif m * k <= GATHER_UNROLL:
             out = jnp.stack([assignment(n) for n in range(m * k)])  # [M*K, D]
