@@ -158,7 +158,8 @@ class Runner:
             model = nnx.merge(graphdef, jax.tree.unflatten(treedef, state_leaves))
             if ids.shape[1] == 1 and slots.shape[1] > 1:  # a multi-step decode step: slots [R, k]
                 out, layers, tokens, load, latents = self._decode_loop(
-                    model, layers, tokens, ids, positions, block_table, seqlens, slots, dest, tensors, write_cache)
+                    model, layers, tokens, ids, positions, block_table, seqlens, slots, dest, tensors, write_cache,
+                    load_total.shape)
                 n = self.max_rows * slots.shape[1]
             else:
                 h, layers, load = model.paged_hidden_states(ids, positions, layers, block_table, seqlens, slots,
@@ -181,11 +182,15 @@ class Runner:
         return step
 
     def _decode_loop(self, model, layers, tokens, ids, positions, block_table, seqlens, slots, dest, tensors,
-                     write_cache: bool):
+                     write_cache: bool, load_shape: tuple[int, ...]):
         """k decode iterations (slots [R, k]; see the module doc). ids, positions [R, 1]: each row's first
         token and its position; seqlens [R]: tokens in the cache after iteration 0 (0: padding row). Returns
-        (SampleOutput with a leading [k] axis, layers, tokens, expert load summed over the iterations, per layer
-        the latents [R, k, C+R] of all iterations (write_cache=False; else None))."""
+        (SampleOutput with a leading [k] axis, layers, tokens, expert load [load_shape] summed over the
+        iterations, per layer the latents [R, k, C+R] of all iterations (write_cache=False; else None)).
+
+        The loop stops after the last iteration any row has a token for (a step whose rows all end before k, e.g.
+        at max_tokens, computes no iteration it would throw away); the outputs of iterations not run are zeros,
+        which the host never reads (a row's outputs are its first ``live`` iterations')."""
         r, k = slots.shape
         live = jnp.sum(slots >= 0, axis=1)  # [R] iterations with a token of the row's own
         start = positions[:, 0]  # [R]
@@ -194,9 +199,11 @@ class Runner:
         width = c.kv_lora_rank + c.qk_rope_head_dim
         windows = None if write_cache else tuple(jnp.zeros((r, k, width), self.model.dtype) for _ in layers)
         cache = layers
+        out_shapes = jax.eval_shape(sample, jax.ShapeDtypeStruct((r, self.vocab_size), jnp.float32), tensors)
+        outs = jax.tree.map(lambda x: jnp.zeros((k, *x.shape), x.dtype), out_shapes)  # [k, R, ...]
 
-        def iteration(carry, j):
-            ids, layers, windows, tokens, tensors = carry  # layers: carried (written) with write_cache only
+        def iteration(j, carry):
+            ids, layers, windows, tokens, tensors, outs, load_sum = carry  # layers: carried with write_cache only
             slot = jax.lax.dynamic_slice_in_dim(slots, j, 1, axis=1)  # [R, 1]
             lens = jnp.where(seqlens > 0, seqlens + j, 0)  # [R]
             if write_cache:
@@ -210,11 +217,14 @@ class Runner:
             out = sample(model.head(h)[:, 0], tensors)  # [R]
             tokens = tokens.at[jnp.where(j < live, dest, no_dest)].set(out.token_ids, mode="drop")
             tensors = advance(tensors, out.token_ids)
-            return (out.token_ids[:, None], layers, windows, tokens, tensors), (out, load)
+            outs = jax.tree.map(lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, j, 0), outs, out)
+            load_sum = load_sum + jnp.broadcast_to(load, load_shape)  # [ranks, L, E]
+            return out.token_ids[:, None], layers, windows, tokens, tensors, outs, load_sum
 
-        carry = (ids, layers if write_cache else None, windows, tokens, tensors)
-        (_, layers, windows, tokens, _), (out, load) = jax.lax.scan(iteration, carry, jnp.arange(k, dtype=jnp.int32))
-        return out, (layers if write_cache else cache), tokens, load.sum(0), windows
+        carry = (ids, layers if write_cache else None, windows, tokens, tensors, outs,
+                 jnp.zeros(load_shape, jnp.int32))
+        _, layers, windows, tokens, _, outs, load = jax.lax.fori_loop(0, jnp.max(live), iteration, carry)
+        return outs, (layers if write_cache else cache), tokens, load, windows
 
     def _pack(self, x: jax.Array, fill, n: int) -> jax.Array:
         """[ranks * rows, T, ...] -> [ranks * n, 1, ...]: each rank's rows * T tokens padded with fill to n, the
