@@ -214,8 +214,55 @@ def test_multi_step_decode_equals_single_step(case):
         four = LLM(case.path, num_scheduler_steps=4, **kw)
         if runner_cls is not Runner:
             four.runner = runner_cls(four.model, 16, max_num_seqs=64, prefill_capacity=four.scheduler.prefill_capacity,
-                                     min_prefill_t=four.scheduler.min_prefill_t, num_scheduler_steps=4)
+                                     min_prefill_t=four.scheduler.min_prefill_t, num_scheduler_steps=4,
+                                     eos_token_id=four.scheduler.eos_token_id)
         got = _outputs(four, prompts[:5] + [prompts[6]], params[:5] + [params[6]])
         assert four.stats.steps < steps_one
         got.insert(5, _outputs(four, [prompts[5]], [params[5]])[0])
         assert got == ref, runner_cls.__name__
+
+
+def test_multi_step_decode_stops_on_device_like_the_host(case, tmp_path):
+    """A multi-step decode step stops iterating once every row has sampled a stop token, and a row whose input
+    token (sampled by the previous step, not yet seen by the host) is a stop token computes nothing. Outputs
+    equal 1 iteration per step (where the host alone decides) for: EOS inside a step and at a step's last
+    iteration (the next step, dispatched before the host saw it, then starts with every row stopped), EOS as
+    the first token (sampled by the prefill), ignore_eos (EOS must not stop on device), more stop_token_ids
+    than the device checks, with the stopping one past them, and rows that stop while others go on."""
+    import shutil
+
+    from jaxinfer.engine.runner import DEVICE_STOP_IDS
+
+    vocab = case.cfg["vocab_size"]
+    prompt, other = _prompts(vocab, [20, 33], seed=11)
+    kw = dict(mesh="1x1", dtype="float32", num_kv_pages=16)
+    free = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    greedy = LLM(case.path, num_scheduler_steps=1, **kw).generate([prompt], free, use_tqdm=False)
+    greedy = greedy[0].outputs[0].token_ids
+    path = tmp_path / "ckpt"
+    shutil.copytree(case.path, path)
+    results = {}
+    for eos_index in (0, 4, 5):  # token 0 comes from the prefill; decode steps of 4 cover 1-4, 5-8, ...
+        eos = greedy[eos_index]
+        cfg = O.read_config(path)
+        cfg["eos_token_id"] = eos
+        O.write_config(path, cfg)
+        stop = greedy.index(eos)  # the first time the model samples it
+        fillers = [t for t in range(vocab) if t not in greedy][:DEVICE_STOP_IDS]
+        params = [SamplingParams(temperature=0, max_tokens=14),
+                  SamplingParams(temperature=0, max_tokens=14, ignore_eos=True),
+                  SamplingParams(temperature=0, max_tokens=14, ignore_eos=True,
+                                 stop_token_ids=fillers + [greedy[7]]),
+                  SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)]
+        prompts = [prompt, prompt, prompt, other]
+        for k in (1, 4):
+            llm = LLM(path, num_scheduler_steps=k, **kw)
+            assert llm.runner.eos_token_id == eos
+            alone = _outputs(llm, [prompt], [params[0]])  # every row stops: the loop ends early
+            together = _outputs(llm, prompts, params)
+            results[eos_index, k] = (alone, together)
+        assert results[eos_index, 4] == results[eos_index, 1], eos_index
+        alone, together = results[eos_index, 1]
+        assert alone[0][0] == (greedy[: stop + 1], "stop", None)
+        assert together[1][0][:2] == (greedy, "length")
+        assert together[2][0][:2] == (greedy[:8], "stop")

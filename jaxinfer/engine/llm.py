@@ -119,7 +119,7 @@ class LLM:
                              prefill_capacity=self.scheduler.prefill_capacity,
                              min_prefill_t=self.scheduler.min_prefill_t, engine_seed=seed,
                              max_logprobs=max_logprobs, expert_load_window=expert_load_window,
-                             num_scheduler_steps=num_scheduler_steps)
+                             num_scheduler_steps=num_scheduler_steps, eos_token_id=eos)
         self.max_logprobs = max_logprobs
         self.rebalance_every_n_steps = rebalance_every_n_steps
         self._steps_since_rebalance = 0

@@ -57,6 +57,9 @@ from jaxinfer.models.paged_attention import DecodeWindow, write_latents
 from jaxinfer.parallel.dispatch import BATCH_AXES
 from jaxinfer.parallel.multihost import global_array, to_host
 
+# Stop ids a multi-step decode step checks on device per row (EOS first, then stop_token_ids): a row with more
+# is checked for the first ones only, which is safe (the host's stop check decides; the device only stops early).
+DEVICE_STOP_IDS = 8
 MIN_PAGES = 2  # pages per row at least: fewer shapes; at batch 32 and 128-token contexts 4 cost 10% more per step
 _PAD_PARAMS = SamplingParams(temperature=0.0)  # rows that sample nothing: greedy, never read
 
@@ -92,11 +95,14 @@ class Runner:
         compilations; vLLM's ``max_logprobs`` default is 20).
       expert_load_window: ``expert_load`` covers the last this many steps.
       num_scheduler_steps: decode iterations per decode step at most (Scheduler.num_scheduler_steps).
+      eos_token_id: the scheduler's EOS id (Scheduler.eos_token_id): a multi-step decode step stops early when
+        every row has sampled a stop token (``_decode_loop``).
     """
 
     def __init__(self, model, num_pages_per_rank: int, *, max_num_seqs: int = 64, prefill_capacity: int = 1024,
                  min_prefill_t: int = MIN_PREFILL_T, page_size: int = 64, engine_seed: int = 0,
-                 max_logprobs: int = 20, expert_load_window: int = 1000, num_scheduler_steps: int = 1):
+                 max_logprobs: int = 20, expert_load_window: int = 1000, num_scheduler_steps: int = 1,
+                 eos_token_id: int | None = None):
         self.model = model
         self.page_size = page_size
         self.ranks = model.dp_size
@@ -106,6 +112,7 @@ class Runner:
         self.engine_seed = engine_seed
         self.max_logprobs = max_logprobs
         self.num_scheduler_steps = num_scheduler_steps
+        self.eos_token_id = eos_token_id
         self.vocab_size = model.config.vocab_size
         self._batch = NamedSharding(model.mesh, P(BATCH_AXES))
         # The XLA path's cache holds bit patterns (paged_cache's module doc: XLA:CPU upcasts bf16 scatters and
@@ -153,13 +160,16 @@ class Runner:
         @functools.partial(jax.jit, donate_argnums=((1, 2, 3) if write_cache else (2, 3)), static_argnums=6,
                            compiler_options=options)
         def step(state_leaves, layers, tokens, load_total, load_evict, packed, layout):
-            ids, src, positions, block_table, seqlens, slots, dest, tensors = packing.unpack(packed, layout)
+            ids, src, positions, block_table, seqlens, slots, dest, stop_ids, tensors = packing.unpack(packed, layout)
             ids = jnp.where(src >= 0, tokens[jnp.maximum(src, 0)], ids)  # [R, T] placeholders from the buffer
             model = nnx.merge(graphdef, jax.tree.unflatten(treedef, state_leaves))
             if ids.shape[1] == 1 and slots.shape[1] > 1:  # a multi-step decode step: slots [R, k]
+                # A row whose input token, sampled by the previous step, is a stop token has finished (the host
+                # does not know yet: it dispatched this step first): it computes nothing here.
+                stopped = (src[:, -1] >= 0) & _is_stop(ids[:, -1], stop_ids)  # [R]
                 out, layers, tokens, load, latents = self._decode_loop(
                     model, layers, tokens, ids, positions, block_table, seqlens, slots, dest, tensors, write_cache,
-                    load_total.shape)
+                    load_total.shape, stop_ids, stopped)
                 n = self.max_rows * slots.shape[1]
             else:
                 h, layers, load = model.paged_hidden_states(ids, positions, layers, block_table, seqlens, slots,
@@ -182,15 +192,18 @@ class Runner:
         return step
 
     def _decode_loop(self, model, layers, tokens, ids, positions, block_table, seqlens, slots, dest, tensors,
-                     write_cache: bool, load_shape: tuple[int, ...]):
+                     write_cache: bool, load_shape: tuple[int, ...], stop_ids, stopped):
         """k decode iterations (slots [R, k]; see the module doc). ids, positions [R, 1]: each row's first
-        token and its position; seqlens [R]: tokens in the cache after iteration 0 (0: padding row). Returns
+        token and its position; seqlens [R]: tokens in the cache after iteration 0 (0: padding row); stop_ids
+        [R, S]: each row's stop tokens (-1: none); stopped [R]: rows finished before the step. Returns
         (SampleOutput with a leading [k] axis, layers, tokens, expert load [load_shape] summed over the
         iterations, per layer the latents [R, k, C+R] of all iterations (write_cache=False; else None)).
 
-        The loop stops after the last iteration any row has a token for (a step whose rows all end before k, e.g.
-        at max_tokens, computes no iteration it would throw away); the outputs of iterations not run are zeros,
-        which the host never reads (a row's outputs are its first ``live`` iterations')."""
+        A row is active in iteration j while j < its token count and it has not sampled a stop token; the loop
+        ends when no row is active (all rows at max_tokens before k, or all stopped, e.g. at EOS), so a step
+        computes no iteration whose tokens would all be thrown away. Outputs of iterations not run are zeros and
+        an inactive row writes no token to the buffer; the host reads a row's outputs up to its last token or its
+        stop token only (Scheduler.resolve), and its tokens after a stop token are garbage either way."""
         r, k = slots.shape
         live = jnp.sum(slots >= 0, axis=1)  # [R] iterations with a token of the row's own
         start = positions[:, 0]  # [R]
@@ -202,8 +215,11 @@ class Runner:
         out_shapes = jax.eval_shape(sample, jax.ShapeDtypeStruct((r, self.vocab_size), jnp.float32), tensors)
         outs = jax.tree.map(lambda x: jnp.zeros((k, *x.shape), x.dtype), out_shapes)  # [k, R, ...]
 
-        def iteration(j, carry):
-            ids, layers, windows, tokens, tensors, outs, load_sum = carry  # layers: carried with write_cache only
+        def active(j, stopped):  # [R]
+            return (j < live) & ~stopped
+
+        def iteration(carry):
+            j, ids, layers, windows, tokens, tensors, outs, load_sum, stopped = carry  # layers: with write_cache
             slot = jax.lax.dynamic_slice_in_dim(slots, j, 1, axis=1)  # [R, 1]
             lens = jnp.where(seqlens > 0, seqlens + j, 0)  # [R]
             if write_cache:
@@ -215,15 +231,21 @@ class Runner:
                 windows = tuple(jax.lax.dynamic_update_slice_in_dim(w, x.astype(w.dtype), j, axis=1)
                                 for w, x in zip(windows, new))  # [R, k, C+R]
             out = sample(model.head(h)[:, 0], tensors)  # [R]
-            tokens = tokens.at[jnp.where(j < live, dest, no_dest)].set(out.token_ids, mode="drop")
+            now = active(j, stopped)
+            tokens = tokens.at[jnp.where(now, dest, no_dest)].set(out.token_ids, mode="drop")
+            stopped = stopped | (now & _is_stop(out.token_ids, stop_ids))
             tensors = advance(tensors, out.token_ids)
             outs = jax.tree.map(lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, j, 0), outs, out)
             load_sum = load_sum + jnp.broadcast_to(load, load_shape)  # [ranks, L, E]
-            return out.token_ids[:, None], layers, windows, tokens, tensors, outs, load_sum
+            return j + 1, out.token_ids[:, None], layers, windows, tokens, tensors, outs, load_sum, stopped
 
-        carry = (ids, layers if write_cache else None, windows, tokens, tensors, outs,
-                 jnp.zeros(load_shape, jnp.int32))
-        _, layers, windows, tokens, _, outs, load = jax.lax.fori_loop(0, jnp.max(live), iteration, carry)
+        def more(carry):
+            j, stopped = carry[0], carry[-1]
+            return (j < k) & jnp.any(active(j, stopped))
+
+        carry = (jnp.int32(0), ids, layers if write_cache else None, windows, tokens, tensors, outs,
+                 jnp.zeros(load_shape, jnp.int32), stopped)
+        _, _, layers, windows, tokens, _, outs, load, _ = jax.lax.while_loop(more, iteration, carry)
         return outs, (layers if write_cache else cache), tokens, load, windows
 
     def _pack(self, x: jax.Array, fill, n: int) -> jax.Array:
@@ -274,8 +296,8 @@ class Runner:
         return rows, t, pages
 
     def arrays(self, plan: StepPlan) -> tuple[list[np.ndarray], list[tuple[int, ScheduledChunk]], list]:
-        """Host arrays of one step: (ids, src, positions, block_table, seqlens, slots, dest), the (row, chunk) of
-        every sampling chunk, and each row's SamplingParams (padding rows: greedy). Chunks of sequences finished
+        """Host arrays of one step: (ids, src, positions, block_table, seqlens, slots, dest, stop_ids), the
+        (row, chunk) of every sampling chunk, and each row's SamplingParams (padding rows: greedy). Chunks of sequences finished
         since ``schedule`` are left out. A multi-step decode step (chunks of more than one token) has slots
         [rows, k], column j for iteration j, and ids / positions [rows, 1] for each row's first token."""
         plan_chunks = [[ch for ch in cs if ch.seq.status is SequenceStatus.RUNNING] for cs in plan.chunks]
@@ -295,6 +317,7 @@ class Runner:
         block_table = np.zeros((n_rows, pages), np.int32)  # page 0: each rank's null page
         seqlens = np.zeros((n_rows,), np.int32)
         dest = np.full((n_rows,), self.ranks * self.max_rows, np.int32)  # out of range: dropped
+        stop_ids = np.full((n_rows, DEVICE_STOP_IDS), -1, np.int32)  # [rows, S]: -1 matches no token
         params = [_PAD_PARAMS] * n_rows
         sampled, feed = [], {}
         for rank, chunks in enumerate(plan_chunks):
@@ -322,8 +345,15 @@ class Runner:
                     params[row] = seq.params
                     dest[row] = rank * self.max_rows + i
                     feed[seq.seq_id] = int(dest[row])
+                    stops = self._stop_ids(seq.params)
+                    stop_ids[row, : len(stops)] = stops
         self._feed = feed
-        return [ids, src, positions, block_table, seqlens, slots, dest], sampled, params
+        return [ids, src, positions, block_table, seqlens, slots, dest, stop_ids], sampled, params
+
+    def _stop_ids(self, p: SamplingParams) -> list[int]:
+        """The first DEVICE_STOP_IDS of the tokens that stop a row (Scheduler._is_stop_token's set)."""
+        eos = [] if p.ignore_eos or self.eos_token_id is None else [self.eos_token_id]
+        return (eos + [t for t in p.stop_token_ids if t not in eos])[:DEVICE_STOP_IDS]
 
     def _tensors(self, params: list[SamplingParams], sampled) -> SamplingTensors:
         n_rows = len(params)
@@ -383,3 +413,8 @@ class Runner:
                     entries.append(entry)
                 logprobs[ch.seq.seq_id] = entries
         return StepResult(tokens, logprobs)
+
+
+def _is_stop(token_ids: jax.Array, stop_ids: jax.Array) -> jax.Array:
+    """token_ids [R], stop_ids [R, S] (-1 = none) -> bool [R]: the row's token is one of its stop tokens."""
+    return jnp.any(token_ids[:, None] == stop_ids, axis=1)
