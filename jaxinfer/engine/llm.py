@@ -78,7 +78,8 @@ class LLM:
     num_scheduler_steps: decode iterations per decode step (vLLM's multi-step scheduling): the device computes up
     to that many tokens of every decoding sequence in one program, so the host's work per step (scheduling,
     building and transferring the step's arrays, the dispatch, applying the tokens) is paid once per that many
-    tokens. Outputs do not change; a sequence that stops inside a step wastes the rest of its iterations. None:
+    tokens. Outputs do not change. A step ends early once every row has reached max_tokens or sampled a stop
+    token (EOS, stop_token_ids); a sequence that stops while others go on wastes the rest of its iterations. None:
     DEFAULT_SCHEDULER_STEPS on CPU (the XLA path), 1 on GPU (the Pallas path; not measured there yet)."""
 
     def __init__(self, model: str | pathlib.Path | None = None, mesh=None, dtype: str | None = None, *,

@@ -21,9 +21,11 @@ host can schedule and dispatch step n+1 before step n's tokens come back (``disp
 waits).
 
 Multi-step decode (``num_scheduler_steps`` = k > 1, vLLM's multi-step scheduling): a decode step whose chunks
-cover several tokens runs k iterations in one program (``lax.scan``). Iteration j computes position start + j of
-every row (its input: the token iteration j - 1 sampled) and samples the next token; a row with fewer tokens than
-k is masked after its last one (no slot, no token to the buffer, outputs dropped by the host). The latents of the
+cover several tokens runs up to k iterations in one program (a ``lax.while_loop``). Iteration j computes position
+start + j of every row (its input: the token iteration j - 1 sampled) and samples the next token; a row with fewer
+tokens than k is masked after its last one (no slot, no token to the buffer, outputs dropped by the host), and so
+is a row once it samples a stop token. The loop ends when no row is active: a step does not compute iterations
+whose tokens would all be thrown away (``_decode_loop``). The latents of the
 earlier iterations are read from a per-layer window (paged_attention.DecodeWindow) and written after the
 program with the others, so an iteration computes what a one-token step over the written cache would. On a
 2-core CPU the host's work per step (arrays, the transfer, the dispatch, the bookkeeping: about 1 ms of CPU
@@ -297,9 +299,10 @@ class Runner:
 
     def arrays(self, plan: StepPlan) -> tuple[list[np.ndarray], list[tuple[int, ScheduledChunk]], list]:
         """Host arrays of one step: (ids, src, positions, block_table, seqlens, slots, dest, stop_ids), the
-        (row, chunk) of every sampling chunk, and each row's SamplingParams (padding rows: greedy). Chunks of sequences finished
-        since ``schedule`` are left out. A multi-step decode step (chunks of more than one token) has slots
-        [rows, k], column j for iteration j, and ids / positions [rows, 1] for each row's first token."""
+        (row, chunk) of every sampling chunk, and each row's SamplingParams (padding rows: greedy). Chunks of
+        sequences finished since ``schedule`` are left out. A multi-step decode step (chunks of more than one
+        token) has slots [rows, k], column j for iteration j, and ids / positions [rows, 1] for each row's first
+        token. stop_ids [rows, DEVICE_STOP_IDS]: each sampling row's stop tokens (-1: none)."""
         plan_chunks = [[ch for ch in cs if ch.seq.status is SequenceStatus.RUNNING] for cs in plan.chunks]
         rows, t, pages = self.shapes(dataclasses.replace(plan, chunks=plan_chunks))
         k = t
