@@ -10,6 +10,7 @@ transformers' generate and logits, and each prompt generated alone.
 """
 
 import itertools
+import shutil
 
 import hf_oracle as O
 import jax
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 from jaxinfer.engine.llm import LLM
-from jaxinfer.engine.runner import Runner
+from jaxinfer.engine.runner import DEVICE_STOP_IDS, Runner
 from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.sequence import Sequence
@@ -229,10 +230,6 @@ def test_multi_step_decode_stops_on_device_like_the_host(case, tmp_path):
     iteration (the next step, dispatched before the host saw it, then starts with every row stopped), EOS as
     the first token (sampled by the prefill), ignore_eos (EOS must not stop on device), more stop_token_ids
     than the device checks, with the stopping one past them, and rows that stop while others go on."""
-    import shutil
-
-    from jaxinfer.engine.runner import DEVICE_STOP_IDS
-
     vocab = case.cfg["vocab_size"]
     prompt, other = _prompts(vocab, [20, 33], seed=11)
     kw = dict(mesh="1x1", dtype="float32", num_kv_pages=16)

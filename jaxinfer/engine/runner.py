@@ -59,8 +59,9 @@ from jaxinfer.models.paged_attention import DecodeWindow, write_latents
 from jaxinfer.parallel.dispatch import BATCH_AXES
 from jaxinfer.parallel.multihost import global_array, to_host
 
-# Stop ids a multi-step decode step checks on device per row (EOS first, then stop_token_ids): a row with more
-# is checked for the first ones only, which is safe (the host's stop check decides; the device only stops early).
+# Stop ids a multi-step decode step checks on device per row (SamplingParams.stop_tokens: EOS first, then
+# stop_token_ids): a row with more is checked for the first ones only, which is safe (the host's stop check
+# decides; the device only stops early).
 DEVICE_STOP_IDS = 8
 MIN_PAGES = 2  # pages per row at least: fewer shapes; at batch 32 and 128-token contexts 4 cost 10% more per step
 _PAD_PARAMS = SamplingParams(temperature=0.0)  # rows that sample nothing: greedy, never read
@@ -348,15 +349,10 @@ class Runner:
                     params[row] = seq.params
                     dest[row] = rank * self.max_rows + i
                     feed[seq.seq_id] = int(dest[row])
-                    stops = self._stop_ids(seq.params)
+                    stops = seq.params.stop_tokens(self.eos_token_id)[:DEVICE_STOP_IDS]
                     stop_ids[row, : len(stops)] = stops
         self._feed = feed
         return [ids, src, positions, block_table, seqlens, slots, dest, stop_ids], sampled, params
-
-    def _stop_ids(self, p: SamplingParams) -> list[int]:
-        """The first DEVICE_STOP_IDS of the tokens that stop a row (Scheduler._is_stop_token's set)."""
-        eos = [] if p.ignore_eos or self.eos_token_id is None else [self.eos_token_id]
-        return (eos + [t for t in p.stop_token_ids if t not in eos])[:DEVICE_STOP_IDS]
 
     def _tensors(self, params: list[SamplingParams], sampled) -> SamplingTensors:
         n_rows = len(params)

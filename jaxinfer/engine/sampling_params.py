@@ -119,6 +119,12 @@ class SamplingParams:
         """True when any of presence, frequency or repetition penalty is active."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
+    def stop_tokens(self, eos_token_id: int | None) -> tuple[int, ...]:
+        """The tokens that finish this request with "stop": the model's EOS (unless ignore_eos or None), then
+        stop_token_ids."""
+        eos = () if self.ignore_eos or eos_token_id is None else (eos_token_id,)
+        return eos + tuple(t for t in self.stop_token_ids if t not in eos)
+
 
 def _stop_strings(stop) -> tuple[str, ...]:
     if stop is None:

@@ -507,6 +507,4 @@ class Scheduler:
             seq.num_registered_pages = full
 
     def _is_stop_token(self, seq: Sequence, token: int) -> bool:
-        p = seq.params
-        return (not p.ignore_eos and self.eos_token_id is not None and token == self.eos_token_id) \
-            or token in p.stop_token_ids
+        return token in seq.params.stop_tokens(self.eos_token_id)
