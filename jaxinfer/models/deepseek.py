@@ -28,14 +28,15 @@ class DecoderLayer(nnx.Module):
     def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs, dtype, fp8: str,
                  plan: ParallelPlan | None = None):
         kw = dict(rngs=rngs, dtype=dtype, fp8=fp8)
+        rows = dict(row_shards=plan.batch_shards if plan else 1)  # dense layers run on the whole (sharded) batch
         self.plan = plan
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-        self.self_attn = MLA(config, **kw)
+        self.self_attn = MLA(config, **kw, **rows)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         if config.is_moe_layer(layer):
             self.mlp = MoE(config, plan=plan, **kw)
         else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size, **kw)
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, **kw, **rows)
 
     def __call__(self, x, positions, cos, sin, cache: jax.Array | None, form: AttnForm):
         """x [B, T, D], positions [B, T]; cache [B, S, C+R] or None. Returns (x, updated cache or None)."""
@@ -74,7 +75,8 @@ class MTPLayer(nnx.Module):
         d, eps = config.hidden_size, config.rms_norm_eps
         self.enorm = RMSNorm(d, eps, dtype=dtype)
         self.hnorm = RMSNorm(d, eps, dtype=dtype)
-        self.eh_proj = Linear(2 * d, d, rngs=rngs, dtype=dtype, fp8=eh_proj_fp8)
+        self.eh_proj = Linear(2 * d, d, rngs=rngs, dtype=dtype, fp8=eh_proj_fp8,
+                              row_shards=plan.batch_shards if plan else 1)
         self.block = DecoderLayer(config, layer, rngs=rngs, dtype=dtype, fp8=fp8, plan=plan)
         self.shared_head_norm = RMSNorm(d, eps, dtype=dtype)
 
@@ -90,12 +92,14 @@ class DeepseekForCausalLM(nnx.Module):
         c = config
         self.config = c
         self.dtype = dtype
+        self.row_shards = plan.batch_shards if plan else 1  # the devices the batch is split over (matmul_nt)
         self.embed_tokens = nnx.Param(normal_init(rngs, (c.vocab_size, c.hidden_size), dtype))
         self.layers = nnx.List([DecoderLayer(c, i, rngs=rngs, dtype=dtype, fp8=fp8, plan=plan)
                                 for i in range(c.num_hidden_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
         self.lm_head = nnx.data(
-            None if c.tie_word_embeddings else Linear(c.hidden_size, c.vocab_size, rngs=rngs, dtype=dtype))
+            None if c.tie_word_embeddings else Linear(c.hidden_size, c.vocab_size, rngs=rngs, dtype=dtype,
+                                                      row_shards=self.row_shards))
         n_mtp = c.num_nextn_predict_layers if num_mtp_layers is None else num_mtp_layers
         self.mtp = nnx.List([MTPLayer(c, c.num_hidden_layers + k, rngs=rngs, dtype=dtype, fp8=fp8,
                                       eh_proj_fp8=mtp_eh_proj_fp8, plan=plan) for k in range(n_mtp)])
@@ -108,7 +112,7 @@ class DeepseekForCausalLM(nnx.Module):
         w = self.embed_tokens[...] if self.lm_head is None else self.lm_head.kernel()
         # h in the model dtype, as HF's final norm returns it: a float32 h against bf16 weights made XLA:CPU convert
         # the whole [V, D] head to float32 at every step (batch 32: a 4.2 M-element convert per decode step).
-        return matmul_nt(h.astype(self.dtype), w)  # [B, T, V]
+        return matmul_nt(h.astype(self.dtype), w, self.row_shards)  # [B, T, V]
 
     def hidden_states(self, ids: jax.Array, positions: jax.Array, cache: Cache | None = None,
                       form: AttnForm = "expanded") -> tuple[jax.Array, Cache | None]:

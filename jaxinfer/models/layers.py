@@ -66,13 +66,25 @@ def materialized(x: jax.Array) -> jax.Array:
     return jnp.stack([x, jnp.zeros_like(x)]).sum(0)
 
 
-def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
+def local_rows(m: int, row_shards: int) -> int:
+    """The rows of an [m, K] operand that each device multiplies when its rows are split over row_shards devices
+    (m when they do not divide evenly: then XLA does not split them that way either)."""
+    return m // row_shards if row_shards > 1 and m % row_shards == 0 else m
+
+
+def matmul_nt(x: jax.Array, w: jax.Array, row_shards: int = 1) -> jax.Array:
     """x [..., K] @ w [N, K]^T -> float32 [..., N]; or batched, x [S, M, K] @ w [S, N, K]^T -> float32 [S, M, N]
     (w of rank 3: one matrix per leading index). Both operands in their own dtype, float32 accumulation.
 
     On CPU, one row (M = 1) is a float32 matrix-vector product (see below), and TRANSPOSED_PRODUCT_ROWS rows are
     computed as (w @ x^T)^T. The optimization barrier keeps that form: without it XLA's algebraic simplifier folds
-    the transpose back into the dot and picks the slow form again."""
+    the transpose back into the dot and picks the slow form again.
+
+    row_shards: the number of devices x's rows are split over when this runs under jit on a mesh outside
+    shard_map (ParallelPlan.batch_shards: the batch is split over every device). XLA then multiplies M /
+    row_shards rows per device, and the form follows those: on a 1x8 CPU mesh a batch-1 decode step has 8 rows,
+    one per device, and the 8-row form made XLA:CPU convert bf16 weights to float32 in every step (the benchmark
+    model's bf16 decode token took 59.8 ms there, 19-24 ms with the per-device form; docs/benchmarks.md)."""
     f32 = {"preferred_element_type": jnp.float32}
     lo, hi = TRANSPOSED_PRODUCT_ROWS
     fast = jax.default_backend() == "cpu"
@@ -85,7 +97,8 @@ def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
         return jnp.einsum("smk,snk->smn", x, w, **f32)
     lead, k = x.shape[:-1], x.shape[-1]
     m = math.prod(lead)
-    if fast and m == 1:
+    rows = local_rows(m, row_shards)  # per device
+    if fast and rows == 1:
         # One row: x @ w^T on float32 operands, which XLA:CPU emits as its own matrix-vector loop that reads w in its
         # dtype and converts in registers ("copy_dot_fusion" in the optimized HLO). bf16 weights: [4096, 512] 0.48 ->
         # 0.20 ms, [8192, 512] 1.10 -> 0.18 ms against a bf16 dot_general with f32 output (benchmarks/gemm_forms.py
@@ -93,36 +106,38 @@ def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
         # batch 1: 16.9 -> 2.2 ms. The same products (bf16 x bf16 is exact in float32), float32 accumulation.
         # The barrier on y: fused into the dot as an output fusion (the shared expert's sum with the routed
         # experts'), a consumer made XLA copy w transposed in every step ([512, 256]: 0.11 ms).
-        x = materialized(x.reshape(1, k).astype(jnp.float32))
-        y = jax.lax.optimization_barrier(jnp.matmul(x, w.astype(jnp.float32).T))  # [1, N]: no output fusion
+        x = materialized(x.reshape(m, k).astype(jnp.float32))
+        y = jax.lax.optimization_barrier(jnp.matmul(x, w.astype(jnp.float32).T))  # [M, N]: no output fusion
         return y.reshape(*lead, w.shape[0])
-    if fast and lo <= m <= hi:
+    if fast and lo <= rows <= hi:
         y = jnp.einsum("nk,mk->nm", w, x.reshape(m, k), **f32)  # [N, M]
         return jax.lax.optimization_barrier(y).T.reshape(*lead, w.shape[0])
     return jnp.einsum("...k,nk->...n", x, w, **f32)
 
 
-def matmul_nt_many(x: jax.Array, ws: list[jax.Array]) -> list[jax.Array]:
-    """[matmul_nt(x, w) for w in ws] for weights [N_i, K] that share the input x [..., K] (gate and up of a
-    SwiGLU MLP). On CPU one row (M = 1) runs as a single matvec over the weights concatenated along N: XLA:CPU
-    fuses the concatenation into the matvec's loop, so the weights are still read in place, and one loop
-    replaces len(ws), each with its own fixed cost (about 10 us on the CPUs here, where the benchmark model's
-    decode step runs ~65 matvecs)."""
-    if jax.default_backend() == "cpu" and math.prod(x.shape[:-1]) == 1 and len(ws) > 1:
-        y = matmul_nt(x, jnp.concatenate(ws))  # [..., sum N_i]
+def matmul_nt_many(x: jax.Array, ws: list[jax.Array], row_shards: int = 1) -> list[jax.Array]:
+    """[matmul_nt(x, w, row_shards) for w in ws] for weights [N_i, K] that share the input x [..., K] (gate and up
+    of a SwiGLU MLP). On CPU one row (M = 1 per device) runs as a single matvec over the weights concatenated
+    along N: XLA:CPU fuses the concatenation into the matvec's loop, so the weights are still read in place, and
+    one loop replaces len(ws), each with its own fixed cost (about 10 us on the CPUs here, where the benchmark
+    model's decode step runs ~65 matvecs)."""
+    if jax.default_backend() == "cpu" and local_rows(math.prod(x.shape[:-1]), row_shards) == 1 and len(ws) > 1:
+        y = matmul_nt(x, jnp.concatenate(ws), row_shards)  # [..., sum N_i]
         return jnp.split(y, list(itertools.accumulate(w.shape[0] for w in ws))[:-1], axis=-1)
-    return [matmul_nt(x, w) for w in ws]
+    return [matmul_nt(x, w, row_shards) for w in ws]
 
 
 class Linear(nnx.Module):
-    """y = x @ W.T with W [out, in]; fp8 "weights" / "compute" keep W in e4m3 with 128x128 block scales."""
+    """y = x @ W.T with W [out, in]; fp8 "weights" / "compute" keep W in e4m3 with 128x128 block scales.
+    row_shards: the devices its input rows are split over (matmul_nt; 1 off a mesh or inside shard_map)."""
 
     def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 fp8: str = "off"):
+                 fp8: str = "off", row_shards: int = 1):
         if fp8 not in FP8_MODES:
             raise ValueError(f"fp8 must be one of {FP8_MODES}, got {fp8!r}")
         self.dtype = dtype
         self.fp8 = fp8
+        self.row_shards = row_shards
         if fp8 != "off":
             self.weight = nnx.Param(normal_init(rngs, (out_features, in_features), jnp.float32).astype(FP8_DTYPE))
             self.weight_scale_inv = nnx.Param(jnp.ones(scale_shape((out_features, in_features)), jnp.float32))
@@ -139,14 +154,15 @@ class Linear(nnx.Module):
             a, a_scale = per_token_cast_to_fp8(x.reshape(-1, x.shape[-1]))  # [M, K] e4m3, [M, K/128]
             y = fp8_gemm(a, a_scale, self.weight[...], self.weight_scale_inv[...], out_dtype=self.dtype)
             return y.reshape(*lead, -1)
-        return matmul_nt(x.astype(self.dtype), self.kernel()).astype(self.dtype)  # [..., N]
+        return matmul_nt(x.astype(self.dtype), self.kernel(), self.row_shards).astype(self.dtype)  # [..., N]
 
 
 class MLP(nnx.Module):
     """SwiGLU MLP: down(silu(gate(x)) * up(x)) (dense layers and shared experts)."""
 
-    def __init__(self, hidden: int, intermediate: int, *, rngs: nnx.Rngs, dtype=jnp.float32, fp8: str = "off"):
-        kw = dict(rngs=rngs, dtype=dtype, fp8=fp8)
+    def __init__(self, hidden: int, intermediate: int, *, rngs: nnx.Rngs, dtype=jnp.float32, fp8: str = "off",
+                 row_shards: int = 1):
+        kw = dict(rngs=rngs, dtype=dtype, fp8=fp8, row_shards=row_shards)
         self.gate_proj = Linear(hidden, intermediate, **kw)
         self.up_proj = Linear(hidden, intermediate, **kw)
         self.down_proj = Linear(intermediate, hidden, **kw)
@@ -155,5 +171,6 @@ class MLP(nnx.Module):
         if self.gate_proj.fp8 == "compute":
             return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
         dtype = self.gate_proj.dtype
-        gate, up = matmul_nt_many(x.astype(dtype), [self.gate_proj.kernel(), self.up_proj.kernel()])
+        gate, up = matmul_nt_many(x.astype(dtype), [self.gate_proj.kernel(), self.up_proj.kernel()],
+                                  self.gate_proj.row_shards)
         return self.down_proj(jax.nn.silu(gate.astype(dtype)) * up.astype(dtype))

@@ -27,11 +27,13 @@ LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the default eps in 
 
 
 class MLA(nnx.Module):
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, fp8: str = "off"):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, fp8: str = "off",
+                 row_shards: int = 1):
         c = config
         self.config = c
         self.dtype = dtype
-        kw = dict(rngs=rngs, dtype=dtype, fp8=fp8)
+        self.row_shards = row_shards  # the devices the batch is split over (layers.matmul_nt)
+        kw = dict(rngs=rngs, dtype=dtype, fp8=fp8, row_shards=row_shards)
         h, dqk = c.num_attention_heads, c.qk_head_dim
         if c.q_lora_rank is None:
             self.q_proj = Linear(c.hidden_size, h * dqk, **kw)
@@ -73,7 +75,7 @@ class MLA(nnx.Module):
         if self.config.q_lora_rank is None or self.q_a_proj.fp8 == "compute":
             return None, None
         ws = [self.q_a_proj.kernel(), self.kv_a_proj_with_mqa.kernel()]
-        q_a, kv = matmul_nt_many(x.astype(self.dtype), ws)
+        q_a, kv = matmul_nt_many(x.astype(self.dtype), ws, self.row_shards)
         return q_a.astype(self.dtype), kv.astype(self.dtype)
 
     def w_uk_uv(self):

@@ -367,7 +367,8 @@ class MoE(nnx.Module):
                                num_redundant=plan.num_redundant_experts if plan else 0)
         shared = config.moe_intermediate_size * config.n_shared_experts
         self.shared_experts = nnx.data(
-            MLP(config.hidden_size, shared, rngs=rngs, dtype=dtype, fp8=fp8) if shared else None)
+            MLP(config.hidden_size, shared, rngs=rngs, dtype=dtype, fp8=fp8,
+                row_shards=plan.batch_shards if plan else 1) if shared else None)  # on the whole batch
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [B, T, D] -> [B, T, D]."""

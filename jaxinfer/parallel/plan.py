@@ -22,5 +22,10 @@ class ParallelPlan:
             raise ValueError(f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
 
     @property
+    def batch_shards(self) -> int:
+        """The devices the batch is split over (all of them: each is a DP rank)."""
+        return self.mesh.size
+
+    @property
     def expert_ranks(self) -> int:
         return self.mesh.shape["expert"]
