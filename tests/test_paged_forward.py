@@ -2,8 +2,6 @@
 gives the logits of the plain full-sequence forward (the form checked against transformers), on one device and
 with every device a DP rank holding its own pages."""
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +10,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 import jaxinfer
+from hlo_buffers import materialized_shapes
 from jaxinfer.kv.paged_cache import cache_sharding, init_paged_cache, slot_mapping
 from jaxinfer.parallel.dispatch import BATCH_AXES
 
@@ -53,22 +52,6 @@ def test_chunked_prefill_and_decode_match_full_forward(mesh):
     assert layers[0].sharding.is_equivalent_to(cache_sharding(model.mesh), 4)
 
 
-def _materialized_shapes(hlo: str) -> set[str]:
-    """Result shapes ("f32[16,64]") of the instructions an optimized HLO module computes into buffers: those of
-    every computation except fusion bodies (whose values stay in registers), parameters and aliases excluded."""
-    fused = set(re.findall(r"calls=(%[\w.\-]+)", hlo))
-    shapes, skip = set(), True
-    for line in hlo.splitlines():
-        header = re.match(r"(?:ENTRY )?(%[\w.\-]+) \(.*\{$", line)
-        if header:
-            skip = header.group(1) in fused
-        elif not skip and " = " in line:
-            m = re.match(r"\s*(?:ROOT )?%\S+ = (\w+\[[\d,]*\])\S* (\S+?)\(", line)
-            if m and m.group(2) not in ("parameter", "get-tuple-element", "bitcast", "tuple"):
-                shapes.add(m.group(1))
-    return shapes
-
-
 def test_single_token_decode_reads_weights_in_place():
     """A batch-1 decode step on CPU (layers.matmul_nt's one-row form, moe's gather path) computes no array of any
     weight's shape or its transpose, nor of the concatenations that matmul_nt_many reads as one matrix: every
@@ -97,10 +80,10 @@ def test_single_token_decode_reads_weights_in_place():
     args = (np.ones((1, 1), np.int32), np.full((1, 1), 5, np.int32), np.array([[1, 2]], np.int32),
             np.array([6], np.int32), np.array([[5]], np.int32))
     hlo = jax.jit(step).lower(model.state, cache, *args).compile().as_text()
-    assert not _materialized_shapes(hlo) & weight_shapes
+    assert not materialized_shapes(hlo) & weight_shapes
     w = weights[0]
     copying = jax.jit(lambda x, w: (x @ w.T, w.T * 2.0)).lower(jnp.zeros((1, w.shape[1])), w).compile().as_text()
-    assert _materialized_shapes(copying) & weight_shapes
+    assert materialized_shapes(copying) & weight_shapes
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -125,7 +108,7 @@ def test_multi_step_decode_reads_weights_in_place(dtype):
     hlo = runner._step.lower(runner._state_leaves[0], runner.layers, runner.tokens, runner._load_total,
                              runner._no_load, packed, layout).compile().as_text()
     assert "while" in hlo
-    assert not _materialized_shapes(hlo) & weight_shapes
+    assert not materialized_shapes(hlo) & weight_shapes
 
 
 def layout_iterations(layout) -> int:

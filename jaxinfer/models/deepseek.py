@@ -17,7 +17,7 @@ from jaxinfer.models.layers import MLP, Linear, RMSNorm, matmul_nt, normal_init
 from jaxinfer.models.mla import MLA, AttnForm
 from jaxinfer.models.moe import MoE
 from jaxinfer.models.rope import rope_cos_sin
-from jaxinfer.parallel.plan import ParallelPlan
+from jaxinfer.parallel.plan import ParallelPlan, batch_shards
 
 Cache = tuple[jax.Array, ...]  # per layer [B, S, C+R]: [rms(c_kv) | roped k_pe], slot s holds position s
 
@@ -28,7 +28,7 @@ class DecoderLayer(nnx.Module):
     def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs, dtype, fp8: str,
                  plan: ParallelPlan | None = None):
         kw = dict(rngs=rngs, dtype=dtype, fp8=fp8)
-        rows = dict(row_shards=plan.batch_shards if plan else 1)  # dense layers run on the whole (sharded) batch
+        rows = dict(row_shards=batch_shards(plan))  # dense layers run on the whole (sharded) batch
         self.plan = plan
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.self_attn = MLA(config, **kw, **rows)
@@ -76,7 +76,7 @@ class MTPLayer(nnx.Module):
         self.enorm = RMSNorm(d, eps, dtype=dtype)
         self.hnorm = RMSNorm(d, eps, dtype=dtype)
         self.eh_proj = Linear(2 * d, d, rngs=rngs, dtype=dtype, fp8=eh_proj_fp8,
-                              row_shards=plan.batch_shards if plan else 1)
+                              row_shards=batch_shards(plan))
         self.block = DecoderLayer(config, layer, rngs=rngs, dtype=dtype, fp8=fp8, plan=plan)
         self.shared_head_norm = RMSNorm(d, eps, dtype=dtype)
 
@@ -92,7 +92,7 @@ class DeepseekForCausalLM(nnx.Module):
         c = config
         self.config = c
         self.dtype = dtype
-        self.row_shards = plan.batch_shards if plan else 1  # the devices the batch is split over (matmul_nt)
+        self.row_shards = batch_shards(plan)  # the devices the batch is split over (matmul_nt)
         self.embed_tokens = nnx.Param(normal_init(rngs, (c.vocab_size, c.hidden_size), dtype))
         self.layers = nnx.List([DecoderLayer(c, i, rngs=rngs, dtype=dtype, fp8=fp8, plan=plan)
                                 for i in range(c.num_hidden_layers)])

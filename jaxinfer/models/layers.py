@@ -81,7 +81,7 @@ def matmul_nt(x: jax.Array, w: jax.Array, row_shards: int = 1) -> jax.Array:
     the transpose back into the dot and picks the slow form again.
 
     row_shards: the number of devices x's rows are split over when this runs under jit on a mesh outside
-    shard_map (ParallelPlan.batch_shards: the batch is split over every device). XLA then multiplies M /
+    shard_map (parallel.plan.batch_shards: the batch is split over every device). XLA then multiplies M /
     row_shards rows per device, and the form follows those: on a 1x8 CPU mesh a batch-1 decode step has 8 rows,
     one per device, and the 8-row form made XLA:CPU convert bf16 weights to float32 in every step (the benchmark
     model's bf16 decode token took 59.8 ms there, 19-24 ms with the per-device form; docs/benchmarks.md)."""

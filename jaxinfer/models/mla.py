@@ -32,7 +32,6 @@ class MLA(nnx.Module):
         c = config
         self.config = c
         self.dtype = dtype
-        self.row_shards = row_shards  # the devices the batch is split over (layers.matmul_nt)
         kw = dict(rngs=rngs, dtype=dtype, fp8=fp8, row_shards=row_shards)
         h, dqk = c.num_attention_heads, c.qk_head_dim
         if c.q_lora_rank is None:
@@ -75,7 +74,7 @@ class MLA(nnx.Module):
         if self.config.q_lora_rank is None or self.q_a_proj.fp8 == "compute":
             return None, None
         ws = [self.q_a_proj.kernel(), self.kv_a_proj_with_mqa.kernel()]
-        q_a, kv = matmul_nt_many(x.astype(self.dtype), ws, self.row_shards)
+        q_a, kv = matmul_nt_many(x.astype(self.dtype), ws, self.kv_a_proj_with_mqa.row_shards)
         return q_a.astype(self.dtype), kv.astype(self.dtype)
 
     def w_uk_uv(self):

@@ -20,8 +20,8 @@ from jaxinfer.models.grouped_matmul import tile_plan
 from jaxinfer.models.layers import FP8_DTYPE, MLP, dense_weight, matmul_nt, matmul_nt_many, normal_init
 from jaxinfer.parallel.dispatch import expert_parallel, slot_counts
 from jaxinfer.parallel.placement import default_tables
+from jaxinfer.parallel.plan import ParallelPlan, batch_shards
 from kernels_pallas import fp8_grouped_gemm_contiguous, per_token_cast_to_fp8
-from jaxinfer.parallel.plan import ParallelPlan
 
 
 def route(config: ModelConfig, logits: jax.Array, bias: jax.Array | None) -> tuple[jax.Array, jax.Array]:
@@ -368,7 +368,7 @@ class MoE(nnx.Module):
         shared = config.moe_intermediate_size * config.n_shared_experts
         self.shared_experts = nnx.data(
             MLP(config.hidden_size, shared, rngs=rngs, dtype=dtype, fp8=fp8,
-                row_shards=plan.batch_shards if plan else 1) if shared else None)  # on the whole batch
+                row_shards=batch_shards(plan)) if shared else None)  # on the whole batch
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [B, T, D] -> [B, T, D]."""

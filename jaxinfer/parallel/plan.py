@@ -22,10 +22,10 @@ class ParallelPlan:
             raise ValueError(f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
 
     @property
-    def batch_shards(self) -> int:
-        """The devices the batch is split over (all of them: each is a DP rank)."""
-        return self.mesh.size
-
-    @property
     def expert_ranks(self) -> int:
         return self.mesh.shape["expert"]
+
+
+def batch_shards(plan: ParallelPlan | None) -> int:
+    """The devices the batch is split over under ``plan`` (all of them: each is a DP rank); 1 without one."""
+    return 1 if plan is None else plan.mesh.size
