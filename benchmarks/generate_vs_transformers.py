@@ -19,7 +19,7 @@ measured by dispatching the same captured decode step back to back (no host work
 the tokens it computes per sequence (--num-scheduler-steps).
 
 Memory floor (batch 1): a decode token reads every weight it uses once (the routed experts' top-k, one embedding
-row). The line after batch 1 gives those bytes and the time of one matrix-vector product over as many bytes,
+row; the head's int8 copy when greedy screening is on, jaxinfer/models/screened_head.py). The line after batch 1 gives those bytes and the time of one matrix-vector product over as many bytes,
 timed in alternation with the captured decode step: what streaming the weights costs in the same minutes.
 """
 
@@ -46,6 +46,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (the CPU machines have 2 cores)")
     p.add_argument("--cpu-devices", type=int, default=None,
                    help="simulated CPU devices (default: the mesh's; 8 made a 1x1 step ~20%% slower)")
+    p.add_argument("--greedy-screening", choices=["auto", "on", "off"], default="auto",
+                   help="LLM's greedy_screening (auto: its default, on for float32 on CPU)")
     p.add_argument("--skip-transformers", action="store_true")
     args = p.parse_args()
 
@@ -71,6 +73,8 @@ def main() -> None:
         ref.save_pretrained(tmp.name)
     ref = ref.to(torch_dtype)
     options = {} if args.num_scheduler_steps is None else {"num_scheduler_steps": args.num_scheduler_steps}
+    if args.greedy_screening != "auto":
+        options["greedy_screening"] = args.greedy_screening == "on"
     llm = LLM(tmp.name, mesh=args.mesh, dtype=args.dtype, max_num_seqs=max(batch_sizes),
               enable_prefix_caching=False, **options)
 
@@ -81,8 +85,8 @@ def main() -> None:
 
     print(f"greedy generation, input {args.input_len}, output {args.output_len}, dtype {args.dtype}, mesh "
           f"{args.mesh} (hidden 512, 4 layers, 16 experts top-4), num_scheduler_steps "
-          f"{llm.runner.num_scheduler_steps}; decode tok/s exclude prefill + first token; median of {args.repeats} "
-          f"alternating rounds")
+          f"{llm.runner.num_scheduler_steps}, greedy_screening {llm.runner.greedy_screening}; decode tok/s exclude "
+          f"prefill + first token; median of {args.repeats} alternating rounds")
     for b in batch_sizes:
         prompts = np.random.default_rng(b).integers(0, cfg.vocab_size, (b, args.input_len))
 
@@ -170,7 +174,7 @@ def decode_host_share(llm, ours, output_len: int):
 
 def weight_stream_floor(llm, replay) -> tuple[float, float, float]:
     """Batch-1 decode reads every weight once per token (routed experts: top_k of each layer's slots; the
-    embedding: one row). Returns (those MB, ms of one float32-accumulating matrix-vector product over as many
+    embedding: one row; the head: its int8 screen with greedy_screening, plus a few rows). Returns (those MB, ms of one float32-accumulating matrix-vector product over as many
     bytes of the model dtype (layers.matmul_nt, the engine's one-row product), ms of a decode token by
     ``replay``), both the min of 7 interleaved rounds: the memory-bandwidth floor of the token, measured in the
     same minutes (the machines here drift)."""
@@ -181,12 +185,15 @@ def weight_stream_floor(llm, replay) -> tuple[float, float, float]:
     from jaxinfer.models.layers import matmul_nt
 
     top_k = llm.model.config.num_experts_per_tok
+    screen = llm.runner._head_screen
     total = 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(llm.model.state):
         keys = jax.tree_util.keystr(path)
         if getattr(leaf, "ndim", 0) < 2 or "embed_tokens" in keys or "mtp" in keys:
             continue
         share = top_k / leaf.shape[0] if "['experts']" in keys else 1.0
+        if screen is not None and "lm_head" in keys:  # greedy screening reads the head's int8 copy instead
+            leaf = screen.q
         total += leaf.nbytes * share
     dtype = llm.model.dtype
     k = 512

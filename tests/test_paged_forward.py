@@ -106,7 +106,7 @@ def test_multi_step_decode_reads_weights_in_place(dtype):
     del runner._run
     packed, layout = next(c for c in captured if layout_iterations(c[1]) == 4)
     hlo = runner._step.lower(runner._state_leaves[0], runner.layers, runner.tokens, runner._load_total,
-                             runner._no_load, packed, layout).compile().as_text()
+                             runner._no_load, packed, layout, runner._head_screen).compile().as_text()
     assert "while" in hlo
     assert not materialized_shapes(hlo) & weight_shapes
 

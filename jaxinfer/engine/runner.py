@@ -55,6 +55,8 @@ from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.engine.scheduler import MIN_PREFILL_T, ScheduledChunk, StepPlan, bucket
 from jaxinfer.engine.sequence import PLACEHOLDER, SequenceStatus
 from jaxinfer.kv.paged_cache import init_paged_cache
+from jaxinfer.models.layers import local_rows
+from jaxinfer.models.screened_head import HeadScreen, build_head_screen, screened_argmax
 from jaxinfer.models.paged_attention import DecodeWindow, write_latents
 from jaxinfer.parallel.dispatch import BATCH_AXES
 from jaxinfer.parallel.multihost import global_array, to_host
@@ -65,6 +67,25 @@ from jaxinfer.parallel.multihost import global_array, to_host
 DEVICE_STOP_IDS = 8
 MIN_PAGES = 2  # pages per row at least: fewer shapes; at batch 32 and 128-token contexts 4 cost 10% more per step
 _PAD_PARAMS = SamplingParams(temperature=0.0)  # rows that sample nothing: greedy, never read
+
+
+def head_sample(model, h: jax.Array, tensors: SamplingTensors, screen: HeadScreen | None) -> SampleOutput:
+    """The head on each row's last hidden state h [R, D] and the sampler. A step whose rows are all greedy, with
+    no penalties and no logprobs, takes the screened argmax (models/screened_head.py: the same tokens from a
+    quarter of the head's float32 bytes) when a screen is given and each device holds one row (the matrix-vector
+    regime, where the head's bytes are the cost); the full logits when the screen cannot prove its answer."""
+    def full(_=None):
+        return sample(model.head(h[:, None])[:, 0], tensors)  # [R, V] logits -> [R]
+
+    if (screen is None or tensors.max_logprobs is not None or tensors.output_counts is not None
+            or local_rows(h.shape[0], model.row_shards) != 1):
+        return full()
+
+    def greedy(_):
+        ids, proven = screened_argmax(h.astype(model.dtype), model.head_weight(), screen, model.row_shards)
+        return jax.lax.cond(proven, lambda _: ids, lambda _: full().token_ids, None)
+
+    return SampleOutput(token_ids=jax.lax.cond(jnp.all(tensors.greedy), greedy, lambda _: full().token_ids, None))
 
 
 @dataclasses.dataclass
@@ -100,12 +121,14 @@ class Runner:
       num_scheduler_steps: decode iterations per decode step at most (Scheduler.num_scheduler_steps).
       eos_token_id: the scheduler's EOS id (Scheduler.eos_token_id): a multi-step decode step stops early when
         every row has sampled a stop token (``_decode_loop``).
+      greedy_screening: greedy steps of one row per device take the head's argmax through an int8 screen
+        (``head_sample``; the same tokens, a quarter of a float32 head's bytes, an int8 copy of the head kept).
     """
 
     def __init__(self, model, num_pages_per_rank: int, *, max_num_seqs: int = 64, prefill_capacity: int = 1024,
                  min_prefill_t: int = MIN_PREFILL_T, page_size: int = 64, engine_seed: int = 0,
                  max_logprobs: int = 20, expert_load_window: int = 1000, num_scheduler_steps: int = 1,
-                 eos_token_id: int | None = None):
+                 eos_token_id: int | None = None, greedy_screening: bool = False):
         self.model = model
         self.page_size = page_size
         self.ranks = model.dp_size
@@ -116,6 +139,7 @@ class Runner:
         self.max_logprobs = max_logprobs
         self.num_scheduler_steps = num_scheduler_steps
         self.eos_token_id = eos_token_id
+        self.greedy_screening = greedy_screening
         self.vocab_size = model.config.vocab_size
         self._batch = NamedSharding(model.mesh, P(BATCH_AXES))
         # The XLA path's cache holds bit patterns (paged_cache's module doc: XLA:CPU upcasts bf16 scatters and
@@ -143,10 +167,18 @@ class Runner:
         leaves, treedef = jax.tree.flatten(self.model.state)
         return leaves, treedef
 
+    @functools.cached_property
+    def _head_screen(self) -> HeadScreen | None:
+        """The head's int8 screen (models/screened_head.py), built from the current weights; None when off."""
+        if not self.greedy_screening:
+            return None
+        return build_head_screen(nnx.merge(self.model.graphdef, self.model.state).head_weight())
+
     def refresh_state(self) -> None:
         """Reads the model state again at the next step (after it was changed in place, e.g. rebalanced experts).
         Shapes, dtypes and shardings must not change: the compiled steps are reused."""
         self.__dict__.pop("_state_leaves", None)
+        self.__dict__.pop("_head_screen", None)
 
     @functools.cached_property
     def _step(self):
@@ -162,7 +194,7 @@ class Runner:
 
         @functools.partial(jax.jit, donate_argnums=((1, 2, 3) if write_cache else (2, 3)), static_argnums=6,
                            compiler_options=options)
-        def step(state_leaves, layers, tokens, load_total, load_evict, packed, layout):
+        def step(state_leaves, layers, tokens, load_total, load_evict, packed, layout, screen):
             ids, src, positions, block_table, seqlens, slots, dest, stop_ids, tensors = packing.unpack(packed, layout)
             ids = jnp.where(src >= 0, tokens[jnp.maximum(src, 0)], ids)  # [R, T] placeholders from the buffer
             model = nnx.merge(graphdef, jax.tree.unflatten(treedef, state_leaves))
@@ -172,13 +204,12 @@ class Runner:
                 stopped = (src[:, -1] >= 0) & _is_stop(ids[:, -1], stop_ids)  # [R]
                 out, layers, tokens, load, latents = self._decode_loop(
                     model, layers, tokens, ids, positions, block_table, seqlens, slots, dest, tensors, write_cache,
-                    load_total.shape, stop_ids, stopped)
+                    load_total.shape, stop_ids, stopped, screen)
                 n = self.max_rows * slots.shape[1]
             else:
                 h, layers, load = model.paged_hidden_states(ids, positions, layers, block_table, seqlens, slots,
                                                             write_cache)
-                logits = model.head(h[:, -1:])[:, 0]  # [R, V]: the last column holds each row's last real token
-                out = sample(logits, tensors)
+                out = head_sample(model, h[:, -1], tensors, screen)  # the last column: each row's last real token
                 tokens = tokens.at[dest].set(out.token_ids, mode="drop")  # dest past the buffer: padding rows
                 latents = layers
                 n = self.max_rows if ids.shape[1] == 1 else self.prefill_capacity
@@ -195,10 +226,11 @@ class Runner:
         return step
 
     def _decode_loop(self, model, layers, tokens, ids, positions, block_table, seqlens, slots, dest, tensors,
-                     write_cache: bool, load_shape: tuple[int, ...], stop_ids, stopped):
+                     write_cache: bool, load_shape: tuple[int, ...], stop_ids, stopped, screen):
         """k decode iterations (slots [R, k]; see the module doc). ids, positions [R, 1]: each row's first
         token and its position; seqlens [R]: tokens in the cache after iteration 0 (0: padding row); stop_ids
-        [R, S]: each row's stop tokens (-1: none); stopped [R]: rows finished before the step. Returns
+        [R, S]: each row's stop tokens (-1: none); stopped [R]: rows finished before the step; screen: the
+        head's int8 screen or None (``head_sample``). Returns
         (SampleOutput with a leading [k] axis, layers, tokens, expert load [load_shape] summed over the
         iterations, per layer the latents [R, k, C+R] of all iterations (write_cache=False; else None)).
 
@@ -233,7 +265,7 @@ class Runner:
                                                          views)
                 windows = tuple(jax.lax.dynamic_update_slice_in_dim(w, x.astype(w.dtype), j, axis=1)
                                 for w, x in zip(windows, new))  # [R, k, C+R]
-            out = sample(model.head(h)[:, 0], tensors)  # [R]
+            out = head_sample(model, h[:, 0], tensors, screen)  # [R]
             now = active(j, stopped)
             tokens = tokens.at[jnp.where(now, dest, no_dest)].set(out.token_ids, mode="drop")
             stopped = stopped | (now & _is_stop(out.token_ids, stop_ids))
@@ -275,7 +307,8 @@ class Runner:
         full = len(self._load_steps) >= self.expert_load_window
         evict = self._load_steps.popleft() if full else self._no_load
         out, new, self.tokens, (self._load_total, load) = self._step(
-            self._state_leaves[0], self.layers, self.tokens, self._load_total, evict, packed, layout)
+            self._state_leaves[0], self.layers, self.tokens, self._load_total, evict, packed, layout,
+            self._head_screen)
         self._load_steps.append(load)
         self.layers = new if self._write_in_step else self._write(self.layers, *new)
         return out

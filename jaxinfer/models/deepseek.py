@@ -107,9 +107,13 @@ class DeepseekForCausalLM(nnx.Module):
     def embed(self, ids: jax.Array) -> jax.Array:
         return jnp.take(self.embed_tokens[...], ids, axis=0)  # [B, T, D]
 
+    def head_weight(self) -> jax.Array:
+        """The LM head [V, D] in the model dtype: lm_head, or the embedding when they are tied."""
+        return self.embed_tokens[...] if self.lm_head is None else self.lm_head.kernel()
+
     def head(self, h: jax.Array) -> jax.Array:
         """h [B, T, D] (normed) -> float32 logits [B, T, V]."""
-        w = self.embed_tokens[...] if self.lm_head is None else self.lm_head.kernel()
+        w = self.head_weight()
         # h in the model dtype, as HF's final norm returns it: a float32 h against bf16 weights made XLA:CPU convert
         # the whole [V, D] head to float32 at every step (batch 32: a 4.2 M-element convert per decode step).
         return matmul_nt(h.astype(self.dtype), w, self.row_shards)  # [B, T, V]
