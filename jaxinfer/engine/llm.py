@@ -62,9 +62,10 @@ DEFAULT_SCHEDULER_STEPS = 8
 
 def default_greedy_screening(model) -> bool:
     """greedy_screening's default: on for a float32 model on CPU, where the int8 screen reads a quarter of the
-    head's bytes (the benchmark model's float32 batch-1 token: 2.50 -> 2.24 ms, medians of 21 alternating
-    replays). Off for bf16, where the screen's int8 matrix-vector product costs about what the bf16 head's does
-    on this CPU (1.36 vs 1.40 ms), and on GPU (not measured)."""
+    head's bytes (the benchmark model's float32 batch-1 token: 2.20 -> 1.91 ms, medians of 21 alternating
+    replays of the captured decode step; docs/benchmarks.md). Off for bf16, where the screen's int8
+    matrix-vector product costs about what the bf16 head's does on this CPU (1.40 without, 1.43 ms with it), and
+    on GPU (not measured)."""
     return jax.default_backend() == "cpu" and np.dtype(model.dtype) == np.float32
 
 
