@@ -81,11 +81,11 @@ def test_screened_argmax_equals_the_float64_argmax(seed, shape, dtype, rows):
     ref = _logits64(x.astype(jnp.float32), w)
     best = ref.max(axis=1)
     slack = 2 * _f32_slack(x.astype(jnp.float32), w).max(axis=1)
-    if bool(proven):
-        chosen = ref[np.arange(rows), np.asarray(ids)]
-        assert (chosen >= best - slack).all()  # a largest logit, up to float32 rounding
-        clear = np.sort(ref, axis=1)[:, -2] < best - slack  # the rows whose winner is clear
-        np.testing.assert_array_equal(np.asarray(ids)[clear], ref.argmax(axis=1)[clear])
+    assert bool(proven)  # random heads: the candidates fit (30 of 30 seeds per shape and dtype in a /tmp scan)
+    chosen = ref[np.arange(rows), np.asarray(ids)]
+    assert (chosen >= best - slack).all()  # a largest logit, up to float32 rounding
+    clear = np.sort(ref, axis=1)[:, -2] < best - slack  # the rows whose winner is clear
+    np.testing.assert_array_equal(np.asarray(ids)[clear], ref.argmax(axis=1)[clear])
 
 
 def test_equal_rows_give_the_first_index_and_near_ties_are_resolved_exactly():
