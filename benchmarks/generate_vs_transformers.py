@@ -19,8 +19,9 @@ measured by dispatching the same captured decode step back to back (no host work
 the tokens it computes per sequence (--num-scheduler-steps).
 
 Memory floor (batch 1): a decode token reads every weight it uses once (the routed experts' top-k, one embedding
-row; the head's int8 copy when greedy screening is on, jaxinfer/models/screened_head.py). The line after batch 1 gives those bytes and the time of one matrix-vector product over as many bytes,
-timed in alternation with the captured decode step: what streaming the weights costs in the same minutes.
+row; the head's int8 copy when greedy screening is on, jaxinfer/models/screened_head.py). The line after batch 1
+gives those bytes and the time of one matrix-vector product over as many bytes, timed in alternation with the
+captured decode step: what streaming the weights costs in the same minutes.
 """
 
 from __future__ import annotations
@@ -174,10 +175,10 @@ def decode_host_share(llm, ours, output_len: int):
 
 def weight_stream_floor(llm, replay) -> tuple[float, float, float]:
     """Batch-1 decode reads every weight once per token (routed experts: top_k of each layer's slots; the
-    embedding: one row; the head: its int8 screen with greedy_screening, plus a few rows). Returns (those MB, ms of one float32-accumulating matrix-vector product over as many
-    bytes of the model dtype (layers.matmul_nt, the engine's one-row product), ms of a decode token by
-    ``replay``), both the min of 7 interleaved rounds: the memory-bandwidth floor of the token, measured in the
-    same minutes (the machines here drift)."""
+    embedding: one row; the head: its int8 screen with greedy_screening, plus a few rows). Returns (those MB, ms
+    of one float32-accumulating matrix-vector product over as many bytes of the model dtype (layers.matmul_nt,
+    the engine's one-row product), ms of a decode token by ``replay``), both the min of 7 interleaved rounds: the
+    memory-bandwidth floor of the token, measured in the same minutes (the machines here drift)."""
     import jax
     import jax.numpy as jnp
     import numpy as np

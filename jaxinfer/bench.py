@@ -193,8 +193,9 @@ def _llm(args, mesh, max_model_len: int, **options):
     does not fit the model's positions."""
     import jaxinfer
 
+    # compilation_cache="off": the CLI has configured JAX's cache from --compilation-cache (cli._start_jax).
     llm = jaxinfer.LLM(args.model, mesh=mesh, dtype=args.dtype, enable_prefix_caching=False,
-                       max_model_len=max_model_len, **options)
+                       max_model_len=max_model_len, compilation_cache="off", **options)
     if llm.max_model_len < max_model_len:
         raise ValueError(f"requests of up to {max_model_len} tokens (input + output) exceed the model's "
                          f"max_position_embeddings={llm.max_model_len}")

@@ -16,6 +16,7 @@ import sys
 import time
 
 from jaxinfer import bench, sweep
+from jaxinfer.compile_cache import compilation_cache_dir
 from jaxinfer import cli_generate as generate
 
 
@@ -63,17 +64,6 @@ def _parser() -> argparse.ArgumentParser:
                          help="keep FP8 weights with their block scales (default: yes for FP8 checkpoints)")
     _add_runtime_flags(convert)
     return parser
-
-
-def compilation_cache_dir(flag: str | None) -> str | None:
-    """--compilation-cache: the directory, None for "off". vLLM and SGLang keep their compiled graphs between runs
-    by default too (~/.cache/vllm); JAX's own cache (jax_compilation_cache_dir) does it for XLA programs."""
-    if flag == "off":
-        return None
-    if flag:
-        return flag
-    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
-    return os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(pathlib.Path(base) / "jaxinfer" / "jax")
 
 
 def _start_jax(args) -> None:

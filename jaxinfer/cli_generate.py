@@ -91,7 +91,8 @@ def run(args) -> None:
     from jaxinfer.parallel import multihost
 
     requests = read_requests(args)
-    llm = jaxinfer.LLM(args.model, mesh=args.mesh, dtype=args.dtype)
+    # compilation_cache="off": the CLI has configured JAX's cache from --compilation-cache (cli._start_jax).
+    llm = jaxinfer.LLM(args.model, mesh=args.mesh, dtype=args.dtype, compilation_cache="off")
     defaults = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
                     seed=args.seed)
     prompts, params = [], []

@@ -5,11 +5,14 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
 import jaxinfer
+from jaxinfer import LLM
 from jaxinfer.cli import compilation_cache_dir, main
+from jaxinfer.compile_cache import enable_compilation_cache
 
 
 def test_quickstart_command_in_a_fresh_process(tmp_path):
@@ -36,6 +39,27 @@ def test_compilation_cache_dir(monkeypatch, tmp_path):
     assert compilation_cache_dir(None) == "/somewhere"
     assert compilation_cache_dir("/flag") == "/flag"
     assert compilation_cache_dir("off") is None
+
+
+def test_llm_compilation_cache_option(monkeypatch, tmp_path):
+    """LLM(compilation_cache=...): None keeps JAX's directory or sets the default one, a path sets it, "off" leaves
+    JAX alone; a bad value is a ValueError before anything loads."""
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        jax.config.update("jax_compilation_cache_dir", "/already")
+        assert enable_compilation_cache(None) == "/already" and enable_compilation_cache("off") == "/already"
+        jax.config.update("jax_compilation_cache_dir", None)
+        assert enable_compilation_cache("off") is None and jax.config.jax_compilation_cache_dir is None
+        assert enable_compilation_cache(None) == str(tmp_path / "jaxinfer" / "jax")
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "jaxinfer" / "jax")
+        assert enable_compilation_cache(str(tmp_path / "mine")) == str(tmp_path / "mine")
+        for bad in (3, ""):
+            with pytest.raises(ValueError, match="compilation_cache"):
+                LLM(compilation_cache=bad)
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
 
 
 def test_score_matches_model_logits(capsys):

@@ -37,7 +37,8 @@ def _f32_slack(x, w):
     """How far any float32 evaluation of x . w_r may be from the exact one (Higham: gamma_D ||x|| ||w_r||)."""
     d = x.shape[-1]
     w64 = np.asarray(w.astype(jnp.float32), np.float64)
-    return d * U / (1 - d * U) * np.linalg.norm(np.asarray(x, np.float64), axis=-1)[:, None] * np.linalg.norm(w64, axis=1)
+    x_norm = np.linalg.norm(np.asarray(x, np.float64), axis=-1)[:, None]  # [R, 1]
+    return d * U / (1 - d * U) * x_norm * np.linalg.norm(w64, axis=1)  # [R, V]
 
 
 @settings(max_examples=12, deadline=None)

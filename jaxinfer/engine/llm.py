@@ -23,6 +23,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxinfer import default_model
+from jaxinfer.compile_cache import enable_compilation_cache
 from jaxinfer.engine.runner import Runner
 from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.engine.scheduler import Scheduler
@@ -94,7 +95,12 @@ class LLM:
     greedy_screening: greedy decode steps of one sequence per DP rank (no penalties, no logprobs) find each
     token's largest logit through an int8 copy of the LM head and recompute only the few rows that could win in
     float32 (models/screened_head.py): the same tokens, a quarter of a float32 head's bytes read per token
-    (memory-bound on CPU), at the cost of that copy (V x D bytes). None: ``default_greedy_screening``."""
+    (memory-bound on CPU), at the cost of that copy (V x D bytes). None: ``default_greedy_screening``.
+
+    compilation_cache: JAX's persistent compilation cache, so that a later process skips compiling the engine's
+    programs (vLLM keeps its compiled graphs by default too): None keeps the cache directory JAX already has and
+    otherwise uses $JAX_COMPILATION_CACHE_DIR or ~/.cache/jaxinfer/jax; a path uses that; "off" leaves JAX's
+    configuration alone. JAX's cache is process-wide: it then caches the caller's own programs too."""
 
     def __init__(self, model: str | pathlib.Path | None = None, mesh=None, dtype: str | None = None, *,
                  num_kv_pages: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
@@ -102,7 +108,8 @@ class LLM:
                  fp8_compute: bool | None = None, seed: int = 0, max_logprobs: int = 20,
                  num_redundant_experts: int | None = None, expert_load_window: int = 1000,
                  rebalance_every_n_steps: int | None = None, num_scheduler_steps: int | None = None,
-                 greedy_screening: bool | None = None):
+                 greedy_screening: bool | None = None, compilation_cache: str | None = None):
+        enable_compilation_cache(compilation_cache)  # before anything compiles
         if model is None:
             model = default_model.path()
         positive = [("num_kv_pages", 2 if num_kv_pages is None else num_kv_pages),
