@@ -5,8 +5,8 @@
 - screened_argmax: when it claims a proof, its index is the float64 argmax (up to float32 rounding ties), and
   the first index among exactly equal rows; it declines (proven False) when it cannot prove (an all-zero head,
   many tied rows, a NaN input);
-- the engine: greedy outputs with the screen equal those without it (batch 1 takes the screen, a batch of
-  several rows and a sampled row take the full logits), on one device and on a 1x8 mesh.
+- the engine: greedy outputs with the screen equal those without it (batch 1 takes the screen, a batch with a
+  sampled row takes the full logits), on one device and on a 1x8 mesh.
 """
 
 import jax
@@ -127,8 +127,8 @@ def case(tmp_path_factory):
 
 @pytest.mark.parametrize("dtype,mesh", [("float32", "1x1"), ("float32", "1x8")])
 def test_engine_outputs_equal_with_and_without_the_screen(case, dtype, mesh, monkeypatch):
-    """Batch 1 takes the screen (on 1x8: eight rows, one per device), a batch of several rows and a sampled row
-    the full logits; all greedy tokens equal the full logits' (the screen proved its answer in those steps)."""
+    """Batch 1 takes the screen (on 1x8: eight rows, one per device), a batch with a sampled row the full
+    logits; all greedy tokens equal the full logits' (the screen proved its answer in those steps)."""
     proofs = []
 
     def probe(*args, **kw):
@@ -139,7 +139,7 @@ def test_engine_outputs_equal_with_and_without_the_screen(case, dtype, mesh, mon
     monkeypatch.setattr(runner_module, "screened_argmax", probe)
     vocab = case.cfg["vocab_size"]
     rng = np.random.default_rng(3)
-    prompts = [rng.integers(0, vocab, n).tolist() for n in (1, 65, 130)]
+    prompts = [rng.integers(0, vocab, n).tolist() for n in (1, 130)]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     sampled = SamplingParams(temperature=0.9, seed=7, max_tokens=6, ignore_eos=True)
     outs = {}
@@ -147,9 +147,8 @@ def test_engine_outputs_equal_with_and_without_the_screen(case, dtype, mesh, mon
         llm = LLM(case.path, mesh=mesh, dtype=dtype, num_kv_pages=32, greedy_screening=on)
         assert (llm.runner._head_screen is not None) == on
         alone = [llm.generate([p], greedy, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
-        together = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-        mixed = [o.outputs[0].token_ids for o in llm.generate(prompts[:2], [greedy, sampled], use_tqdm=False)]
-        outs[on] = (alone, together, mixed)
+        mixed = [o.outputs[0].token_ids for o in llm.generate(prompts, [greedy, sampled], use_tqdm=False)]
+        outs[on] = (alone, mixed)
         assert bool(proofs) == on
     assert outs[True] == outs[False]
     assert sum(proofs) >= 0.9 * len(proofs)  # the screen answered (the full logits are only its fallback)

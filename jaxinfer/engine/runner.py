@@ -1,6 +1,7 @@
 """Runner: turns a scheduler StepPlan into padded, bucketed device arrays and runs one jitted step: the model over
 the paged latent cache (DeepseekForCausalLM.paged_hidden_states -> kernels_pallas.mla_decode), the head on each
-row's last token, and the sampler (engine/sampler.py), all on device.
+row's last token, and the sampler (engine/sampler.py), all on device; greedy steps of one row per device may find
+the head's argmax through its int8 screen instead (``head_sample``, models/screened_head.py).
 
 Layout of a step (every device is a DP rank; rank r owns rows [r * rows, (r + 1) * rows)): a chunk of n tokens
 sits at the END of its row of T columns, so that mla_decode's causal rule (query i sees keys < seqlen - T + i + 1)
@@ -56,8 +57,8 @@ from jaxinfer.engine.scheduler import MIN_PREFILL_T, ScheduledChunk, StepPlan, b
 from jaxinfer.engine.sequence import PLACEHOLDER, SequenceStatus
 from jaxinfer.kv.paged_cache import init_paged_cache
 from jaxinfer.models.layers import local_rows
-from jaxinfer.models.screened_head import HeadScreen, build_head_screen, screened_argmax
 from jaxinfer.models.paged_attention import DecodeWindow, write_latents
+from jaxinfer.models.screened_head import HeadScreen, build_head_screen, screened_argmax
 from jaxinfer.parallel.dispatch import BATCH_AXES
 from jaxinfer.parallel.multihost import global_array, to_host
 
