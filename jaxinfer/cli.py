@@ -16,8 +16,8 @@ import sys
 import time
 
 from jaxinfer import bench, sweep
-from jaxinfer.compile_cache import compilation_cache_dir
 from jaxinfer import cli_generate as generate
+from jaxinfer.compile_cache import compilation_cache_dir
 
 
 def _add_runtime_flags(p: argparse.ArgumentParser) -> None:

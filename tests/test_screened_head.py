@@ -120,6 +120,11 @@ def test_declines_what_it_cannot_prove(what):
     assert not bool(proven)
 
 
+def test_greedy_screening_must_be_a_bool_or_none():
+    with pytest.raises(ValueError, match="greedy_screening"):
+        LLM(greedy_screening="yes")
+
+
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
     return O.build_case("v3_qlora_yarn", tmp_path_factory)

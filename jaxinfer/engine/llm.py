@@ -120,6 +120,8 @@ class LLM:
         for name, value in positive:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if greedy_screening is not None and not isinstance(greedy_screening, bool):
+            raise ValueError(f"greedy_screening must be True, False or None, got {greedy_screening!r}")
         if num_redundant_experts is not None and (not isinstance(num_redundant_experts, int)
                                                   or num_redundant_experts < 0):
             raise ValueError(f"num_redundant_experts must be an integer >= 0, got {num_redundant_experts!r}")
