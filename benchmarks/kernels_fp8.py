@@ -9,10 +9,15 @@ failure does not stop the rest; results (with date and device) are appended to -
 with the kernel variant (fp8_gemm ``kernel=``: "pipelined" | "warp_specialized") when it is the Pallas path.
 
 --kernel both runs the two variants side by side (adjacent lines per shape); --cases compare restricts the sweep
-to a few headline shapes (scripts/gpu_check.sh uses it to keep the device run short).
+to the issue's goal shapes (m = 4096 x DeepGEMM's six (n, k)) plus a decode-sized and one of each grouped layout
+(scripts/gpu_check.sh uses it to keep the device run short). --tilings BMxBNxST[,...] times each of these
+explicit tilings (block_m x block_n x stages) per kernel instead of the defaults, for tuning on a GPU; a tiling a
+kernel rejects prints its ValueError. Every line names the tiling that ran (fp8_tiling.py picks the defaults).
+Timing: the median over 5 repeats of (20 back-to-back calls, one sync) / 20, so the host's dispatch overlaps the
+device's work (the 2026-11-30 figures synced every call; same for kernels of milliseconds, lower for microseconds).
 
   PYTHONPATH=. python benchmarks/kernels_fp8.py --out bench_fp8.txt [--implementation pallas|xla]
-      [--kernel pipelined|warp_specialized|both] [--cases all|compare]
+      [--kernel pipelined|warp_specialized|both] [--cases all|compare] [--tilings 64x128x3,128x128x5]
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas import fp8_gemm, fp8_grouped_gemm_contiguous, fp8_grouped_gemm_masked
+from kernels_pallas import fp8_gemm, fp8_grouped_gemm_contiguous, fp8_grouped_gemm_masked, fp8_tiling
+from kernels_pallas.fp8_gemm_ws import num_sms
 
 NK = [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048)]
 PUBLISHED_M4096 = dict(zip(NK, [1058, 990, 590, 1358, 1304, 1025]))  # H800 TFLOPS, DESIGN.md
@@ -34,7 +40,7 @@ CONTIGUOUS = [(4, 8192, 4096, 7168), (4, 8192, 7168, 2048), (8, 4096, 4096, 7168
 MASKED = [(g, m, n, k) for g, m in ((1, 1024), (2, 512), (4, 256)) for n, k in ((4096, 7168), (7168, 2048))]
 GROUPED_PUBLISHED = "~1200-1350 (DESIGN.md, grouped)"
 # --cases compare: the headline dense shape, a wide-n and a decode-sized one, one of each grouped layout.
-COMPARE = dict(dense=[(4096, 4096, 7168), (4096, 24576, 1536), (64, 2112, 7168)],
+COMPARE = dict(dense=[(4096, n, k) for n, k in NK] + [(64, 7168, 16384)],
                contiguous=[(4, 8192, 4096, 7168)], masked=[(4, 256, 4096, 7168)])
 KERNELS = ("pipelined", "warp_specialized")
 
@@ -47,15 +53,17 @@ def _scales(key, shape):
     return jax.random.uniform(key, shape, jnp.float32, 0.5, 2.0) / 448.0
 
 
-def _time(fn, *args, iters: int = 20) -> float:
-    """Median seconds per call of a jitted fn (after compile + warmup), synchronised per call."""
+def _time(fn, *args, iters: int = 20, repeats: int = 5) -> float:
+    """Seconds per call of a jitted fn (after compile + warmup): median over repeats of iters back-to-back calls."""
     jax.block_until_ready(fn(*args))
     jax.block_until_ready(fn(*args))
     times = []
-    for _ in range(iters):
+    for _ in range(repeats):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / iters)
     return statistics.median(times)
 
 
@@ -78,9 +86,19 @@ def _cases(which: str):
             + [("masked", x) for x in MASKED])
 
 
-def _case(kind: str, shape, implementation: str, kernel: str | None):
+def _tiling_label(kind: str, shape, kernel: str | None, knobs: dict) -> str:
+    """The tiling the entry runs for this case (its defaults filled as the entry fills them)."""
+    if kernel is None:
+        return ""
+    rows, n = (shape[0], shape[1]) if kind == "dense" else (shape[0] * shape[1], shape[2])
+    t = fp8_tiling.resolve(kernel, knobs.get("block_m"), knobs.get("block_n"), 128, knobs.get("stages"), rows=rows,
+                           n=n, num_sms=num_sms(False), out_itemsize=2)
+    return f" tiling {t.block_m}x{t.block_n}x{t.stages}"
+
+
+def _case(kind: str, shape, implementation: str, kernel: str | None, tiling: dict):
     """-> (name, jitted fn, operands, flops, published figure) of one benchmark case."""
-    knobs = dict(implementation=implementation) | ({} if kernel is None else dict(kernel=kernel))
+    knobs = dict(implementation=implementation) | ({} if kernel is None else dict(kernel=kernel, **tiling))
     if kind == "dense":
         m, n, k = shape
         pub = PUBLISHED_M4096.get((n, k)) if m == 4096 else None
@@ -98,17 +116,32 @@ def _case(kind: str, shape, implementation: str, kernel: str | None):
     return name, f, ops, 2 * g * mg * n * k, GROUPED_PUBLISHED
 
 
-def run(implementation: str, kernels, cases: str, emit) -> None:
+def parse_tilings(text: str | None) -> list[dict]:
+    """"64x128x3,128x128x5" -> [dict(block_m=64, block_n=128, stages=3), ...]; None -> [{}] (the defaults)."""
+    if not text:
+        return [{}]
+    out = []
+    for item in text.split(","):
+        parts = item.strip().lower().split("x")
+        if len(parts) != 3 or not all(p.isdigit() for p in parts):
+            raise SystemExit(f"--tilings: {item!r} is not BLOCK_MxBLOCK_NxSTAGES (e.g. 64x128x3)")
+        out.append(dict(zip(("block_m", "block_n", "stages"), map(int, parts))))
+    return out
+
+
+def run(implementation: str, kernels, cases: str, tilings: list[dict], emit) -> None:
     for kind, shape in _cases(cases):
         for kernel in kernels:
-            tag = "" if kernel is None else f" [{kernel}]"
-            name = f"{kind} {shape}"
-            try:
-                name, f, ops, flops, pub = _case(kind, shape, implementation, kernel)
-                t = _time(f, *ops)
-                emit(f"{name}{tag}: {t * 1e6:9.1f} us {flops / t / 1e12:7.1f} TFLOPS   published H800: {pub}")
-            except Exception as e:  # noqa: BLE001 - one failing case must not stop the sweep
-                emit(f"{name}{tag}: FAILED {type(e).__name__}: {str(e)[:200]}")
+            for tiling in tilings if kernel is not None else [{}]:
+                tag = "" if kernel is None else f" [{kernel}]"
+                name = f"{kind} {shape}"
+                try:
+                    tag += _tiling_label(kind, shape, kernel, tiling)
+                    name, f, ops, flops, pub = _case(kind, shape, implementation, kernel, tiling)
+                    t = _time(f, *ops)
+                    emit(f"{name}{tag}: {t * 1e6:9.1f} us {flops / t / 1e12:7.1f} TFLOPS   published H800: {pub}")
+                except Exception as e:  # noqa: BLE001 - one failing case must not stop the sweep
+                    emit(f"{name}{tag}: FAILED {type(e).__name__}: {str(e)[:200]}")
 
 
 def main() -> None:
@@ -118,7 +151,9 @@ def main() -> None:
     p.add_argument("--kernel", default="pipelined", choices=(*KERNELS, "both"),
                    help="Pallas kernel variant (fp8_gemm kernel=); both: side by side")
     p.add_argument("--cases", default="all", choices=("all", "compare"), help="compare: a few headline shapes")
+    p.add_argument("--tilings", default=None, help="BMxBNxST[,...]: time these tilings instead of the defaults")
     args = p.parse_args()
+    tilings = parse_tilings(args.tilings)
     if args.implementation == "xla":
         kernels = (None,)
     else:
@@ -132,11 +167,12 @@ def main() -> None:
 
         stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         emit(f"# fp8 GEMM benchmark {stamp} device={dev.device_kind} jax={jax.__version__} "
-             f"implementation={args.implementation} kernel={args.kernel} cases={args.cases}")
+             f"implementation={args.implementation} kernel={args.kernel} cases={args.cases} "
+             f"tilings={args.tilings or 'default'}")
         if dev.platform != "gpu":
             emit("no GPU: the FP8 kernel benchmarks need a CUDA (Hopper) GPU; nothing was measured")
             return
-        run(args.implementation, kernels, args.cases, emit)
+        run(args.implementation, kernels, args.cases, tilings, emit)
 
 
 if __name__ == "__main__":

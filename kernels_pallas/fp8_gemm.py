@@ -20,7 +20,8 @@ two 128-blocks of n and the kernel needs no scalar shared-memory reads.
 
 Two kernel variants, chosen with the static knob ``kernel=`` of every entry (fp8_gemm and the grouped GEMMs):
 - ``"pipelined"`` (default): this file's ``_tile_kernel``, one warpgroup per CTA, grid (row tiles, column tiles),
-  wgmma -> wait -> promote per k-step, so the tensor cores idle during each wait and promotion.
+  wgmma -> wait -> promote per k-step, so a CTA's tensor core work idles during each wait and promotion; its
+  default tiles (64 rows, pipeline shallow enough for two CTAs per SM: fp8_tiling.py) let a second CTA fill them.
 - ``"warp_specialized"``: fp8_gemm_ws.py, DeepGEMM's structure (a TMA producer warpgroup and two consumer
   warpgroups that each own half of a 128- or 256-row CTA tile, persistent grid of one CTA per SM, epilogue stores
   overlapped with the next tile). Same operands, tile -> group table and skipped tiles; not yet measured on a GPU,
@@ -42,11 +43,11 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from kernels_pallas import _mosaic
-from kernels_pallas.fp8_gemm_ws import BLOCK_K, WSTiling, ws_fp8_gemm_pallas
+from kernels_pallas import _mosaic, fp8_tiling
+from kernels_pallas.fp8_gemm_ws import epilogue_smem, num_sms, ws_fp8_gemm_pallas
+from kernels_pallas.fp8_tiling import BLOCK_K, KERNELS, Tiling, check_kernel  # noqa: F401 (re-exported)
 
 FP8 = jnp.float8_e4m3fn
-KERNELS = ("pipelined", "warp_specialized")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -159,13 +160,14 @@ def _tile_kernel(tile_group_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, o_gmem, o_sm
                 part = lax.dot_general(a_smem[...], b_smem[...], (((1,), (1,)), ((), ())),
                                        preferred_element_type=jnp.float32)                          # (bm, bn)
                 sa, sb = as_smem[...], bs_smem[...]                                                  # (bm,), (bn,)
-            else:
+            else:     # scales first, so their SMEM latency hides under the wgmma (DeepGEMM reads them before it)
+                sa = plgpu.load(as_smem, (), layout=plgpu.Layout.WGMMA.reduce(1))                  # (bm,) rows
+                sb = plgpu.load(bs_smem, (), layout=plgpu.Layout.WGMMA.reduce(0))                  # (bn,) columns
+
                 def mma(acc_ref):
                     plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_smem, (1, 0)))                 # fp8, K-major B
                     return acc_ref[...]
                 part = pl.run_scoped(mma, plgpu.ACC((block_m, block_n), jnp.float32))               # (bm, bn)
-                sa = plgpu.load(as_smem, (), layout=plgpu.Layout.WGMMA.reduce(1))                  # (bm,) rows
-                sb = plgpu.load(bs_smem, (), layout=plgpu.Layout.WGMMA.reduce(0))                  # (bn,) columns
             shape = (block_m, block_n)
             scale = lax.broadcast_in_dim(sa, shape, [0]) * lax.broadcast_in_dim(sb, shape, [1])  # As x Bs
             return acc + part * scale                                                              # promotion
@@ -203,7 +205,7 @@ def tiled_fp8_gemm_pallas(tile_group, a, a_scale_t, b, b_scale_cols, *, block_m,
         functools.partial(_tile_kernel, block_m=block_m, block_n=block_n, num_k=kp // BLOCK_K, stages=stages,
                           sim=bool(interpret)),
         out_type=jax.ShapeDtypeStruct((rows, n_pad), out_dtype),
-        scratch_types=[plgpu.SMEM((block_m, block_n), out_dtype)],
+        scratch_types=[epilogue_smem((block_m, block_n), out_dtype)],
         grid=(t, n_pad // block_n),
         grid_names=("m", "n"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
@@ -212,40 +214,22 @@ def tiled_fp8_gemm_pallas(tile_group, a, a_scale_t, b, b_scale_cols, *, block_m,
     return kernel(tile_group, a, a_scale_t, b, b_scale_cols)
 
 
-def check_tiling(block_m: int, block_n: int, stages: int):
-    if block_m not in (64, 128):
-        raise ValueError(f"block_m must be 64 or 128 (wgmma M granularity 64, one warpgroup), got {block_m=}")
-    if block_n % 16 or not 16 <= block_n <= 256:
-        raise ValueError(f"block_n must be a multiple of 16 in [16, 256] (wgmma N, 16-byte TMA rows), got {block_n=}")
-    if stages < 1:
-        raise ValueError(f"stages must be >= 1, got {stages=}")
+def resolve_tiling(kernel: str, block_m, block_n, block_k: int, stages, *, rows: int, n: int, out_dtype,
+                   interpret: bool) -> Tiling:
+    """The static knobs of a Pallas entry, None filled by fp8_tiling's DeepGEMM-style defaults and all checked
+  (ValueError naming the knob). rows: rows whose tiles may run (dense m, contiguous m, masked G * m_max)."""
+    return fp8_tiling.resolve(kernel, block_m, block_n, block_k, stages, rows=rows, n=n,
+                              num_sms=num_sms(interpret), out_itemsize=jnp.dtype(out_dtype).itemsize)
 
 
-def check_kernel(kernel: str):
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel=}")
-
-
-def resolve_tiling(kernel: str, block_m, block_n: int, block_k: int, stages: int, m_hint: int) -> int:
-    """Validate the static knobs of a Pallas entry (ValueError naming the knob); returns block_m.
-
-  block_m None: pipelined 64 if m_hint <= 64 else 128; warp_specialized 128 (two 64-row consumer halves, DeepGEMM)."""
-    if block_k != BLOCK_K:
-        raise ValueError(f"block_k must be {BLOCK_K} (one scale per k-step), got {block_k=}")
-    if kernel == "warp_specialized":
-        return WSTiling(128 if block_m is None else block_m, block_n, stages).check().block_m
-    block_m = default_block_m(m_hint) if block_m is None else block_m
-    check_tiling(block_m, block_n, stages)
-    return block_m
-
-
-def run_tiles(tile_group, a, a_scale_t, b, b_scale_cols, *, kernel, block_m, block_n, stages, out_dtype, interpret):
+def run_tiles(tile_group, a, a_scale_t, b, b_scale_cols, *, kernel, tiling: Tiling, out_dtype, interpret):
     """Dispatch to the chosen kernel variant (same operands, same result; see the module docstring)."""
     if kernel == "warp_specialized":
-        return ws_fp8_gemm_pallas(tile_group, a, a_scale_t, b, b_scale_cols, cfg=WSTiling(block_m, block_n, stages),
-                                  out_dtype=out_dtype, interpret=interpret)
-    return tiled_fp8_gemm_pallas(tile_group, a, a_scale_t, b, b_scale_cols, block_m=block_m, block_n=block_n,
-                                 stages=stages, out_dtype=out_dtype, interpret=interpret)
+        return ws_fp8_gemm_pallas(tile_group, a, a_scale_t, b, b_scale_cols, cfg=tiling, out_dtype=out_dtype,
+                                  interpret=interpret)
+    return tiled_fp8_gemm_pallas(tile_group, a, a_scale_t, b, b_scale_cols, block_m=tiling.block_m,
+                                 block_n=tiling.block_n, stages=tiling.stages, out_dtype=out_dtype,
+                                 interpret=interpret)
 
 
 def prepare_b(b, b_scale, block_n):
@@ -267,32 +251,30 @@ def prepare_a(a, a_scale, rows):
     return a_p, jnp.pad(a_scale, ((0, rows - m), (0, 0))).T                                     # (kb, rows)
 
 
-def default_block_m(m: int) -> int:
-    return 64 if m <= 64 else 128
-
-
 # ----------------------------------------------------------------------------------------------- entry
 @functools.partial(jax.jit, static_argnames=("out_dtype", "implementation", "interpret", "block_m", "block_n",
                                              "block_k", "stages", "kernel"))
 def fp8_gemm(a, a_scale, b, b_scale, *, out_dtype=jnp.bfloat16, implementation=None, interpret=None,
-             block_m=None, block_n=128, block_k=BLOCK_K, stages=4, kernel="pipelined"):
+             block_m=None, block_n=None, block_k=BLOCK_K, stages=None, kernel="pipelined"):
     """D [m, n] = A [m, k] (e4m3, per-token-per-128 scales) x B [n, k]^T (e4m3, 128x128 block scales).
 
   implementation None: "pallas" on a CUDA GPU, "xla" elsewhere. interpret None: interpret the kernel where the
-  backend cannot run it. Tuning: kernel ("pipelined" | "warp_specialized", module docstring), block_m (pipelined:
-  64 | 128, None: 64 for m <= 64; warp_specialized: 128 | 256, None: 128), block_n (multiple of 16, <= 256;
-  warp_specialized: <= 192 at block_m 128, <= 96 at 256), block_k (must be 128: one scale per k-step), stages
-  (TMA pipeline depth; warp_specialized: the ring must fit in 227 KB of SMEM)."""
+  backend cannot run it. Tuning (None: fp8_tiling.py's DeepGEMM-style defaults for this shape and GPU): kernel
+  ("pipelined" | "warp_specialized", module docstring), block_m (pipelined: 64 | 128, None: 64; warp_specialized:
+  128 | 256, None: 128), block_n (multiple of 16 in [16, 256] whose accumulators fit registers: pipelined <= 192
+  at block_m 64, <= 96 at 128; warp_specialized <= 192 at 128, <= 96 at 256), block_k (must be 128: one scale per
+  k-step), stages (TMA pipeline depth; the ring and the epilogue tile must fit in 227 KB of SMEM)."""
     m, n, k = check_operands(a, a_scale, b, b_scale)
     check_kernel(kernel)
     implementation, interpret = resolve(implementation, interpret)
     if implementation == "xla":
         return _fp8_gemm_xla(a, a_scale, b, b_scale, out_dtype)
-    block_m = resolve_tiling(kernel, block_m, block_n, block_k, stages, m)
-    rows = _round_up(m, block_m)
+    tiling = resolve_tiling(kernel, block_m, block_n, block_k, stages, rows=m, n=n, out_dtype=out_dtype,
+                            interpret=interpret)
+    rows = _round_up(m, tiling.block_m)
     a_p, as_t = prepare_a(a, a_scale, rows)
-    b_p, bs_cols = prepare_b(b[None], b_scale[None], block_n)
-    tile_group = jnp.zeros((rows // block_m,), jnp.int32)
-    out = run_tiles(tile_group, a_p, as_t, b_p, bs_cols, kernel=kernel, block_m=block_m, block_n=block_n,
-                    stages=stages, out_dtype=out_dtype, interpret=interpret)                      # (rows, np)
+    b_p, bs_cols = prepare_b(b[None], b_scale[None], tiling.block_n)
+    tile_group = jnp.zeros((rows // tiling.block_m,), jnp.int32)
+    out = run_tiles(tile_group, a_p, as_t, b_p, bs_cols, kernel=kernel, tiling=tiling, out_dtype=out_dtype,
+                    interpret=interpret)                                                           # (rows, np)
     return out[:m, :n]

@@ -38,7 +38,6 @@ epilogue's ``wait_smem_to_gmem`` is removed, so it is no evidence for the SMEM-s
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -48,54 +47,12 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from kernels_pallas import _mosaic
+from kernels_pallas.fp8_tiling import BLOCK_K, NUM_CONSUMERS, Tiling, check_knobs
 
-BLOCK_K = 128             # one scale per 128 channels (DeepGEMM): a k-step is one scale block
-NUM_CONSUMERS = 2         # DeepGEMM get_num_math_warpgroups(BLOCK_M = 128) = 2; JAX matmul num_compute_wgs=2
 TMA_REGISTERS = 40        # DeepGEMM kNumTMARegisters; JAX matmul memory_registers=40
 TILE_BAND = 16            # DeepGEMM Scheduler kNumNBlocksPerGroup: column tiles per L2 band
 H100_SMS = 132            # SMs of an H100/H200 SXM: the persistent grid when lowering without a GPU
 INTERPRET_SMS = 2         # interpret mode: few CTAs, so each runs several tiles (the persistent path)
-MAX_ACC_REGISTERS = 192   # two fp32 (half x block_n) register tiles per consumer thread must fit in 232
-SMEM_BYTES = 227 * 1024   # H100/H200 dynamic shared memory per CTA (CUDA: 227 KB opt-in); DeepGEMM sizes stages to it
-SMEM_SLACK = 2048         # barriers and allocation alignment
-
-
-@dataclasses.dataclass(frozen=True)
-class WSTiling:
-    """Static tiling of the warp-specialized kernel; ``check()`` raises ValueError naming the bad knob."""
-
-    block_m: int = 128     # CTA rows; each consumer warpgroup owns block_m // 2
-    block_n: int = 128     # CTA columns (wgmma N)
-    stages: int = 4        # SMEM ring depth of the TMA pipeline
-
-    @property
-    def half(self) -> int:
-        return self.block_m // NUM_CONSUMERS
-
-    def check(self) -> "WSTiling":
-        if self.block_m not in (128, 256):
-            raise ValueError(f"block_m must be 128 or 256 for kernel='warp_specialized' (two consumer warpgroups "
-                             f"of 64 or 128 rows, wgmma M granularity 64), got block_m={self.block_m}")
-        if self.block_n % 16 or not 16 <= self.block_n <= 256:
-            raise ValueError(f"block_n must be a multiple of 16 in [16, 256] (wgmma N, 16-byte TMA rows), "
-                             f"got block_n={self.block_n}")
-        regs = 2 * self.half * self.block_n // 128
-        if regs > MAX_ACC_REGISTERS:
-            raise ValueError(f"block_m={self.block_m} x block_n={self.block_n} needs {regs} fp32 registers per "
-                             f"consumer thread for its two accumulators (> {MAX_ACC_REGISTERS} of 232): lower "
-                             f"block_n (block_m 128: <= 192, 256: <= 96)")
-        if self.stages < 1:
-            raise ValueError(f"stages must be >= 1, got stages={self.stages}")
-        return self
-
-    def check_smem(self, out_itemsize: int) -> "WSTiling":
-        """The SMEM ring (A, B tiles and both scale vectors per stage) plus the two epilogue slots must fit."""
-        per_stage = (self.block_m + self.block_n) * (BLOCK_K + 4)                # e4m3 tiles + f32 scales
-        total = self.stages * per_stage + NUM_CONSUMERS * self.half * self.block_n * out_itemsize
-        if total > SMEM_BYTES - SMEM_SLACK:
-            raise ValueError(f"stages={self.stages} with block_m={self.block_m} block_n={self.block_n} needs {total} "
-                             f"bytes of shared memory (> {SMEM_BYTES - SMEM_SLACK}): lower stages or block_n")
-        return self
 
 
 def num_sms(interpret: bool) -> int:
@@ -104,6 +61,15 @@ def num_sms(interpret: bool) -> int:
         return INTERPRET_SMS
     device = jax.devices()[0]
     return int(getattr(device, "core_count", 0) or H100_SMS) if device.platform == "gpu" else H100_SMS
+
+
+def epilogue_smem(shape: tuple[int, ...], out_dtype):
+    """SMEM for output tiles [..., rows, block_n], swizzled (the JAX Hopper matmul's epilogue): the WGMMA-layout
+  registers then store without the bank conflicts of 2 * block_n-byte rows, and the TMA store unswizzles."""
+    bits = shape[-1] * jnp.dtype(out_dtype).itemsize * 8
+    swizzle = plgpu.find_swizzle(bits, "the epilogue tile")
+    elems = swizzle * 8 // (jnp.dtype(out_dtype).itemsize * 8)
+    return plgpu.SMEM(shape, out_dtype, transforms=(plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle)))
 
 
 def active_first(tile_group):
@@ -116,14 +82,15 @@ def active_first(tile_group):
 
 # ----------------------------------------------------------------------------------------------- kernel
 def _ws_kernel(tile_rows_gmem, tile_group_gmem, num_active_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, o_gmem, o_smem,
-               *, cfg: WSTiling, num_k: int, sim: bool):
+               *, cfg: Tiling, num_k: int, sim: bool):
     """Persistent loop over (active row tile, column tile); per tile a warp-specialized k pipeline.
 
   tile_rows_gmem [T] i32 (row tiles, the num_active_gmem[0] active ones first), tile_group_gmem [T] i32 (their
   groups), a_gmem [T*bm, kp] e4m3, as_gmem [kb, T*bm] f32, b_gmem [G, np, kp] e4m3, bs_gmem [G, kb, np] f32,
   o_gmem [T*bm, np]; o_smem (2, bm/2, bn) out_dtype: one epilogue slot per consumer. Skipped row tiles are never
   visited (DeepGEMM's masked scheduler likewise stops at the last valid block)."""
-    bm, bn, half = cfg.block_m, cfg.block_n, cfg.half
+    bm, bn = cfg.block_m, cfg.block_n
+    half = bm // NUM_CONSUMERS
     num_active = num_active_gmem[0]
     n_tiles = o_gmem.shape[1] // bn
     wg = lax.axis_index("wg")
@@ -198,10 +165,10 @@ def _ws_kernel(tile_rows_gmem, tile_group_gmem, num_active_gmem, a_gmem, as_gmem
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # all stores issued by this warpgroup are out
 
 
-def ws_fp8_gemm_pallas(tile_group, a, a_scale_t, b, b_scale_cols, *, cfg: WSTiling, out_dtype, interpret: bool):
+def ws_fp8_gemm_pallas(tile_group, a, a_scale_t, b, b_scale_cols, *, cfg: Tiling, out_dtype, interpret: bool):
     """Pallas wrapper, same operands as fp8_gemm.tiled_fp8_gemm_pallas: tile_group [T] int32; a [T*bm, kp];
   a_scale_t [kb, T*bm]; b [G, np, kp]; b_scale_cols [G, kb, np] -> [T*bm, np] out_dtype (skipped rows unwritten)."""
-    cfg.check().check_smem(jnp.dtype(out_dtype).itemsize)
+    check_knobs("warp_specialized", cfg, jnp.dtype(out_dtype).itemsize)
     (t,) = tile_group.shape
     rows, kp = a.shape
     _, n_pad, _ = b.shape
@@ -210,7 +177,7 @@ def ws_fp8_gemm_pallas(tile_group, a, a_scale_t, b, b_scale_cols, *, cfg: WSTili
     kernel = plgpu.kernel(
         functools.partial(_ws_kernel, cfg=cfg, num_k=kp // BLOCK_K, sim=bool(interpret)),
         out_type=jax.ShapeDtypeStruct((rows, n_pad), out_dtype),
-        scratch_types=[plgpu.SMEM((NUM_CONSUMERS, cfg.half, cfg.block_n), out_dtype)],
+        scratch_types=[epilogue_smem((NUM_CONSUMERS, cfg.block_m // NUM_CONSUMERS, cfg.block_n), out_dtype)],
         grid=(ctas,),
         grid_names=("sm",),
         num_threads=NUM_CONSUMERS + 1,

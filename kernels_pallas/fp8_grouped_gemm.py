@@ -130,34 +130,35 @@ def contiguous_plan(group_ids, num_groups: int, block_m: int):
     return src, dest, valid, tile_group
 
 
-def _contiguous_pallas(a, a_scale, b, b_scale, group_ids, *, out_dtype, kernel, block_m, block_n, stages, interpret):
+def _contiguous_pallas(a, a_scale, b, b_scale, group_ids, *, out_dtype, kernel, tiling, interpret):
     m, k = a.shape
     _, n, _ = b.shape
-    src, dest, valid, tile_group = contiguous_plan(group_ids, b.shape[0], block_m)
+    src, dest, valid, tile_group = contiguous_plan(group_ids, b.shape[0], tiling.block_m)
     rows = src.shape[0]
     a_g = jnp.concatenate([a, jnp.zeros((1, k), a.dtype)])[src]                                # (T*bm, k)
     as_g = jnp.concatenate([a_scale, jnp.zeros((1, a_scale.shape[1]), a_scale.dtype)])[src]  # (T*bm, kb)
     a_p, as_t = prepare_a(a_g, as_g, rows)
-    b_p, bs_cols = prepare_b(b, b_scale, block_n)
-    out = run_tiles(tile_group, a_p, as_t, b_p, bs_cols, kernel=kernel, block_m=block_m, block_n=block_n,
-                    stages=stages, out_dtype=out_dtype, interpret=interpret)                  # (T*bm, np)
+    b_p, bs_cols = prepare_b(b, b_scale, tiling.block_n)
+    out = run_tiles(tile_group, a_p, as_t, b_p, bs_cols, kernel=kernel, tiling=tiling, out_dtype=out_dtype,
+                    interpret=interpret)                                                       # (T*bm, np)
     out = jnp.take(out[:, :n], jnp.minimum(dest, rows - 1), axis=0)                            # (m, n)
     return jnp.where(valid[:, None], out, jnp.zeros((), out_dtype))
 
 
-def _masked_pallas(a, a_scale, b, b_scale, masked_m, *, out_dtype, kernel, block_m, block_n, stages, interpret):
+def _masked_pallas(a, a_scale, b, b_scale, masked_m, *, out_dtype, kernel, tiling, interpret):
     g, m_max, k = a.shape
     _, n, _ = b.shape
+    block_m = tiling.block_m
     mp = _round_up(m_max, block_m)
     per_g = mp // block_m
     a_p = jnp.pad(a, ((0, 0), (0, mp - m_max), (0, 0))).reshape(g * mp, k)                    # (G*mp, k)
     as_p = jnp.pad(a_scale, ((0, 0), (0, mp - m_max), (0, 0))).reshape(g * mp, -1)           # (G*mp, kb)
     a_p, as_t = prepare_a(a_p, as_p, g * mp)
-    b_p, bs_cols = prepare_b(b, b_scale, block_n)
+    b_p, bs_cols = prepare_b(b, b_scale, tiling.block_n)
     t = jnp.arange(g * per_g, dtype=jnp.int32)
     tile_group = jnp.where((t % per_g) * block_m < masked_m[t // per_g], t // per_g, -1).astype(jnp.int32)
-    out = run_tiles(tile_group, a_p, as_t, b_p, bs_cols, kernel=kernel, block_m=block_m, block_n=block_n,
-                    stages=stages, out_dtype=out_dtype, interpret=interpret)                  # (G*mp, np)
+    out = run_tiles(tile_group, a_p, as_t, b_p, bs_cols, kernel=kernel, tiling=tiling, out_dtype=out_dtype,
+                    interpret=interpret)                                                       # (G*mp, np)
     out = out.reshape(g, mp, -1)[:, :m_max, :n]                                                # (G, m_max, n)
     return jnp.where(_row_mask(masked_m, g, m_max)[..., None], out, jnp.zeros((), out_dtype))
 
@@ -168,33 +169,34 @@ _STATIC = ("out_dtype", "implementation", "interpret", "block_m", "block_n", "bl
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def fp8_grouped_gemm_contiguous(a, a_scale, b, b_scale, group_ids, *, out_dtype=jnp.bfloat16, implementation=None,
-                                interpret=None, block_m=None, block_n=128, block_k=BLOCK_K, stages=4,
+                                interpret=None, block_m=None, block_n=None, block_k=BLOCK_K, stages=None,
                                 kernel="pipelined"):
     """a [m, k] e4m3 (+ [m, ceil(k/128)] scales), b [G, n, k] e4m3 (+ [G, ceil(n/128), ceil(k/128)]),
   group_ids [m] int (-1 = padding, anywhere; segments need not be aligned) -> [m, n], padding rows zero.
-  Knobs as fp8_gemm's; block_m None (pipelined): 128 unless the mean group is at most 64 rows."""
-    m, _, _, g = _check_contiguous(a, a_scale, b, b_scale, group_ids)
+  Knobs as fp8_gemm's."""
+    m, n, _, g = _check_contiguous(a, a_scale, b, b_scale, group_ids)
     check_kernel(kernel)
     implementation, interpret = resolve(implementation, interpret)
     if implementation == "xla":
         return _contiguous_xla(a, a_scale, b, b_scale, group_ids, out_dtype)
-    block_m = resolve_tiling(kernel, block_m, block_n, block_k, stages, _cdiv(m, max(g, 1)))
+    tiling = resolve_tiling(kernel, block_m, block_n, block_k, stages, rows=m, n=n, out_dtype=out_dtype,
+                            interpret=interpret)
     return _contiguous_pallas(a, a_scale, b, b_scale, group_ids, out_dtype=out_dtype, kernel=kernel,
-                              block_m=block_m, block_n=block_n, stages=stages, interpret=interpret)
+                              tiling=tiling, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def fp8_grouped_gemm_masked(a, a_scale, b, b_scale, masked_m, *, out_dtype=jnp.bfloat16, implementation=None,
-                            interpret=None, block_m=None, block_n=128, block_k=BLOCK_K, stages=4,
+                            interpret=None, block_m=None, block_n=None, block_k=BLOCK_K, stages=None,
                             kernel="pipelined"):
     """a [G, m_max, k] e4m3 (+ [G, m_max, ceil(k/128)]), b [G, n, k] (+ [G, ceil(n/128), ceil(k/128)]),
-  masked_m [G] int -> [G, m_max, n]; rows at or past masked_m[g] are zero. Knobs as fp8_gemm's; block_m None
-  (pipelined): 64 if m_max <= 64."""
-    _, m_max, _, _ = _check_masked(a, a_scale, b, b_scale, masked_m)
+  masked_m [G] int -> [G, m_max, n]; rows at or past masked_m[g] are zero. Knobs as fp8_gemm's."""
+    g, m_max, n, _ = _check_masked(a, a_scale, b, b_scale, masked_m)
     check_kernel(kernel)
     implementation, interpret = resolve(implementation, interpret)
     if implementation == "xla":
         return _masked_xla(a, a_scale, b, b_scale, masked_m, out_dtype)
-    block_m = resolve_tiling(kernel, block_m, block_n, block_k, stages, m_max)
-    return _masked_pallas(a, a_scale, b, b_scale, masked_m, out_dtype=out_dtype, kernel=kernel, block_m=block_m,
-                          block_n=block_n, stages=stages, interpret=interpret)
+    tiling = resolve_tiling(kernel, block_m, block_n, block_k, stages, rows=g * m_max, n=n, out_dtype=out_dtype,
+                            interpret=interpret)
+    return _masked_pallas(a, a_scale, b, b_scale, masked_m, out_dtype=out_dtype, kernel=kernel, tiling=tiling,
+                          interpret=interpret)

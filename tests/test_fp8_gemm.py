@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kernels_pallas import _mosaic
+from kernels_pallas import _mosaic, fp8_tiling
 from kernels_pallas.fp8_gemm import KERNELS, fp8_gemm, fp8_gemm_reference
 from kernels_pallas.fp8_grouped_gemm import (fp8_grouped_gemm_contiguous, fp8_grouped_gemm_contiguous_reference,
                                              fp8_grouped_gemm_masked, fp8_grouped_gemm_masked_reference)
@@ -274,12 +274,16 @@ def test_bad_input_raises_value_error_with_numbers():
     ws = dict(implementation="pallas", kernel="warp_specialized")
     with pytest.raises(ValueError, match="block_m must be 128 or 256.*block_m=64"):
         fp8_gemm(a, a_s, b, b_s, block_m=64, **ws)
-    with pytest.raises(ValueError, match="block_n must be a multiple of 16.*block_n=40"):
+    with pytest.raises(ValueError, match="block_n must be a multiple of 32.*block_n=40"):
         fp8_gemm(a, a_s, b, b_s, block_n=40, **ws)
-    with pytest.raises(ValueError, match="block_m=256 x block_n=128 needs 256 fp32 registers"):
-        fp8_gemm(a, a_s, b, b_s, block_m=256, **ws)
+    with pytest.raises(ValueError, match="block_m=256 x block_n=128 .* needs 256 fp32 accumulator registers"):
+        fp8_gemm(a, a_s, b, b_s, block_m=256, block_n=128, **ws)
+    with pytest.raises(ValueError, match="block_m=128 x block_n=128 .* needs 256 fp32 accumulator registers"):
+        fp8_gemm(a, a_s, b, b_s, implementation="pallas", block_m=128, block_n=128)       # pipelined: one warpgroup
     with pytest.raises(ValueError, match="stages=6 .* shared memory"):
-        fp8_gemm(a, a_s, b, b_s, stages=6, interpret=True, **ws)
+        fp8_gemm(a, a_s, b, b_s, block_n=128, stages=6, interpret=True, **ws)
+    with pytest.raises(ValueError, match="stages=9 .* shared memory"):
+        fp8_gemm(a, a_s, b, b_s, implementation="pallas", block_n=128, stages=9)
     with pytest.raises(ValueError, match="stages must be >= 1"):
         fp8_gemm(a, a_s, b, b_s, stages=0, **ws)
     _, _, ga, ga_s, gb, gb_s = make_grouped(2, 8, 16, 200)
@@ -302,7 +306,8 @@ def _rows(kernel, block_m):
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("m,n,k,block_m,block_n", [(70, 200, 300, 64, 128), (130, 96, 256, 128, 32)])
+@pytest.mark.parametrize("m,n,k,block_m,block_n", [(70, 200, 300, 64, 128), (130, 96, 256, 128, 32),
+                                             (70, 200, 300, 64, 96)])    # 96: tiles straddle 128-column scale blocks
 def test_fp8_gemm_pallas_interpret(kernel, m, n, k, block_m, block_n):
     _, _, a, a_s, b, b_s = make_dense(m, n, k)
     out = fp8_gemm(a, a_s, b, b_s, out_dtype=F32, implementation="pallas", interpret=True, kernel=kernel,
@@ -323,7 +328,7 @@ def test_grouped_contiguous_pallas_interpret(kernel):
     _, _, a, a_s, b, b_s = make_grouped(g, m, n, k)
     gid = np.random.default_rng(4).choice([-1, 0, 1, 3], size=m).astype(np.int32)   # group 2 empty
     out = fp8_grouped_gemm_contiguous(a, a_s, b, b_s, jnp.asarray(gid), out_dtype=F32, implementation="pallas",
-                                      interpret=True, kernel=kernel, block_m=_rows(kernel, 64), stages=2)
+                                      interpret=True, kernel=kernel, block_m=_rows(kernel, 64), block_n=128, stages=2)
     assert rel_err(out, np_contiguous(a, a_s, b, b_s, gid)) < 1e-5 and not np.asarray(out)[gid < 0].any()
 
 
@@ -333,17 +338,41 @@ def test_grouped_masked_pallas_interpret(kernel):
     masked_m = np.array([0, 70, 33], np.int32)
     _, _, a, a_s, b, b_s = make_masked(g, m_max, n, k)
     out = fp8_grouped_gemm_masked(a, a_s, b, b_s, jnp.asarray(masked_m), implementation="pallas", interpret=True,
-                                  kernel=kernel, block_m=_rows(kernel, 64), stages=2)
+                                  kernel=kernel, block_m=_rows(kernel, 64), block_n=128, stages=2)
     assert out.dtype == jnp.bfloat16
     exact = np_masked(a, a_s, b, b_s, masked_m)
     assert rel_err(out.astype(F32), exact) < 1e-2 and not np.asarray(out.astype(F32))[0].any()
 
 
 # ------------------------------------------------------------------------------------------------- cross-lowering
-SHIPPED = [dict(block_m=64), dict(block_m=128), dict(block_m=128, block_n=256, stages=3),
-           dict(kernel="warp_specialized"),                                   # 128 x 128, 4 stages: the benchmark's
-           dict(kernel="warp_specialized", block_n=192, stages=4),
-           dict(kernel="warp_specialized", block_m=256, block_n=96, stages=3)]
+# The shipped configurations: every tiling the entries choose by default (fp8_tiling.resolve, 132 SMs) on
+# DeepGEMM's shapes (dense m in 64, 128, 4096 x its six (n, k); grouped contiguous and masked rows), both kernels.
+DEEPGEMM_NK = [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048)]
+DEEPGEMM_ROWS = [(m, n) for m in (64, 128, 4096) for n, _ in DEEPGEMM_NK] + [
+    (g * m, n) for g, m in ((4, 8192), (8, 4096), (1, 1024), (2, 512), (4, 256)) for n in (4096, 7168)]
+
+
+def _shipped():
+    picked = {(kernel, fp8_tiling.resolve(kernel, None, None, 128, None, rows=m, n=n, num_sms=132, out_itemsize=2))
+              for kernel in KERNELS for m, n in DEEPGEMM_ROWS}
+    return [dict(kernel=kernel, block_m=t.block_m, block_n=t.block_n, stages=t.stages)
+            for kernel, t in sorted(picked, key=lambda x: (x[0], x[1].block_m, x[1].block_n, x[1].stages))]
+
+
+SHIPPED = _shipped()
+
+
+def test_default_block_n_follows_deepgemm_wave_rule():
+    """Worked by hand from DeepGEMM's rule (fewest waves over 132 SMs, then the fullest last wave), widths dividing n
+    first. m=64, n=7168 (pipelined, 1 row tile; 96 does not divide 7168): 128 -> 56 tiles, 64 -> 112, 32 -> 224 (two
+    waves): 64. m=4096, n=2112 (warp_specialized, 32 row tiles; 2112 = 64 * 33, so 192, 96, 64 and 32 divide it):
+    192 -> 352 tiles (3 waves), 96 -> 704 (6 waves): 192. m=4096, n=7168 (pipelined, 64 row tiles): 128 -> 28 waves,
+    the fewest: 128."""
+    pick = fp8_tiling.pick_block_n
+    assert pick(1, 7168, 132, fp8_tiling.PIPELINED_BLOCK_NS) == 64
+    assert pick(32, 2112, 132, fp8_tiling.WS_BLOCK_NS) == 192
+    assert pick(64, 7168, 132, fp8_tiling.PIPELINED_BLOCK_NS) == 128
+    assert pick(1, 100, 132, (128, 64)) == 64                      # nothing divides n: every candidate counts
 
 
 @pytest.mark.parametrize("cfg", SHIPPED, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))

@@ -1,0 +1,145 @@
+"""Tile sizes of the FP8 GEMM kernels (fp8_gemm.py, fp8_gemm_ws.py): the defaults and the checks of the knobs.
+
+Defaults follow DeepGEMM's heuristic (deep_gemm/jit_kernels/gemm.py ``get_best_configs``, early 2025): among the
+candidate tile widths, the fewest waves of output tiles over the SMs, then the fullest last wave, then (same
+block_m) the narrower tile; then the deepest TMA pipeline that fits shared memory. Ours differs where our kernels
+do:
+- widths that divide n come first: the wrappers pad B to a multiple of block_n (a copy of the weights per call),
+  DeepGEMM's TMA reads past the edge instead;
+- the pipelined kernel (one warpgroup per CTA, not persistent) always takes 64-row tiles and asks for a pipeline
+  shallow enough that two CTAs share an SM, so one CTA's promotion overlaps the other's wgmma (what DeepGEMM gets
+  from its two math warpgroups);
+- every config must keep its accumulators in registers (``check_registers``).
+
+Register rule: per k-step a warpgroup holds the wgmma's fresh fp32 accumulator and the promoted fp32 sum, each
+rows x block_n / 128 registers per thread (128 threads). A thread has at most 255 registers (sm90); with the
+addresses, scale vectors and loop state, two accumulators must stay within MAX_ACC_REGISTERS. A 128 x 128 tile
+in one warpgroup (256 accumulator registers) cannot, so it spills to local memory in every k-step. DeepGEMM's
+BLOCK_M = 128 likewise splits the rows over two math warpgroups (64 each).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+BLOCK_K = 128             # one scale per 128 channels (DeepGEMM): a k-step is one scale block
+NUM_CONSUMERS = 2         # warp-specialized kernel: DeepGEMM get_num_math_warpgroups(BLOCK_M = 128) = 2
+MAX_ACC_REGISTERS = 192   # two fp32 accumulator tiles per thread, out of 255 (232 for the ws consumers)
+SMEM_BYTES = 227 * 1024   # H100/H200 dynamic shared memory per CTA (CUDA: 227 KB opt-in); DeepGEMM sizes stages to it
+SMEM_SLACK = 2048         # barriers and allocation alignment
+PIPELINED_BLOCK_NS = (128, 96, 64, 32)            # at 64 rows, wider tiles leave one CTA per SM
+WS_BLOCK_NS = (192, 160, 128, 96, 64, 32)         # 192: the register rule's limit at block_m = 128
+PIPELINED_MAX_STAGES = 6
+WS_STAGES = (8, 7, 6, 5, 4, 3, 2)                 # DeepGEMM's candidates (8 .. 3), deepest that fits first
+KERNELS = ("pipelined", "warp_specialized")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """Static tiling of one FP8 GEMM call: CTA rows and columns, TMA pipeline depth."""
+
+    block_m: int
+    block_n: int
+    stages: int
+
+    def rows_per_warpgroup(self, kernel: str) -> int:
+        return self.block_m // NUM_CONSUMERS if kernel == "warp_specialized" else self.block_m
+
+    def smem_bytes(self, kernel: str, out_itemsize: int) -> int:
+        """Shared memory of one CTA: the ring (e4m3 A and B tiles + f32 scale vectors) and the epilogue tile."""
+        per_stage = (self.block_m + self.block_n) * (BLOCK_K + 4)
+        return self.stages * per_stage + self.block_m * self.block_n * out_itemsize + SMEM_SLACK
+
+
+def accumulator_registers(rows: int, block_n: int) -> int:
+    """fp32 registers per thread for a warpgroup's fresh and promoted accumulators of rows x block_n."""
+    return 2 * rows * block_n // 128
+
+
+def check_registers(kernel: str, block_m: int, block_n: int):
+    rows = block_m // NUM_CONSUMERS if kernel == "warp_specialized" else block_m
+    regs = accumulator_registers(rows, block_n)
+    if regs > MAX_ACC_REGISTERS:
+        limit = MAX_ACC_REGISTERS * 128 // (2 * rows) // 32 * 32
+        where = "per consumer warpgroup" if kernel == "warp_specialized" else "in the CTA's one warpgroup"
+        raise ValueError(f"block_m={block_m} x block_n={block_n} ({rows} rows {where}) needs {regs} fp32 "
+                         f"accumulator registers per thread (> {MAX_ACC_REGISTERS} of 255; it would spill): use "
+                         f"block_n <= {limit} at block_m={block_m}")
+
+
+def check_knobs(kernel: str, t: Tiling, out_itemsize: int) -> Tiling:
+    """Raise ValueError naming the bad knob; returns the tiling."""
+    if kernel == "warp_specialized":
+        if t.block_m not in (128, 256):
+            raise ValueError(f"block_m must be 128 or 256 for kernel='warp_specialized' (two consumer warpgroups "
+                             f"of 64 or 128 rows, wgmma M granularity 64), got block_m={t.block_m}")
+    elif t.block_m not in (64, 128):
+        raise ValueError(f"block_m must be 64 or 128 (wgmma M granularity 64, one warpgroup), got "
+                         f"block_m={t.block_m}")
+    if t.block_n % 32 or not 32 <= t.block_n <= 256:
+        raise ValueError(f"block_n must be a multiple of 32 in [32, 256] (wgmma N <= 256; the tile's B scales, "
+                         f"block_n f32, are one TMA copy whose bytes Mosaic GPU splits over 128 threads), "
+                         f"got block_n={t.block_n}")
+    check_registers(kernel, t.block_m, t.block_n)
+    if t.stages < 1:
+        raise ValueError(f"stages must be >= 1, got stages={t.stages}")
+    need = t.smem_bytes(kernel, out_itemsize)
+    if need > SMEM_BYTES:
+        raise ValueError(f"stages={t.stages} with block_m={t.block_m} block_n={t.block_n} needs {need} bytes of "
+                         f"shared memory (> {SMEM_BYTES}): lower stages or block_n")
+    return t
+
+
+def pick_block_n(row_tiles: int, n: int, slots: int, candidates) -> int:
+    """DeepGEMM's wave rule over the candidate widths (module docstring); widths dividing n first."""
+    exact = [bn for bn in candidates if n % bn == 0]
+
+    def cost(bn):
+        tiles = row_tiles * _cdiv(n, bn)
+        waves = _cdiv(tiles, slots)
+        return waves, -(tiles - (waves - 1) * slots), bn
+
+    return min(exact or candidates, key=cost)
+
+
+def _pipelined_stages(t: Tiling, out_itemsize: int) -> int:
+    """Deepest pipeline (<= PIPELINED_MAX_STAGES) with two CTAs per SM, else with one (at most 4)."""
+    for ctas, cap in ((2, PIPELINED_MAX_STAGES), (1, 4)):
+        for s in range(cap, 1, -1):
+            if ctas * dataclasses.replace(t, stages=s).smem_bytes("pipelined", out_itemsize) <= SMEM_BYTES:
+                return s
+    return 1
+
+
+def check_kernel(kernel: str):
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel=}")
+
+
+def resolve(kernel: str, block_m, block_n, block_k: int, stages, *, rows: int, n: int, num_sms: int,
+            out_itemsize: int) -> Tiling:
+    """Fill the knobs left None (module docstring) and check all of them. rows: rows whose tiles may run (dense
+  m, contiguous m, masked G * m_max); num_sms: the persistent grid / wave size."""
+    check_kernel(kernel)
+    if block_k != BLOCK_K:
+        raise ValueError(f"block_k must be {BLOCK_K} (one scale per k-step), got {block_k=}")
+    ws = kernel == "warp_specialized"
+    if block_m is None:
+        block_m = 128 if ws else 64
+    if block_n is None:
+        candidates = [bn for bn in (WS_BLOCK_NS if ws else PIPELINED_BLOCK_NS)
+                      if 2 * block_m * bn // 128 // (NUM_CONSUMERS if ws else 1) <= MAX_ACC_REGISTERS]
+        block_n = pick_block_n(_cdiv(rows, block_m), n, num_sms, candidates or [32])
+    if stages is None:
+        t = Tiling(block_m, block_n, 1)
+        if ws:
+            fits = [s for s in WS_STAGES
+                    if dataclasses.replace(t, stages=s).smem_bytes(kernel, out_itemsize) <= SMEM_BYTES]
+            stages = fits[0] if fits else 1
+        else:
+            stages = _pipelined_stages(t, out_itemsize)
+    return check_knobs(kernel, Tiling(block_m, block_n, stages), out_itemsize)
