@@ -1,9 +1,12 @@
 """MLA decode benchmark on FlashMLA's sweep, in FlashMLA's units (tests/test_flash_mla.py, README).
 
     PYTHONPATH=. python benchmarks/kernels_mla.py [--out results.txt] [--implementation pallas|xla] [--iters 20]
+        [--kernel recompute_scores|shared_scores|both] [--cases all|compare]
 
-Sweep: b=128; s_k 4096, 8192; h_q 16, 32, 64, 128; s_q 1, 2 (causal for s_q=2); h_kv 1; d 576; dv 512; page 64;
-every sequence at full length s_k. Metrics (FlashMLA's formulas, DESIGN.md):
+Sweep (--cases all): b=128; s_k 4096, 8192; h_q 16, 32, 64, 128; s_q 1, 2 (causal for s_q=2); h_kv 1; d 576;
+dv 512; page 64; every sequence at full length s_k. --cases compare: b=128, s_k=8192, (h_q, s_q) in (16, 1), (64, 1),
+(128, 2), a short subset to compare the kernel variants. --kernel (pallas only): mla_decode's kernel= variant;
+"both" prints the two variants' lines of each case next to each other. Metrics (FlashMLA's formulas, DESIGN.md):
   bytes = (sum(seqlen) * h_kv * 576 + b * s_q * h_q * 576 + b * s_q * h_q * 512) * 2  -> GB/s
   FLOPs = 2 * s_q * sum(seqlen) * h_q * (576 + 512)                                  -> TFLOPS
 Published (FlashMLA README, H800 SXM5, CUDA 12.8): up to 3000 GB/s memory-bound, 580-660 TFLOPS compute-bound.
@@ -19,7 +22,17 @@ import time
 PUBLISHED_H800 = "FlashMLA H800: up to 3000 GB/s (memory-bound), 580-660 TFLOPS (compute-bound)"
 
 
-def run_case(b, s_k, h_q, s_q, implementation, iters):
+KERNELS = ("recompute_scores", "shared_scores")
+
+
+def cases(which):
+    """(b, s_k, h_q, s_q) of the full sweep or of the short comparison subset."""
+    if which == "compare":
+        return [(128, 8192, h_q, s_q) for h_q, s_q in ((16, 1), (64, 1), (128, 2))]
+    return [(128, s_k, h_q, s_q) for s_k in (4096, 8192) for h_q in (16, 32, 64, 128) for s_q in (1, 2)]
+
+
+def run_case(b, s_k, h_q, s_q, implementation, kernel, iters):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -36,8 +49,9 @@ def run_case(b, s_k, h_q, s_q, implementation, iters):
                         jnp.int32)
     seqlens = jnp.full((b,), s_k, jnp.int32)
     causal = s_q > 1
+    knobs = dict(kernel=kernel) if implementation == "pallas" else {}
     f = jax.jit(lambda q, kv, t, s: mla_decode(q, kv, t, s, head_dim_v=dv, causal=causal,
-                                               implementation=implementation))
+                                               implementation=implementation, **knobs))
     jax.block_until_ready(f(q, kv, table, seqlens))
     times = []
     for _ in range(iters):
@@ -56,7 +70,14 @@ def main() -> None:
     p.add_argument("--out", default=None, help="append result lines to this file")
     p.add_argument("--implementation", default="pallas", choices=("pallas", "xla"))
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--kernel", default="recompute_scores", choices=KERNELS + ("both",),
+                   help="mla_decode kernel= variant (pallas only); both: adjacent lines per case")
+    p.add_argument("--cases", default="all", choices=("all", "compare"),
+                   help="all: FlashMLA's sweep; compare: b=128 s_k=8192 (h_q, s_q) (16,1) (64,1) (128,2)")
     args = p.parse_args()
+    kernels = KERNELS if args.kernel == "both" else (args.kernel,)
+    if args.implementation == "xla":
+        kernels = (None,)
 
     import jax
 
@@ -68,17 +89,18 @@ def main() -> None:
               f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}; {PUBLISHED_H800}")
     lines = [header]
     print(header, flush=True)
-    for s_k in (4096, 8192):
-        for h_q in (16, 32, 64, 128):
-            for s_q in (1, 2):
-                name = f"b=128 s_k={s_k} h_q={h_q} s_q={s_q} h_kv=1 d=576 dv=512 causal={s_q > 1}"
-                try:
-                    t, gbs, tflops = run_case(128, s_k, h_q, s_q, args.implementation, args.iters)
-                    line = f"{name}: {t * 1e6:.1f} us  {gbs:.0f} GB/s  {tflops:.1f} TFLOPS"
-                except Exception as e:  # one failing case must not stop the sweep
-                    line = f"{name}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-                print(line, flush=True)
-                lines.append(line)
+    for b, s_k, h_q, s_q in cases(args.cases):
+        for kernel in kernels:
+            name = f"b={b} s_k={s_k} h_q={h_q} s_q={s_q} h_kv=1 d=576 dv=512 causal={s_q > 1}"
+            if kernel is not None:
+                name += f" kernel={kernel}"
+            try:
+                t, gbs, tflops = run_case(b, s_k, h_q, s_q, args.implementation, kernel, args.iters)
+                line = f"{name}: {t * 1e6:.1f} us  {gbs:.0f} GB/s  {tflops:.1f} TFLOPS"
+            except Exception as e:  # one failing case must not stop the sweep
+                line = f"{name}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            print(line, flush=True)
+            lines.append(line)
     if args.out:
         with open(args.out, "a") as f:
             f.write("\n".join(lines) + "\n")

@@ -1,8 +1,20 @@
 """MLA decode over a paged latent cache (FlashMLA's contract, DESIGN.md "FlashMLA decode contract").
 
-Four parts (DESIGN.md "Kernels"): ``_decode_kernel`` (Mosaic GPU body) -> ``_decode_pallas`` (``plgpu.kernel``
-wrapper + split combine) -> ``mla_decode`` (public entry, ``implementation="pallas" | "xla"``, tuning knobs) ->
+Four parts (DESIGN.md "Kernels"): the Mosaic GPU kernel body -> its ``plgpu.kernel`` wrapper, with the split combine
+(``_decode_pallas``) -> ``mla_decode`` (public entry, ``implementation="pallas" | "xla"``, tuning knobs) ->
 ``mla_decode_reference`` (plain jnp, fp32). ``_decode_xla`` is the XLA path the engine uses on CPU.
+
+Two kernel bodies, chosen with the static knob ``kernel=`` of ``mla_decode``; both run on grid (B, G * row blocks,
+KV splits) with one producer warpgroup streaming q and the split's pages through an SMEM ring (``_produce``), and
+write the same per-split outputs that ``_combine_splits`` merges:
+- ``"recompute_scores"`` (default): this file's ``_decode_kernel`` (``_recompute_scores_pallas``). Each compute
+  warpgroup owns block_dv output columns and computes the page's 64 x 64 scores S = Q K^T itself, so with V3's
+  dv = 512, block_dv = 256 the QK wgmma runs twice per page. Measured: 1675-2094 GB/s on an H200
+  (docs/benchmarks.md).
+- ``"shared_scores"``: mla_decode_shared.py (``shared_scores_pallas``), FlashMLA's structure
+  (csrc/flash_fwd_mla_kernel.h): warpgroup 0 computes S once per page, runs the online softmax and hands P and the
+  rescale factor to the other compute warpgroups through SMEM; each does O += P V for its own columns. It lowers
+  for cuda and passes in GPU interpret mode; not yet compiled, run or measured on a GPU, hence not the default.
 
 Shapes (letters used throughout): B batch, Q query tokens per sequence (s_q), N query heads (h_q), G kv heads
 (h_kv), M = N // G query heads per kv head, D = q/k head dim (576 for V3: 512 latent + 64 rope), V = head_dim_v
@@ -20,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +46,10 @@ from kernels_pallas import _mosaic
 _LOG2E = math.log2(math.e)
 _BLOCK_M = 64  # rows per program: the wgmma M of one warpgroup
 _NUM_SMS = 132  # H800/H100/H200 SXM multiprocessors (split heuristic; FlashMLA get_mla_metadata does the same)
+# Dynamic shared memory one CTA may opt into on sm_90 (CUDA C Programming Guide, "Technical Specifications per
+# Compute Capability": 227 KB); Mosaic GPU refuses kernels above it (jax/experimental/mosaic/gpu/core.py).
+SMEM_BYTES = 227 * 1024
+KERNELS = ("recompute_scores", "shared_scores")
 
 
 # ----------------------------------------------------------------------------------------------- validation
@@ -180,150 +197,249 @@ def _accumulate_pv(acc, p16, v_page, interpret):
     return pl.run_state(lambda o_ref: plgpu.wgmma(o_ref, p16, v_page))(plgpu.ACC.init(acc))
 
 
-def _decode_kernel(seqlens_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref, q_smem, k_smem, q_bar, k_bars,
-                   consumed_bars, sync_bar, *, s_q, m, block_dv, num_wg, num_stages, scale, causal, interpret):
-    """One program = one (sequence, 64-row block of one kv head's R = Q * M query rows, KV split).
+# Pieces both kernel variants share (this file's ``_decode_kernel`` and mla_decode_shared.py's): the program's
+# indices and pages, the producer warpgroup, the score mask, the online softmax step and the split's stores.
+class _Program(NamedTuple):
+    """One program's sequence ``bi``, kv head ``kvh``, 64-row block ``rb`` and KV ``split`` (traced scalars), the
+    sequence length and the split's pages ``[start, start + n_steps)`` (``n_steps`` may be 0)."""
 
-    Warpgroups 0..num_wg-1 compute (each owns V columns [w * block_dv, (w + 1) * block_dv) of the output and
-    recomputes the 64 x 64 scores of each page); warpgroup num_wg is the producer: it TMA-copies q once and the
-    split's pages (looked up in the block table) into a ring of ``num_stages`` SMEM slots.
+    bi: jax.Array
+    kvh: jax.Array
+    rb: jax.Array
+    split: jax.Array
+    seqlen: jax.Array
+    start: jax.Array
+    n_steps: jax.Array
 
-    seqlens_ref [B] i32, table_ref [B, P] i32, q_ref [B, G, R_pad, D], kv_ref [pages, 64, G, D] (all GMEM);
-    o_ref [B, splits, G, R_pad, V] f32 and lse_ref [B, splits, G, R_pad] f32 (log2 units) receive this split's
-    partial (normalised) output and log-sum-exp.
-    """
+
+def _program(seqlens_ref, q_ref, o_ref, ps):
+    """Read the grid position: q_ref [B, G, R_pad, D], o_ref [B, splits, G, R_pad, V] give the block counts."""
     bi = lax.axis_index("b")
     hb = lax.axis_index("hb")  # kv head * row blocks + row block
     split = lax.axis_index("split")
-    wg = lax.axis_index("wg")
     n_rb = q_ref.shape[2] // _BLOCK_M
     num_splits = o_ref.shape[1]
     kvh, rb = lax.div(hb, n_rb), lax.rem(hb, n_rb)
-    ps = kv_ref.shape[1]
-
     seqlen = seqlens_ref[bi]
     n_pages = lax.div(seqlen + ps - 1, ps)
     per_split = lax.div(n_pages + num_splits - 1, num_splits)
     start = jnp.minimum(split * per_split, n_pages)
     n_steps = jnp.minimum(start + per_split, n_pages) - start  # pages of this split (may be 0)
+    return _Program(bi, kvh, rb, split, seqlen, start, n_steps)
 
-    # Register budget (65536 per SM): the producer drops to 40 per thread, compute warpgroups take the rest
-    # (232 each with two of them, as in JAX's attention_mgpu; setmaxnreg wants multiples of 8 in [24, 256]).
-    compute_regs = min(240, (65536 - 40 * 128) // (128 * num_wg) // 8 * 8)
+
+def _compute_registers(num_wg):
+    """Register budget (65536 per SM): the producer drops to 40 per thread, compute warpgroups take the rest
+    (232 each with two of them, as in JAX's attention_mgpu; setmaxnreg wants multiples of 8 in [24, 256])."""
+    return min(240, (65536 - 40 * 128) // (128 * num_wg) // 8 * 8)
+
+
+def _produce(prog, table_ref, q_ref, kv_ref, q_smem, k_smem, q_bar, k_bars, consumed_bars, num_stages):
+    """Producer warpgroup: TMA q once (q_bar), then the split's pages, looked up in the block table, into the ring of
+    ``num_stages`` SMEM slots (k_bars[slot]: page landed); a slot is refilled only after every compute warpgroup
+    released it (consumed_bars[slot])."""
+    plgpu.set_max_registers(40, action="decrease")
+    plgpu.copy_gmem_to_smem(q_ref.at[prog.bi, prog.kvh, pl.ds(prog.rb * _BLOCK_M, _BLOCK_M)], q_smem, q_bar)
+
+    @pl.loop(0, prog.n_steps)
+    def _(t):
+        slot = lax.rem(t, num_stages)
+
+        @pl.when(t >= num_stages)
+        def _():
+            plgpu.barrier_wait(consumed_bars.at[slot])  # every compute warpgroup is done with this slot
+
+        page = table_ref[prog.bi, prog.start + t]
+        plgpu.copy_gmem_to_smem(kv_ref.at[page, :, prog.kvh], k_smem.at[slot], k_bars.at[slot])
+
+    @pl.loop(jnp.maximum(prog.n_steps - num_stages, 0), prog.n_steps)
+    def _(t):  # observe the last releases too, so every phase of consumed_bars is seen by its waiter
+        plgpu.barrier_wait(consumed_bars.at[lax.rem(t, num_stages)])
+
+
+def _score_mask(prog, ps, s_q, m, causal):
+    """(cols [64, S] i32, limit): key ``page_start + col`` is visible to row r iff it is < limit ([64, S] or scalar).
+    Row r of the block is query (rb * 64 + r) // M (causal); padding rows are clamped to seqlen."""
+    rows = plgpu.broadcasted_iota(jnp.int32, (_BLOCK_M, ps), 0, layout=plgpu.Layout.WGMMA)
+    cols = plgpu.broadcasted_iota(jnp.int32, (_BLOCK_M, ps), 1, layout=plgpu.Layout.WGMMA)
+    if causal:
+        limit = jnp.minimum(prog.seqlen - s_q + 1 + lax.div(rows + prog.rb * _BLOCK_M, m), prog.seqlen)
+    else:
+        limit = prog.seqlen
+    return cols, limit
+
+
+def _init_carry(block_dv):
+    """Online-softmax state: acc [64, block_dv] f32 = 0, m_i [64] = -inf (running max, log2 units), l_i [64] = 0."""
+    m_i = plgpu.layout_cast(jnp.full((_BLOCK_M,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    l_i = plgpu.layout_cast(jnp.full((_BLOCK_M,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    acc = plgpu.layout_cast(jnp.full((_BLOCK_M, block_dv), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+    return acc, m_i, l_i
+
+
+def _online_softmax(s, visible, m_i, l_i, scale):
+    """One page of the online softmax in log2 units: s [64, S] raw scores, visible [64, S] bool, m_i / l_i [64].
+
+    Returns p [64, S] f32 (0 where not visible), alpha [64] (the factor that rescales the previous accumulator),
+    m_new, l_new [64]. A row that has seen no key keeps m = -inf; it uses 0 as its max so that p = alpha = 0, not NaN.
+    """
+    s = jnp.where(visible, s * (scale * _LOG2E), -jnp.inf)
+    m_new = jnp.maximum(m_i, s.max(axis=1))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp2(m_i - m_use)
+    p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+    l_new = l_i * alpha + p.sum(axis=1)
+    return p, alpha, m_new, l_new
+
+
+def _rescale(acc, alpha):
+    """acc [64, Vb] * alpha [64] per row."""
+    return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+
+def _zero_rows_past(v_ref, n_valid):
+    """v_ref [S, Vb] (SMEM) rows >= n_valid = 0, so that P V never sees the NaN a cache slot past seqlen may hold."""
+    v = v_ref[...]  # [S, Vb], WGMMA layout
+    vrows = plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=plgpu.Layout.WGMMA)
+    v_ref[...] = jnp.where(vrows < n_valid, v, jnp.zeros_like(v))
+
+
+def _store_out(o_ref, prog, vcols, acc, l_i):
+    """This split's normalised output rows: o_ref[bi, split, kvh, rows, vcols] = acc / l (0 where l == 0)."""
+    l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
+    o_ref.at[prog.bi, prog.split, prog.kvh, pl.ds(prog.rb * _BLOCK_M, _BLOCK_M), vcols][...] = (
+        acc / lax.broadcast_in_dim(l_safe, acc.shape, [0]))
+
+
+def _store_lse(lse_ref, prog, m_i, l_i):
+    """This split's lse in log2 units: m + log2(l); -inf where this split saw no key."""
+    lse_ref.at[prog.bi, prog.split, prog.kvh, pl.ds(prog.rb * _BLOCK_M, _BLOCK_M)][...] = (
+        jnp.where(m_i == -jnp.inf, 0.0, m_i) + jnp.log2(l_i))
+
+
+def _decode_kernel(seqlens_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref, q_smem, k_smem, q_bar, k_bars,
+                   consumed_bars, sync_bar, *, s_q, m, block_dv, num_wg, num_stages, scale, causal, interpret):
+    """kernel="recompute_scores": one program = one (sequence, 64-row block of one kv head's R = Q * M query rows,
+    KV split).
+
+    Warpgroups 0..num_wg-1 compute (each owns V columns [w * block_dv, (w + 1) * block_dv) of the output and
+    recomputes the 64 x 64 scores of each page); warpgroup num_wg is the producer (``_produce``). sync_bar: every
+    compute warpgroup's QK read of the sequence's partial last page is done before any of them zeroes its V rows.
+
+    seqlens_ref [B] i32, table_ref [B, P] i32, q_ref [B, G, R_pad, D], kv_ref [pages, 64, G, D] (all GMEM);
+    o_ref [B, splits, G, R_pad, V] f32 and lse_ref [B, splits, G, R_pad] f32 (log2 units) receive this split's
+    partial (normalised) output and log-sum-exp.
+    """
+    ps = kv_ref.shape[1]
+    prog = _program(seqlens_ref, q_ref, o_ref, ps)
+    wg = lax.axis_index("wg")
+    compute_regs = _compute_registers(num_wg)
 
     @pl.when(wg == num_wg)
     def _producer():
-        plgpu.set_max_registers(40, action="decrease")
-        plgpu.copy_gmem_to_smem(q_ref.at[bi, kvh, pl.ds(rb * _BLOCK_M, _BLOCK_M)], q_smem, q_bar)
-
-        @pl.loop(0, n_steps)
-        def _(t):
-            slot = lax.rem(t, num_stages)
-
-            @pl.when(t >= num_stages)
-            def _():
-                plgpu.barrier_wait(consumed_bars.at[slot])  # every compute warpgroup is done with this slot
-
-            page = table_ref[bi, start + t]
-            plgpu.copy_gmem_to_smem(kv_ref.at[page, :, kvh], k_smem.at[slot], k_bars.at[slot])
-
-        @pl.loop(jnp.maximum(n_steps - num_stages, 0), n_steps)
-        def _(t):  # observe the last releases too, so every phase of consumed_bars is seen by its waiter
-            plgpu.barrier_wait(consumed_bars.at[lax.rem(t, num_stages)])
+        _produce(prog, table_ref, q_ref, kv_ref, q_smem, k_smem, q_bar, k_bars, consumed_bars, num_stages)
 
     def compute(w):
         vcols = pl.ds(w * block_dv, block_dv)
         plgpu.set_max_registers(compute_regs, action="increase")
         plgpu.barrier_wait(q_bar)
-        rows = plgpu.broadcasted_iota(jnp.int32, (_BLOCK_M, ps), 0, layout=plgpu.Layout.WGMMA)
-        cols = plgpu.broadcasted_iota(jnp.int32, (_BLOCK_M, ps), 1, layout=plgpu.Layout.WGMMA)
-        if causal:  # row r of the block is query (rb * 64 + r) // M; padding rows are clamped to seqlen
-            limit = jnp.minimum(seqlen - s_q + 1 + lax.div(rows + rb * _BLOCK_M, m), seqlen)
-        else:
-            limit = seqlen
-        m_i = plgpu.layout_cast(jnp.full((_BLOCK_M,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        l_i = plgpu.layout_cast(jnp.full((_BLOCK_M,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        acc = plgpu.layout_cast(jnp.full((_BLOCK_M, block_dv), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+        cols, limit = _score_mask(prog, ps, s_q, m, causal)
+        carry = _init_carry(block_dv)
 
         def step(t, carry):
             acc, m_i, l_i = carry
             slot = lax.rem(t, num_stages)
-            page_start = (start + t) * ps
+            page_start = (prog.start + t) * ps
             k_page = k_smem.at[slot]
             plgpu.barrier_wait(k_bars.at[slot])
 
             s = _scores(q_smem, k_page, interpret)  # [64, S] f32
 
-            @pl.when(seqlen - page_start < ps)  # the sequence's last, partial page: zero V rows past seqlen
+            @pl.when(prog.seqlen - page_start < ps)  # the sequence's last, partial page: zero V rows past seqlen
             def _():
                 plgpu.barrier_arrive(sync_bar)  # every warpgroup's QK read of this slot is done
                 plgpu.barrier_wait(sync_bar)
-                v = k_page.at[:, vcols][...]  # [64, block_dv], WGMMA layout
-                vrows = plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=plgpu.Layout.WGMMA)
-                k_page.at[:, vcols][...] = jnp.where(vrows < seqlen - page_start, v, jnp.zeros_like(v))
+                _zero_rows_past(k_page.at[:, vcols], prog.seqlen - page_start)
                 plgpu.commit_smem()  # order the stores before the tensor cores read them
 
-            s = jnp.where(cols + page_start < limit, s * (scale * _LOG2E), -jnp.inf)
-            m_new = jnp.maximum(m_i, s.max(axis=1))
-            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp2(m_i - m_use)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
-            l_i = l_i * alpha + p.sum(axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            p, alpha, m_new, l_i = _online_softmax(s, cols + page_start < limit, m_i, l_i, scale)
+            acc = _rescale(acc, alpha)
             p16 = p.astype(k_smem.dtype)
             v_page = k_page.at[:, vcols]
             acc = _accumulate_pv(acc, p16, v_page, interpret)
             plgpu.barrier_arrive(consumed_bars.at[slot])
             return acc, m_new, l_i
 
-        acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
-        l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
-        o_ref.at[bi, split, kvh, pl.ds(rb * _BLOCK_M, _BLOCK_M), vcols][...] = (
-            acc / lax.broadcast_in_dim(l_safe, acc.shape, [0]))
-        if w == 0:  # lse in log2 units; -inf where this split saw no key
-            lse_ref.at[bi, split, kvh, pl.ds(rb * _BLOCK_M, _BLOCK_M)][...] = (
-                jnp.where(m_i == -jnp.inf, 0.0, m_i) + jnp.log2(l_i))
+        acc, m_i, l_i = lax.fori_loop(0, prog.n_steps, step, carry)
+        _store_out(o_ref, prog, vcols, acc, l_i)
+        if w == 0:
+            _store_lse(lse_ref, prog, m_i, l_i)
 
     for w in range(num_wg):
         pl.when(wg == w)(functools.partial(compute, w))
 
 
-def _decode_pallas(q, kv_cache, block_table, cache_seqlens, *, head_dim_v, scale, causal, num_splits, block_dv,
-                   num_stages, interpret):
-    """Pack q rows, run ``_decode_kernel`` on grid (B, G * row blocks, splits), merge the splits in jnp."""
-    b, s_q, h_q, d = q.shape
-    _, ps, h_kv, _ = kv_cache.shape
-    m = h_q // h_kv
-    r = s_q * m
-    r_pad = -(-r // _BLOCK_M) * _BLOCK_M
-    n_rb = r_pad // _BLOCK_M
+def _tiled():
+    """SMEM transforms of every wgmma operand tile: (8, 64) tiles with the 128-byte swizzle (64 bf16 per row)."""
+    return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
+
+
+def _smem_bytes(buffers, num_barriers, reduction_bytes):
+    """Shared memory one CTA allocates: every ``plgpu.SMEM`` scratch buffer rounded up to Pallas' 1024-byte
+    alignment (jax/_src/pallas/mosaic_gpu/core.py SMEM_ALIGNMENT), the reduction scratch
+    (``CompilerParams.reduction_scratch_bytes``) and 8 bytes per mbarrier."""
+    total = sum(-(-math.prod(b.shape) * jnp.dtype(b.dtype).itemsize // 1024) * 1024 for b in buffers)
+    return total + -(-reduction_bytes // 1024) * 1024 + 8 * num_barriers
+
+
+def _check_smem(total, kernel, num_stages, d):
+    if total > SMEM_BYTES:
+        raise ValueError(f"kernel={kernel!r} with {num_stages=} and d={d} needs {total} bytes of shared memory per "
+                         f"CTA (> {SMEM_BYTES}, the Hopper limit): lower num_stages")
+
+
+def _recompute_scores_pallas(q_rows, kv_cache, seqlens, table, *, s_q, m, head_dim_v, scale, causal, num_splits,
+                             block_dv, num_stages, interpret):
+    """``plgpu.kernel`` wrapper of ``_decode_kernel``: q_rows [B, G, R_pad, D] -> (o_part [B, splits, G, R_pad, V]
+    f32, lse_part [B, splits, G, R_pad] f32 log2)."""
+    b, h_kv, r_pad, d = q_rows.shape
+    ps = kv_cache.shape[1]
     num_wg = head_dim_v // block_dv
-    q_rows = q.reshape(b, s_q, h_kv, m, d).transpose(0, 2, 1, 3, 4).reshape(b, h_kv, r, d)  # [B, G, R, D]
-    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, r_pad - r), (0, 0))).astype(kv_cache.dtype)
-    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     dt = kv_cache.dtype
+    buffers = (
+        plgpu.SMEM((_BLOCK_M, d), dt, transforms=_tiled()),  # q_smem
+        plgpu.SMEM((num_stages, ps, d), dt, transforms=_tiled()),  # k_smem: ring of pages
+    )
+    params = plgpu.CompilerParams(approx_math=True)
+    _check_smem(_smem_bytes(buffers, 2 + 2 * num_stages, params.reduction_scratch_bytes), "recompute_scores",
+                num_stages, d)
     kernel = functools.partial(_decode_kernel, s_q=s_q, m=m, block_dv=block_dv, num_wg=num_wg,
                                num_stages=num_stages, scale=scale, causal=causal, interpret=interpret is not None)
-    o_part, lse_part = plgpu.kernel(
+    return plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((b, num_splits, h_kv, r_pad, head_dim_v), jnp.float32),
                   jax.ShapeDtypeStruct((b, num_splits, h_kv, r_pad), jnp.float32)),
-        grid=(b, h_kv * n_rb, num_splits),
+        grid=(b, h_kv * (r_pad // _BLOCK_M), num_splits),
         grid_names=("b", "hb", "split"),
         num_threads=num_wg + 1,
         thread_name="wg",
-        scratch_types=(
-            plgpu.SMEM((_BLOCK_M, d), dt, transforms=tiled),  # q_smem
-            plgpu.SMEM((num_stages, ps, d), dt, transforms=tiled),  # k_smem: ring of pages
+        scratch_types=buffers + (
             plgpu.Barrier(num_arrivals=1),  # q_bar
             plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),  # k_bars: page landed
             plgpu.Barrier(num_arrivals=num_wg, num_barriers=num_stages),  # consumed_bars: slot free
             plgpu.Barrier(num_arrivals=num_wg),  # sync_bar: before zeroing a partial page's V rows
         ),
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=params,
         interpret=interpret,
-    )(cache_seqlens.astype(jnp.int32), block_table.astype(jnp.int32), q_rows, kv_cache)
-    # Combine the splits (flash-decoding): weights 2^(lse_s - lse), lse = log2 sum_s 2^lse_s.
+    )(seqlens, table, q_rows, kv_cache)
+
+
+def _combine_splits(o_part, lse_part, r):
+    """Merge the KV splits (flash-decoding): weights 2^(lse_s - lse), lse = log2 sum_s 2^lse_s.
+
+    o_part [B, splits, G, R_pad, V] f32 (each split normalised), lse_part [B, splits, G, R_pad] (log2) ->
+    out [B, G, R, V] f32, lse [B, G, R] (natural log; -inf where no split saw a key).
+    """
     lse_part = lse_part[..., :r]  # [B, splits, G, R]
     mx = jnp.max(lse_part, axis=1, keepdims=True)
     mx = jnp.where(mx == -jnp.inf, 0.0, mx)
@@ -331,6 +447,27 @@ def _decode_pallas(q, kv_cache, block_table, cache_seqlens, *, head_dim_v, scale
     tot = jnp.sum(wts, axis=1)  # [B, G, R]
     out = jnp.einsum("bsgr,bsgrv->bgrv", wts, o_part[..., :r, :]) / jnp.where(tot > 0, tot, 1.0)[..., None]
     lse = (jnp.log2(tot) + mx[:, 0]) / _LOG2E  # [B, G, R]
+    return out, lse
+
+
+def _decode_pallas(q, kv_cache, block_table, cache_seqlens, *, head_dim_v, scale, causal, num_splits, block_dv,
+                   num_stages, kernel, interpret):
+    """Pack q rows, run the ``kernel`` variant on grid (B, G * row blocks, splits), merge the splits in jnp."""
+    # Imported here: mla_decode_shared builds on this module's kernel pieces (_scores, _produce, ...).
+    from kernels_pallas.mla_decode_shared import shared_scores_pallas
+
+    b, s_q, h_q, d = q.shape
+    h_kv = kv_cache.shape[2]
+    m = h_q // h_kv
+    r = s_q * m
+    r_pad = -(-r // _BLOCK_M) * _BLOCK_M
+    q_rows = q.reshape(b, s_q, h_kv, m, d).transpose(0, 2, 1, 3, 4).reshape(b, h_kv, r, d)  # [B, G, R, D]
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, r_pad - r), (0, 0))).astype(kv_cache.dtype)  # [B, G, R_pad, D]
+    call = _recompute_scores_pallas if kernel == "recompute_scores" else shared_scores_pallas
+    o_part, lse_part = call(q_rows, kv_cache, cache_seqlens.astype(jnp.int32), block_table.astype(jnp.int32),
+                            s_q=s_q, m=m, head_dim_v=head_dim_v, scale=scale, causal=causal, num_splits=num_splits,
+                            block_dv=block_dv, num_stages=num_stages, interpret=interpret)
+    out, lse = _combine_splits(o_part, lse_part, r)  # [B, G, R, V], [B, G, R]
     out = out.reshape(b, h_kv, s_q, m, head_dim_v).transpose(0, 2, 1, 3, 4).reshape(b, s_q, h_q, head_dim_v)
     lse = lse.reshape(b, h_kv, s_q, m).transpose(0, 1, 3, 2).reshape(b, h_q, s_q)
     return out.astype(q.dtype), lse
@@ -344,7 +481,9 @@ def default_num_splits(batch, h_kv, rows, max_pages):
     return max(1, min(max_pages, -(-_NUM_SMS // programs)))
 
 
-def _pallas_constraints(d, head_dim_v, page_size, block_dv, num_stages):
+def _pallas_constraints(d, head_dim_v, page_size, block_dv, num_stages, kernel):
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got kernel={kernel!r}")
     if page_size != 64:
         raise ValueError(f"implementation='pallas' needs {page_size=} == 64 (FlashMLA's page size)")
     if d % 64 or head_dim_v % block_dv or block_dv % 64:
@@ -355,21 +494,21 @@ def _pallas_constraints(d, head_dim_v, page_size, block_dv, num_stages):
 
 
 @functools.partial(jax.jit, static_argnames=("head_dim_v", "softmax_scale", "causal", "implementation",
-                                             "interpret", "num_splits", "block_dv", "num_stages",
+                                             "interpret", "num_splits", "block_dv", "num_stages", "kernel",
                                              "block_pages"))
 def _mla_decode_jit(q, kv_cache, block_table, cache_seqlens, *, head_dim_v, softmax_scale, causal,
-                    implementation, interpret, num_splits, block_dv, num_stages, block_pages):
+                    implementation, interpret, num_splits, block_dv, num_stages, kernel, block_pages):
     if implementation == "xla":
         return _decode_xla(q, kv_cache, block_table, cache_seqlens, head_dim_v=head_dim_v, scale=softmax_scale,
                            causal=causal, block_pages=block_pages)
     return _decode_pallas(q, kv_cache, block_table, cache_seqlens, head_dim_v=head_dim_v, scale=softmax_scale,
                           causal=causal, num_splits=num_splits, block_dv=block_dv, num_stages=num_stages,
-                          interpret=interpret)
+                          kernel=kernel, interpret=interpret)
 
 
 def mla_decode(q, kv_cache, block_table, cache_seqlens, *, head_dim_v=512, softmax_scale=None, causal=False,
                implementation=None, interpret=None, num_splits=None, block_dv=None, num_stages=2,
-               block_pages=16):
+               kernel="recompute_scores", block_pages=16):
     """MLA decode over a paged latent cache (FlashMLA ``flash_mla_with_kvcache`` semantics). Returns (out, lse).
 
     q [B, Q, N, D]; kv_cache [pages, S, G, D]; block_table [B, P] int32; cache_seqlens [B] int32 (>= Q when
@@ -380,7 +519,10 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, *, head_dim_v=512, softm
     mode where the backend cannot run Mosaic GPU natively; True/False force it.
     Tuning knobs (pallas): num_splits (KV splits per sequence; None = ``default_num_splits``), block_dv (output
     columns per compute warpgroup; None = min(256, head_dim_v)), num_stages (pages in flight; 2 fits D = 576 in
-    SMEM). xla: block_pages (pages per online-softmax step).
+    SMEM; a configuration over the 227 KB per CTA raises ValueError), kernel ("recompute_scores": every compute
+    warpgroup computes the page's scores itself; "shared_scores": warpgroup 0 computes them once and hands P to the
+    others through SMEM, FlashMLA's structure, not yet measured on a GPU; see the module docstring).
+    xla: block_pages (pages per online-softmax step).
     """
     b, s_q, h_q, d, h_kv, p, ps = _check_inputs(q, kv_cache, block_table, cache_seqlens, head_dim_v)
     if implementation is None:
@@ -390,7 +532,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, *, head_dim_v=512, softm
     scale = float(d ** -0.5 if softmax_scale is None else softmax_scale)
     if implementation == "pallas":
         block_dv = min(256, head_dim_v) if block_dv is None else block_dv
-        _pallas_constraints(d, head_dim_v, ps, block_dv, num_stages)
+        _pallas_constraints(d, head_dim_v, ps, block_dv, num_stages, kernel)
         if num_splits is None:
             num_splits = default_num_splits(b, h_kv, s_q * (h_q // h_kv), p)
         if num_splits < 1:
@@ -402,5 +544,5 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, *, head_dim_v=512, softm
         raise ValueError(f"{block_pages=} must be >= 1")
     return _mla_decode_jit(q, kv_cache, block_table, cache_seqlens, head_dim_v=head_dim_v, softmax_scale=scale,
                            causal=bool(causal), implementation=implementation, interpret=interpret,
-                           num_splits=num_splits, block_dv=block_dv, num_stages=num_stages,
+                           num_splits=num_splits, block_dv=block_dv, num_stages=num_stages, kernel=kernel,
                            block_pages=block_pages)

@@ -25,9 +25,10 @@ def diff(x, y):
     return 1.0 - 2.0 * (x * y).sum() / (x * x + y * y).sum()
 
 
+@pytest.mark.parametrize("kernel", ["recompute_scores", "shared_scores"])
 @pytest.mark.parametrize("b, s_k, h_q, s_q", [(4, 130, 16, 1), (4, 4096, 128, 1), (2, 1, 16, 1),
                                               (4, 2000, 128, 2), (1, 8192, 16, 2)])
-def test_mla_decode_native(b, s_k, h_q, s_q):
+def test_mla_decode_native(b, s_k, h_q, s_q, kernel):
     d, dv, page = 576, 512, 64
     rng = np.random.default_rng(s_k + h_q)
     pages = -(-s_k // page)
@@ -40,7 +41,7 @@ def test_mla_decode_native(b, s_k, h_q, s_q):
         for pos in range(seqlens[i], pages * page):
             kv[table[i, pos // page], pos % page] = np.nan
     args = (q, jnp.asarray(kv, jnp.bfloat16), jnp.asarray(table), jnp.asarray(seqlens))
-    out, lse = mla_decode(*args, head_dim_v=dv, causal=s_q > 1, implementation="pallas")
+    out, lse = mla_decode(*args, head_dim_v=dv, causal=s_q > 1, implementation="pallas", kernel=kernel)
     ref_out, ref_lse = mla_decode_reference(*args, head_dim_v=dv, causal=s_q > 1)
     assert np.isfinite(np.asarray(out, np.float32)).all()
     assert diff(out, ref_out) < 1e-5 and diff(lse, ref_lse) < 1e-5

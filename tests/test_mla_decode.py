@@ -1,5 +1,6 @@
-"""MLA decode (kernels_pallas.mla_decode): reference vs independent numpy math, XLA path vs reference, the Mosaic GPU
-kernel in GPU interpret mode vs reference, cross-lowering of the shipped kernel configurations, bad input.
+"""MLA decode (kernels_pallas.mla_decode): reference vs independent numpy math, XLA path vs reference, both Mosaic GPU
+kernel variants (kernel="recompute_scores" | "shared_scores") in GPU interpret mode vs reference, cross-lowering of
+the shipped kernel configurations, bad input and knobs.
 
 Metric: FlashMLA's cal_diff(x, y) = 1 - 2 sum(x y) / sum(x^2 + y^2) (tests/test_flash_mla.py), < 1e-5 for out and
 lse against fp32 math.
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from kernels_pallas import _mosaic, mla_decode, mla_decode_reference
+from kernels_pallas.mla_decode import KERNELS
 
 PAGE = 64
 
@@ -101,32 +103,41 @@ def test_default_implementation_on_cpu_is_xla():
     check(out, lse, *mla_decode_reference(*args, head_dim_v=32), (2, 1, 16, 32))
 
 
-# GPU interpret mode costs ~5-15 s per call (it re-lowers each simulated warpgroup), so two small shapes.
-# block_dv=64 with dv=128 runs the two-compute-warpgroup structure of V3 (d=576, dv=512, block_dv=256).
-@pytest.mark.parametrize("seqlens,s_q,h_q,causal,num_splits,block_dv", [
-    ((130, 1), 1, 16, False, 2, 64),  # >1 split, partial last page, a length of 1, 2 compute warpgroups
+# GPU interpret mode costs ~5-15 s per call (it re-lowers each simulated warpgroup), so few small shapes, each run by
+# both kernel variants. block_dv=64 with dv=128 runs the two-compute-warpgroup structure of V3 (d=576, dv=512,
+# block_dv=256); block_dv=128 runs one compute warpgroup (shared_scores then has no P hand-off).
+PALLAS_CASES = [
+    ((130, 1), 1, 16, False, 2, 64),  # >1 split, partial last page, a length of 1 (a split with no page), 2 WGs
     ((130,), 2, 128, True, 1, 128),  # causal MTP verification (s_q = 2), h_q = 128: four 64-row blocks
+]
+
+
+@pytest.mark.parametrize("seqlens,s_q,h_q,causal,num_splits,block_dv,kernel", [
+    case + (kernel,) for kernel in KERNELS for case in PALLAS_CASES] + [
+    ((130,), 2, 128, True, 1, 64, "shared_scores"),  # the P hand-off under causal masks, P reused over 3 pages
 ])
-def test_pallas_interpret_matches_reference(seqlens, s_q, h_q, causal, num_splits, block_dv):
+def test_pallas_interpret_matches_reference(seqlens, s_q, h_q, causal, num_splits, block_dv, kernel):
     args, _ = make_case(3, seqlens, s_q, h_q, 128)
     ref = mla_decode_reference(*args, head_dim_v=128, causal=causal)
     out, lse = mla_decode(*args, head_dim_v=128, causal=causal, implementation="pallas", interpret=True,
-                          num_splits=num_splits, block_dv=block_dv)
+                          num_splits=num_splits, block_dv=block_dv, kernel=kernel)
     check(out, lse, *ref, (len(seqlens), s_q, h_q, 128))
 
 
 # Every configuration the entry ships for V3 shapes (block_dv=256 -> 2 compute warpgroups; num_stages=2; one or
-# several splits; s_q 1 and 2 causal; h_q 16 and 128) lowers for cuda to a Mosaic GPU kernel.
+# several splits; s_q 1 and 2 causal; h_q 16 and 128), in both kernel variants, lowers for cuda to a Mosaic GPU
+# kernel (Mosaic GPU also refuses a kernel over 227 KB of shared memory here).
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("s_q,h_q,causal,num_splits,dtype", [
     (1, 16, False, None, jnp.bfloat16),
     (2, 128, True, 1, jnp.bfloat16),
     (2, 16, True, 4, jnp.float16),
 ])
-def test_shipped_configs_lower_to_mosaic_gpu(s_q, h_q, causal, num_splits, dtype):
+def test_shipped_configs_lower_to_mosaic_gpu(s_q, h_q, causal, num_splits, dtype, kernel):
     S = jax.ShapeDtypeStruct
     args = (S((4, s_q, h_q, 576), dtype), S((64, PAGE, 1, 576), dtype), S((4, 16), jnp.int32), S((4,), jnp.int32))
     text = _mosaic.lower_for_cuda(mla_decode, *args, head_dim_v=512, causal=causal, implementation="pallas",
-                                  interpret=False, num_splits=num_splits)
+                                  interpret=False, num_splits=num_splits, kernel=kernel)
     assert _mosaic.has_mosaic_gpu_call(text)
     xla_text = _mosaic.lower_for_cuda(mla_decode, *args, head_dim_v=512, implementation="xla")
     assert not _mosaic.has_mosaic_gpu_call(xla_text)
@@ -160,3 +171,16 @@ def test_bad_pallas_knobs_raise():
         mla_decode(**kw, implementation="pallas", block_dv=48)
     with pytest.raises(ValueError, match="implementation"):
         mla_decode(**kw, implementation="triton")
+    with pytest.raises(ValueError, match="kernel='bogus'"):
+        mla_decode(**kw, implementation="pallas", kernel="bogus")
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_pallas_smem_over_227kb_raises(kernel):
+    """V3's d = 576 in bf16: q + 3 pages in flight = 288 KB of SMEM, over Hopper's 227 KB per CTA."""
+    S = jax.ShapeDtypeStruct
+    args = (S((2, 1, 16, 576), jnp.bfloat16), S((8, PAGE, 1, 576), jnp.bfloat16), S((2, 4), jnp.int32),
+            S((2,), jnp.int32))
+    with pytest.raises(ValueError, match="num_stages=3"):
+        _mosaic.lower_for_cuda(mla_decode, *args, head_dim_v=512, implementation="pallas", interpret=False,
+                               num_stages=3, kernel=kernel)
