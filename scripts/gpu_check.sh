@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
-# The one prepared device run: native kernel tests, the kernel benchmarks (issue 4), then the engine on the GPU
-# (the embedded model through LLM(): Pallas MLA decode over the paged cache, FP8 compute; issue 5), and last the
-# warp-specialized FP8 GEMM variant (kernel="warp_specialized", not yet measured): its native tests, then, unless
-# they hung, a few shapes benchmarked side by side with the pipelined kernel. Last so a hang cannot cost the rest.
+# The one prepared device run (issue 4's kernels first, then the engine on the GPU):
+#   1. native tests of the measured kernels (pipelined FP8 GEMMs with their tilings, MLA decode "recompute_scores");
+#   2. native tests of the variants never run on a GPU yet (FP8 kernel="warp_specialized", MLA
+#      kernel="shared_scores"), in a step of their own so a hang costs only that step;
+#   3. both FP8 variants side by side on the goal shapes (m = 4096 x DeepGEMM's six (n, k)) + decode/grouped ones;
+#   4. both MLA variants side by side on a short FlashMLA subset;
+#   5. the engine (embedded model through LLM(): Pallas MLA decode over the paged cache, FP8 compute);
+#   6. with what is left of the budget, the full FlashMLA and DeepGEMM sweeps with the default kernels.
+# Steps 3-4 skip the new variants when step 2 hung (rc 124).
 # Usage on the GPU machine (offline, preinstalled jax 0.11): OUT=<dir> bash scripts/gpu_check.sh
 # Each step has its own time limit, cut to what is left of the whole run's budget (BUDGET_S, default 470 s: the
 # issue's "under 8 minutes", with room for the machine's start inside one 600 s device call); a step with under
@@ -30,31 +35,29 @@ step() {
   return $rc
 }
 
+NEW="warp_specialized or shared_scores"
 { date -u; nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>&1;
   python -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1; } > "$OUT/env.txt"
 # tests/conftest.py defaults JAX_PLATFORMS to cpu (8 simulated devices): the native tests need the GPU.
-JAX_PLATFORMS=cuda,cpu step kernel_tests.txt 180 python -m pytest -q -x --durations=10 -k "not warp_specialized" \
+JAX_PLATFORMS=cuda,cpu step kernel_tests.txt 150 python -m pytest -q -x --durations=10 -k "not ($NEW)" \
   tests/test_kernels_gpu.py
-step bench.log 90 python benchmarks/kernels_mla.py --out "$OUT/bench_mla.txt"
-step bench.log 90 python benchmarks/kernels_fp8.py --out "$OUT/bench_fp8.txt"
-# num_scheduler_steps: 1 is the GPU default; 8 (multi-step decode, the CPU default) is not measured on GPUs yet.
-step engine.txt 120 python -c "
+JAX_PLATFORMS=cuda,cpu step kernel_tests_new.txt 90 python -m pytest -q --durations=5 -k "$NEW" \
+  tests/test_kernels_gpu.py
+new_rc=$?
+if [ "$new_rc" -eq 124 ]; then fp8_kernels=pipelined; mla_kernels=recompute_scores; else fp8_kernels=both; mla_kernels=both; fi
+step bench.log 120 python benchmarks/kernels_fp8.py --kernel "$fp8_kernels" --cases compare --out "$OUT/bench_compare.txt"
+step bench.log 60 python benchmarks/kernels_mla.py --kernel "$mla_kernels" --cases compare --out "$OUT/bench_compare.txt"
+step engine.txt 60 python -c "
 import time, jaxinfer
 p = jaxinfer.SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-for k in (1, 8):
-    llm = jaxinfer.LLM(num_scheduler_steps=k)
-    for b in (1, 32):
-        llm.generate(['def f(x):'] * b, p, use_tqdm=False)
-        t0 = time.perf_counter(); outs = llm.generate(['def f(x):'] * b, p, use_tqdm=False)
-        dt = time.perf_counter() - t0
-        print(f'embedded model bf16, num_scheduler_steps {k}, batch {b}: {b * 64 / dt:.1f} tok/s, '
-              f'text {outs[0].outputs[0].text[:60]!r}', flush=True)
+llm = jaxinfer.LLM()
+for b in (1, 32):
+    llm.generate(['def f(x):'] * b, p, use_tqdm=False)
+    t0 = time.perf_counter(); outs = llm.generate(['def f(x):'] * b, p, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    print(f'embedded model bf16, batch {b}: {b * 64 / dt:.1f} tok/s, text {outs[0].outputs[0].text[:60]!r}', flush=True)
 "
-JAX_PLATFORMS=cuda,cpu step kernel_tests_ws.txt 75 python -m pytest -q --durations=5 -k warp_specialized \
-  tests/test_kernels_gpu.py
-ws_rc=$?
-if [ "$ws_rc" -ne 124 ]; then
-  step bench.log 75 python benchmarks/kernels_fp8.py --kernel both --cases compare --out "$OUT/bench_fp8_ws.txt"
-fi
+step bench.log 60 python benchmarks/kernels_mla.py --out "$OUT/bench_mla.txt"
+step bench.log 120 python benchmarks/kernels_fp8.py --out "$OUT/bench_fp8.txt"
 echo "total $SECONDS s" >> "$OUT/env.txt"
 tail -n 3 "$OUT"/*.txt "$OUT"/*.log
