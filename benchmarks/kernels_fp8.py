@@ -15,6 +15,8 @@ explicit tilings (block_m x block_n x stages) per kernel instead of the defaults
 kernel rejects prints its ValueError. Every line names the tiling that ran (fp8_tiling.py picks the defaults).
 Timing: the median over 5 repeats of (20 back-to-back calls, one sync) / 20, so the host's dispatch overlaps the
 device's work (the 2026-11-30 figures synced every call; same for kernels of milliseconds, lower for microseconds).
+--cases compare then times XLA's own GEMMs (cuBLAS: bf16, and e4m3 without block scales) on the goal shapes, as the
+ceiling this GPU gives (``ceilings``).
 
   PYTHONPATH=. python benchmarks/kernels_fp8.py --out bench_fp8.txt [--implementation pallas|xla]
       [--kernel pipelined|warp_specialized|both] [--cases all|compare] [--tilings 64x128x3,128x128x5]
@@ -29,6 +31,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from kernels_pallas import fp8_gemm, fp8_grouped_gemm_contiguous, fp8_grouped_gemm_masked, fp8_tiling
 from kernels_pallas.fp8_gemm_ws import num_sms
@@ -129,6 +132,24 @@ def parse_tilings(text: str | None) -> list[dict]:
     return out
 
 
+def ceilings(emit) -> None:
+    """The device's XLA (cuBLAS) GEMMs on the goal shapes, as context for the kernels' figures: bf16 x bf16 and
+  e4m3 x e4m3 with no block scales (both -> bf16). Not the contract, only what the library gives on this GPU."""
+    for n, k in NK:
+        m = 4096
+        for dtype in (jnp.bfloat16, jnp.float8_e4m3fn):
+            name = f"ceiling dense m={m} n={n} k={k} XLA dot {jnp.dtype(dtype).name}"
+            try:
+                a, _, b, _ = _operands((m,), (), n, k)
+                a, b = a.astype(dtype), b.astype(dtype)
+                f = jax.jit(lambda a, b: lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                                                         preferred_element_type=jnp.bfloat16))
+                t = _time(f, a, b)
+                emit(f"{name}: {t * 1e6:9.1f} us {2 * m * n * k / t / 1e12:7.1f} TFLOPS")
+            except Exception as e:  # noqa: BLE001 - one failing case must not stop the sweep
+                emit(f"{name}: FAILED {type(e).__name__}: {str(e)[:200]}")
+
+
 def run(implementation: str, kernels, cases: str, tilings: list[dict], emit) -> None:
     for kind, shape in _cases(cases):
         for kernel in kernels:
@@ -173,6 +194,8 @@ def main() -> None:
             emit("no GPU: the FP8 kernel benchmarks need a CUDA (Hopper) GPU; nothing was measured")
             return
         run(args.implementation, kernels, args.cases, tilings, emit)
+        if args.cases == "compare":
+            ceilings(emit)
 
 
 if __name__ == "__main__":

@@ -65,6 +65,23 @@ def run_case(b, s_k, h_q, s_q, implementation, kernel, iters):
     return t, nbytes / t / 1e9, flops / t / 1e12
 
 
+def copy_ceiling(gib: float = 2.0, iters: int = 20) -> str:
+    """The device's read+write bandwidth on a bf16 array of ``gib`` GiB (x * 2: one read, one write per element),
+    the memory ceiling the MLA GB/s compare with (KINDS.md measured about 4.3 TB/s on an H200 through PyTorch)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((int(gib * 2**30) // 2,), jnp.bfloat16)
+    f = jax.jit(lambda x: x * 2)
+    jax.block_until_ready(f(x))
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        y = f(x)
+    jax.block_until_ready(y)
+    t = (time.perf_counter() - t0) / iters
+    return f"copy ceiling: x * 2 on {gib:g} GiB bf16: {2 * x.nbytes / t / 1e9:.0f} GB/s (read + write)"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="append result lines to this file")
@@ -87,8 +104,19 @@ def main() -> None:
         return
     header = (f"# mla_decode {args.implementation} on {dev.device_kind}, jax {jax.__version__}, "
               f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}; {PUBLISHED_H800}")
-    lines = [header]
-    print(header, flush=True)
+    out = open(args.out, "a") if args.out else None
+
+    def emit(line: str) -> None:  # line by line, so a run cut by its time limit keeps what it measured
+        print(line, flush=True)
+        if out is not None:
+            out.write(line + "\n")
+            out.flush()
+
+    emit(header)
+    try:
+        emit(copy_ceiling())
+    except Exception as e:  # noqa: BLE001 - the ceiling is context, not a case
+        emit(f"copy ceiling: FAILED {type(e).__name__}: {str(e)[:200]}")
     for b, s_k, h_q, s_q in cases(args.cases):
         for kernel in kernels:
             name = f"b={b} s_k={s_k} h_q={h_q} s_q={s_q} h_kv=1 d=576 dv=512 causal={s_q > 1}"
@@ -99,12 +127,9 @@ def main() -> None:
                 line = f"{name}: {t * 1e6:.1f} us  {gbs:.0f} GB/s  {tflops:.1f} TFLOPS"
             except Exception as e:  # one failing case must not stop the sweep
                 line = f"{name}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-            print(line, flush=True)
-            lines.append(line)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write("\n".join(lines) + "\n")
-
+            emit(line)
+    if out is not None:
+        out.close()
 
 if __name__ == "__main__":
     main()

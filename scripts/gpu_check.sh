@@ -45,7 +45,7 @@ JAX_PLATFORMS=cuda,cpu step kernel_tests_new.txt 90 python -m pytest -q --durati
   tests/test_kernels_gpu.py
 new_rc=$?
 if [ "$new_rc" -eq 124 ]; then fp8_kernels=pipelined; mla_kernels=recompute_scores; else fp8_kernels=both; mla_kernels=both; fi
-step bench.log 120 python benchmarks/kernels_fp8.py --kernel "$fp8_kernels" --cases compare --out "$OUT/bench_compare.txt"
+step bench.log 150 python benchmarks/kernels_fp8.py --kernel "$fp8_kernels" --cases compare --out "$OUT/bench_compare.txt"
 step bench.log 60 python benchmarks/kernels_mla.py --kernel "$mla_kernels" --cases compare --out "$OUT/bench_compare.txt"
 step engine.txt 60 python -c "
 import time, jaxinfer
