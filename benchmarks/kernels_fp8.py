@@ -12,14 +12,15 @@ with the kernel variant (fp8_gemm ``kernel=``: "pipelined" | "warp_specialized")
 to the issue's goal shapes (m = 4096 x DeepGEMM's six (n, k)) plus a decode-sized and one of each grouped layout
 (scripts/gpu_check.sh uses it to keep the device run short). --tilings BMxBNxST[,...] times each of these
 explicit tilings (block_m x block_n x stages) per kernel instead of the defaults, for tuning on a GPU; a tiling a
-kernel rejects prints its ValueError. Every line names the tiling that ran (fp8_tiling.py picks the defaults).
+kernel rejects prints its ValueError. --multicast adds a line with multicast=2 (DeepGEMM's TMA multicast of A over
+CTA pairs) per warp_specialized case. Every line names the tiling that ran (fp8_tiling.py picks the defaults).
 Timing: the median over 5 repeats of (20 back-to-back calls, one sync) / 20, so the host's dispatch overlaps the
 device's work (the 2026-11-30 figures synced every call; same for kernels of milliseconds, lower for microseconds).
 --cases compare then times XLA's own GEMMs (cuBLAS: bf16, and e4m3 without block scales) on the goal shapes, as the
 ceiling this GPU gives (``ceilings``).
 
   PYTHONPATH=. python benchmarks/kernels_fp8.py --out bench_fp8.txt [--implementation pallas|xla]
-      [--kernel pipelined|warp_specialized|both] [--cases all|compare] [--tilings 64x128x3,128x128x5]
+      [--kernel pipelined|warp_specialized|both] [--cases all|compare] [--tilings 64x128x3,128x128x5] [--multicast]
 """
 
 from __future__ import annotations
@@ -95,8 +96,8 @@ def _tiling_label(kind: str, shape, kernel: str | None, knobs: dict) -> str:
         return ""
     rows, n = (shape[0], shape[1]) if kind == "dense" else (shape[0] * shape[1], shape[2])
     t = fp8_tiling.resolve(kernel, knobs.get("block_m"), knobs.get("block_n"), 128, knobs.get("stages"), rows=rows,
-                           n=n, num_sms=num_sms(False), out_itemsize=2)
-    return f" tiling {t.block_m}x{t.block_n}x{t.stages}"
+                           n=n, num_sms=num_sms(False), out_itemsize=2, multicast=knobs.get("multicast", 1))
+    return f" tiling {t.block_m}x{t.block_n}x{t.stages}" + (" multicast 2" if t.multicast == 2 else "")
 
 
 def _case(kind: str, shape, implementation: str, kernel: str | None, tiling: dict):
@@ -150,10 +151,13 @@ def ceilings(emit) -> None:
                 emit(f"{name}: FAILED {type(e).__name__}: {str(e)[:200]}")
 
 
-def run(implementation: str, kernels, cases: str, tilings: list[dict], emit) -> None:
+def run(implementation: str, kernels, cases: str, tilings: list[dict], emit, multicast: bool = False) -> None:
     for kind, shape in _cases(cases):
         for kernel in kernels:
-            for tiling in tilings if kernel is not None else [{}]:
+            mine = tilings if kernel is not None else [{}]
+            if multicast and kernel == "warp_specialized":
+                mine = mine + [t | dict(multicast=2) for t in mine]
+            for tiling in mine:
                 tag = "" if kernel is None else f" [{kernel}]"
                 name = f"{kind} {shape}"
                 try:
@@ -173,6 +177,8 @@ def main() -> None:
                    help="Pallas kernel variant (fp8_gemm kernel=); both: side by side")
     p.add_argument("--cases", default="all", choices=("all", "compare"), help="compare: a few headline shapes")
     p.add_argument("--tilings", default=None, help="BMxBNxST[,...]: time these tilings instead of the defaults")
+    p.add_argument("--multicast", action="store_true",
+                   help="also time each warp_specialized case with multicast=2 (CTA pairs sharing A by TMA multicast)")
     args = p.parse_args()
     tilings = parse_tilings(args.tilings)
     if args.implementation == "xla":
@@ -189,11 +195,11 @@ def main() -> None:
         stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         emit(f"# fp8 GEMM benchmark {stamp} device={dev.device_kind} jax={jax.__version__} "
              f"implementation={args.implementation} kernel={args.kernel} cases={args.cases} "
-             f"tilings={args.tilings or 'default'}")
+             f"tilings={args.tilings or 'default'} multicast={args.multicast}")
         if dev.platform != "gpu":
             emit("no GPU: the FP8 kernel benchmarks need a CUDA (Hopper) GPU; nothing was measured")
             return
-        run(args.implementation, kernels, args.cases, tilings, emit)
+        run(args.implementation, kernels, args.cases, tilings, emit, multicast=args.multicast)
         if args.cases == "compare":
             ceilings(emit)
 

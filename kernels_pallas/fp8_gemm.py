@@ -215,11 +215,12 @@ def tiled_fp8_gemm_pallas(tile_group, a, a_scale_t, b, b_scale_cols, *, block_m,
 
 
 def resolve_tiling(kernel: str, block_m, block_n, block_k: int, stages, *, rows: int, n: int, out_dtype,
-                   interpret: bool) -> Tiling:
+                   interpret: bool, multicast: int = 1) -> Tiling:
     """The static knobs of a Pallas entry, None filled by fp8_tiling's DeepGEMM-style defaults and all checked
   (ValueError naming the knob). rows: rows whose tiles may run (dense m, contiguous m, masked G * m_max)."""
     return fp8_tiling.resolve(kernel, block_m, block_n, block_k, stages, rows=rows, n=n,
-                              num_sms=num_sms(interpret), out_itemsize=jnp.dtype(out_dtype).itemsize)
+                              num_sms=num_sms(interpret), out_itemsize=jnp.dtype(out_dtype).itemsize,
+                              multicast=multicast)
 
 
 def run_tiles(tile_group, a, a_scale_t, b, b_scale_cols, *, kernel, tiling: Tiling, out_dtype, interpret):
@@ -253,9 +254,9 @@ def prepare_a(a, a_scale, rows):
 
 # ----------------------------------------------------------------------------------------------- entry
 @functools.partial(jax.jit, static_argnames=("out_dtype", "implementation", "interpret", "block_m", "block_n",
-                                             "block_k", "stages", "kernel"))
+                                             "block_k", "stages", "kernel", "multicast"))
 def fp8_gemm(a, a_scale, b, b_scale, *, out_dtype=jnp.bfloat16, implementation=None, interpret=None,
-             block_m=None, block_n=None, block_k=BLOCK_K, stages=None, kernel="pipelined"):
+             block_m=None, block_n=None, block_k=BLOCK_K, stages=None, kernel="pipelined", multicast=1):
     """D [m, n] = A [m, k] (e4m3, per-token-per-128 scales) x B [n, k]^T (e4m3, 128x128 block scales).
 
   implementation None: "pallas" on a CUDA GPU, "xla" elsewhere. interpret None: interpret the kernel where the
@@ -263,14 +264,16 @@ def fp8_gemm(a, a_scale, b, b_scale, *, out_dtype=jnp.bfloat16, implementation=N
   ("pipelined" | "warp_specialized", module docstring), block_m (pipelined: 64 | 128, None: 64; warp_specialized:
   128 | 256, None: 128), block_n (multiple of 16 in [16, 256] whose accumulators fit registers: pipelined <= 192
   at block_m 64, <= 96 at 128; warp_specialized <= 192 at 128, <= 96 at 256), block_k (must be 128: one scale per
-  k-step), stages (TMA pipeline depth; the ring and the epilogue tile must fit in 227 KB of SMEM)."""
+  k-step), stages (TMA pipeline depth; the ring and the epilogue tile must fit in 227 KB of SMEM), multicast
+  (warp_specialized: 2 = pairs of CTAs take adjacent column tiles of one row tile and share its A tile by TMA
+  multicast, DeepGEMM's; needs an even number of column tiles; not in interpret mode)."""
     m, n, k = check_operands(a, a_scale, b, b_scale)
     check_kernel(kernel)
     implementation, interpret = resolve(implementation, interpret)
     if implementation == "xla":
         return _fp8_gemm_xla(a, a_scale, b, b_scale, out_dtype)
     tiling = resolve_tiling(kernel, block_m, block_n, block_k, stages, rows=m, n=n, out_dtype=out_dtype,
-                            interpret=interpret)
+                            interpret=interpret, multicast=multicast)
     rows = _round_up(m, tiling.block_m)
     a_p, as_t = prepare_a(a, a_scale, rows)
     b_p, bs_cols = prepare_b(b[None], b_scale[None], tiling.block_n)

@@ -21,6 +21,10 @@ scales [kb, rows], per-column B scales [G, kb, np]. Structure, after DeepGEMM's 
   (DeepGEMM ``kNumNBlocksPerGroup = 16``: for L2 reuse). The loop runs over the active row tiles only (listed
   first in ``tile_rows``, their count read in the kernel), so skipped tiles (-1) cost nothing and leave no SM idle,
   as DeepGEMM's masked scheduler, which never visits blocks past a group's masked_m.
+- ``multicast=2`` (opt-in, DeepGEMM's TMA multicast for m >= 512): clusters of two CTAs take column tiles 2j and
+  2j + 1 of the same row tile, and the A tile they share is loaded half by each and multicast to both (the A
+  BlockSpec's ``collective_axes``; the pipeline's consumed barriers become cluster barriers), halving A's L2 traffic.
+  GPU interpret mode (jax 0.10) has no cluster barriers, so this path is checked by cross-lowering and natively.
 - epilogue: each consumer casts its half to out_dtype into its own SMEM slot and TMA-stores it; the store runs
   while the next tile's main loop does, and is awaited only before that slot is rewritten (the JAX matmul's
   ``wait_smem_to_gmem(0, wait_read_only=True)`` pattern).
@@ -93,6 +97,7 @@ def _ws_kernel(tile_rows_gmem, tile_group_gmem, num_active_gmem, a_gmem, as_gmem
     half = bm // NUM_CONSUMERS
     num_active = num_active_gmem[0]
     n_tiles = o_gmem.shape[1] // bn
+    pair = cfg.multicast == 2       # two CTAs (a cluster) take column tiles 2j, 2j + 1 of one row tile; A multicast
     wg = lax.axis_index("wg")
     swizzle = 128  # 128 fp8 = 128 bytes per k-row of a tile
     tiles = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
@@ -103,7 +108,8 @@ def _ws_kernel(tile_rows_gmem, tile_group_gmem, num_active_gmem, a_gmem, as_gmem
             grid=(num_k,),
             memory_registers=TMA_REGISTERS,
             in_specs=[
-                plgpu.BlockSpec((bm, BLOCK_K), lambda k: (0, k), transforms=tiles),     # A (bm, 128)
+                plgpu.BlockSpec((bm, BLOCK_K), lambda k: (0, k), transforms=tiles,     # A (bm, 128), shared by
+                                collective_axes=("cluster",) if pair else ()),             # the pair: multicast
                 plgpu.BlockSpec((bn, BLOCK_K), lambda k: (0, k), transforms=tiles),     # B (bn, 128), K-major
                 plgpu.BlockSpec((1, bm), lambda k: (k, 0)),                             # A scales (1, bm)
                 plgpu.BlockSpec((1, bn), lambda k: (k, 0)),                             # B scales (1, bn)
@@ -143,9 +149,12 @@ def _ws_kernel(tile_rows_gmem, tile_group_gmem, num_active_gmem, a_gmem, as_gmem
 
     @functools.partial(pl.run_scoped, allocs=allocs, collective_axes="wg")
     def _scope(allocs):
-        @plgpu.nd_loop((num_active * n_tiles,), collective_axes="sm")
+        col_units = n_tiles // cfg.multicast   # column tiles, or pairs of them
+
+        @plgpu.nd_loop((num_active * col_units,), collective_axes="sm")
         def _tile(info: plgpu.NDLoopInfo):
-            slot, ni = plgpu.planar_snake(info.index[0], (num_active, n_tiles), 1, TILE_BAND)
+            slot, nj = plgpu.planar_snake(info.index[0], (num_active, col_units), 1, TILE_BAND // cfg.multicast)
+            ni = nj * 2 + lax.axis_index("cluster") if pair else nj
             ti, g = tile_rows_gmem[slot], tile_group_gmem[slot]
             rows, cols = pl.ds(ti * bm, bm), pl.ds(ni * bn, bn)
 
@@ -173,13 +182,22 @@ def ws_fp8_gemm_pallas(tile_group, a, a_scale_t, b, b_scale_cols, *, cfg: Tiling
     rows, kp = a.shape
     _, n_pad, _ = b.shape
     tile_rows, groups, num_active = active_first(tile_group)
-    ctas = max(1, min(num_sms(interpret), t * (n_pad // cfg.block_n)))
+    n_tiles = n_pad // cfg.block_n
+    if n_tiles % cfg.multicast:
+        raise ValueError(f"multicast={cfg.multicast} needs an even number of column tiles, got {n_tiles} "
+                         f"(n padded to {n_pad}, block_n={cfg.block_n})")
+    if cfg.multicast == 2 and interpret:
+        raise ValueError("multicast=2 cannot run in GPU interpret mode (jax 0.10's interpreter has no cluster "
+                         "barriers); it is checked by cross-lowering and natively on a GPU")
+    clusters = max(1, min(num_sms(interpret) // cfg.multicast, t * n_tiles // cfg.multicast))
+    cluster = dict(cluster=(2,), cluster_names=("cluster",)) if cfg.multicast == 2 else {}
     kernel = plgpu.kernel(
         functools.partial(_ws_kernel, cfg=cfg, num_k=kp // BLOCK_K, sim=bool(interpret)),
         out_type=jax.ShapeDtypeStruct((rows, n_pad), out_dtype),
         scratch_types=[epilogue_smem((NUM_CONSUMERS, cfg.block_m // NUM_CONSUMERS, cfg.block_n), out_dtype)],
-        grid=(ctas,),
+        grid=(clusters,),
         grid_names=("sm",),
+        **cluster,
         num_threads=NUM_CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),

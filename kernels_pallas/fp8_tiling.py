@@ -45,6 +45,7 @@ class Tiling:
     block_m: int
     block_n: int
     stages: int
+    multicast: int = 1     # warp_specialized: 2 = CTA pairs (a cluster) share each A tile by TMA multicast
 
     def rows_per_warpgroup(self, kernel: str) -> int:
         return self.block_m // NUM_CONSUMERS if kernel == "warp_specialized" else self.block_m
@@ -85,6 +86,9 @@ def check_knobs(kernel: str, t: Tiling, out_itemsize: int) -> Tiling:
                          f"block_n f32, are one TMA copy whose bytes Mosaic GPU splits over 128 threads), "
                          f"got block_n={t.block_n}")
     check_registers(kernel, t.block_m, t.block_n)
+    if t.multicast not in (1, 2) or (t.multicast == 2 and kernel != "warp_specialized"):
+        raise ValueError(f"multicast must be 1, or 2 with kernel='warp_specialized' (CTA pairs that share their A "
+                         f"tile, DeepGEMM's TMA multicast), got multicast={t.multicast} with kernel={kernel!r}")
     if t.stages < 1:
         raise ValueError(f"stages must be >= 1, got stages={t.stages}")
     need = t.smem_bytes(kernel, out_itemsize)
@@ -121,7 +125,7 @@ def check_kernel(kernel: str):
 
 
 def resolve(kernel: str, block_m, block_n, block_k: int, stages, *, rows: int, n: int, num_sms: int,
-            out_itemsize: int) -> Tiling:
+            out_itemsize: int, multicast: int = 1) -> Tiling:
     """Fill the knobs left None (module docstring) and check all of them. rows: rows whose tiles may run (dense
   m, contiguous m, masked G * m_max); num_sms: the persistent grid / wave size."""
     check_kernel(kernel)
@@ -142,4 +146,8 @@ def resolve(kernel: str, block_m, block_n, block_k: int, stages, *, rows: int, n
             stages = fits[0] if fits else 1
         else:
             stages = _pipelined_stages(t, out_itemsize)
-    return check_knobs(kernel, Tiling(block_m, block_n, stages), out_itemsize)
+    t = check_knobs(kernel, Tiling(block_m, block_n, stages, multicast), out_itemsize)
+    if multicast == 2 and _cdiv(n, block_n) % 2:
+        raise ValueError(f"multicast=2 pairs column tiles: n={n} with block_n={block_n} gives {_cdiv(n, block_n)} "
+                         f"tiles, an odd number (DeepGEMM's is_tma_multicast_legal): pick another block_n")
+    return t

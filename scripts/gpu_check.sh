@@ -3,7 +3,8 @@
 #   1. native tests of the measured kernels (pipelined FP8 GEMMs with their tilings, MLA decode "recompute_scores");
 #   2. native tests of the variants never run on a GPU yet (FP8 kernel="warp_specialized", MLA
 #      kernel="shared_scores"), in a step of their own so a hang costs only that step;
-#   3. both FP8 variants side by side on the goal shapes (m = 4096 x DeepGEMM's six (n, k)) + decode/grouped ones;
+#   3. both FP8 variants (and the warp-specialized one with multicast=2) side by side on the goal shapes
+#      (m = 4096 x DeepGEMM's six (n, k)) + decode/grouped ones, then XLA/cuBLAS ceilings;
 #   4. both MLA variants side by side on a short FlashMLA subset;
 #   5. the engine (embedded model through LLM(): Pallas MLA decode over the paged cache, FP8 compute);
 #   6. with what is left of the budget, the full FlashMLA and DeepGEMM sweeps with the default kernels.
@@ -45,7 +46,7 @@ JAX_PLATFORMS=cuda,cpu step kernel_tests_new.txt 90 python -m pytest -q --durati
   tests/test_kernels_gpu.py
 new_rc=$?
 if [ "$new_rc" -eq 124 ]; then fp8_kernels=pipelined; mla_kernels=recompute_scores; else fp8_kernels=both; mla_kernels=both; fi
-step bench.log 150 python benchmarks/kernels_fp8.py --kernel "$fp8_kernels" --cases compare --out "$OUT/bench_compare.txt"
+step bench.log 180 python benchmarks/kernels_fp8.py --kernel "$fp8_kernels" --cases compare --multicast --out "$OUT/bench_compare.txt"
 step bench.log 60 python benchmarks/kernels_mla.py --kernel "$mla_kernels" --cases compare --out "$OUT/bench_compare.txt"
 step engine.txt 60 python -c "
 import time, jaxinfer

@@ -282,6 +282,13 @@ def test_bad_input_raises_value_error_with_numbers():
         fp8_gemm(a, a_s, b, b_s, implementation="pallas", block_m=128, block_n=128)       # pipelined: one warpgroup
     with pytest.raises(ValueError, match="stages=6 .* shared memory"):
         fp8_gemm(a, a_s, b, b_s, block_n=128, stages=6, interpret=True, **ws)
+    with pytest.raises(ValueError, match="multicast must be 1, or 2 with kernel='warp_specialized'"):
+        fp8_gemm(a, a_s, b, b_s, implementation="pallas", multicast=2)
+    with pytest.raises(ValueError, match="n=16 with block_n=32 gives 1 tiles, an odd number"):
+        fp8_gemm(a, a_s, b, b_s, multicast=2, **ws)
+    _, _, a2, a2_s, b2, b2_s = make_dense(8, 64, 200)                          # two column tiles of 32
+    with pytest.raises(ValueError, match="multicast=2 cannot run in GPU interpret mode"):
+        fp8_gemm(a2, a2_s, b2, b2_s, multicast=2, block_n=32, interpret=True, **ws)
     with pytest.raises(ValueError, match="stages=9 .* shared memory"):
         fp8_gemm(a, a_s, b, b_s, implementation="pallas", block_n=128, stages=9)
     with pytest.raises(ValueError, match="stages must be >= 1"):
@@ -359,7 +366,7 @@ def _shipped():
             for kernel, t in sorted(picked, key=lambda x: (x[0], x[1].block_m, x[1].block_n, x[1].stages))]
 
 
-SHIPPED = _shipped()
+SHIPPED = _shipped() + [dict(kernel="warp_specialized", block_m=128, block_n=128, stages=5, multicast=2)]
 
 
 def test_default_block_n_follows_deepgemm_wave_rule():

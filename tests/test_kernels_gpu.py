@@ -98,3 +98,9 @@ def test_fp8_gemm_native_warp_specialized(m, n, k):
 
 def test_fp8_grouped_native_warp_specialized():
     _check_grouped(kernel="warp_specialized")
+
+
+# multicast=2 (CTA pairs sharing their A tile): GPU interpret mode has no cluster barriers, so only here.
+def test_fp8_gemm_native_warp_specialized_multicast():
+    _check_dense(4096, 7168, 2048, kernel="warp_specialized", multicast=2)
+    _check_grouped(kernel="warp_specialized", multicast=2)
