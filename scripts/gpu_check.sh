@@ -45,9 +45,12 @@ JAX_PLATFORMS=cuda,cpu step kernel_tests.txt 150 python -m pytest -q -x --durati
 JAX_PLATFORMS=cuda,cpu step kernel_tests_new.txt 90 python -m pytest -q --durations=5 -k "$NEW" \
   tests/test_kernels_gpu.py
 new_rc=$?
-if [ "$new_rc" -eq 124 ]; then fp8_kernels=pipelined; mla_kernels=recompute_scores; else fp8_kernels=both; mla_kernels=both; fi
-step bench.log 180 python benchmarks/kernels_fp8.py --kernel "$fp8_kernels" --cases compare --multicast --out "$OUT/bench_compare.txt"
-step bench.log 60 python benchmarks/kernels_mla.py --kernel "$mla_kernels" --cases compare --out "$OUT/bench_compare.txt"
+fp8_kernels=both; mla_kernels=both
+if [ "$new_rc" -eq 124 ]; then fp8_kernels=pipelined; mla_kernels=recompute_scores; fi
+step bench.log 180 python benchmarks/kernels_fp8.py --kernel "$fp8_kernels" --cases compare --multicast \
+  --out "$OUT/bench_compare.txt"
+step bench.log 60 python benchmarks/kernels_mla.py --kernel "$mla_kernels" --cases compare \
+  --out "$OUT/bench_compare.txt"
 step engine.txt 60 python -c "
 import time, jaxinfer
 p = jaxinfer.SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
