@@ -257,6 +257,15 @@ def _produce(prog, table_ref, q_ref, kv_ref, q_smem, k_smem, q_bar, k_bars, cons
         plgpu.barrier_wait(consumed_bars.at[lax.rem(t, num_stages)])
 
 
+def _wait_page(prog, k_smem, k_bars, t, num_stages, ps):
+    """The split's t-th page, once it has landed: (ring slot, position of its first key, its SMEM ref [S, D])."""
+    slot = lax.rem(t, num_stages)
+    page_start = (prog.start + t) * ps
+    k_page = k_smem.at[slot]
+    plgpu.barrier_wait(k_bars.at[slot])
+    return slot, page_start, k_page
+
+
 def _score_mask(prog, ps, s_q, m, causal):
     """(cols [64, S] i32, limit): key ``page_start + col`` is visible to row r iff it is < limit ([64, S] or scalar).
     Row r of the block is query (rb * 64 + r) // M (causal); padding rows are clamped to seqlen."""
@@ -348,11 +357,7 @@ def _decode_kernel(seqlens_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref, q_smem
 
         def step(t, carry):
             acc, m_i, l_i = carry
-            slot = lax.rem(t, num_stages)
-            page_start = (prog.start + t) * ps
-            k_page = k_smem.at[slot]
-            plgpu.barrier_wait(k_bars.at[slot])
-
+            slot, page_start, k_page = _wait_page(prog, k_smem, k_bars, t, num_stages, ps)
             s = _scores(q_smem, k_page, interpret)  # [64, S] f32
 
             @pl.when(prog.seqlen - page_start < ps)  # the sequence's last, partial page: zero V rows past seqlen
@@ -398,40 +403,55 @@ def _check_smem(total, kernel, num_stages, d):
                          f"CTA (> {SMEM_BYTES}, the Hopper limit): lower num_stages")
 
 
-def _recompute_scores_pallas(q_rows, kv_cache, seqlens, table, *, s_q, m, head_dim_v, scale, causal, num_splits,
-                             block_dv, num_stages, interpret):
-    """``plgpu.kernel`` wrapper of ``_decode_kernel``: q_rows [B, G, R_pad, D] -> (o_part [B, splits, G, R_pad, V]
-    f32, lse_part [B, splits, G, R_pad] f32 log2)."""
-    b, h_kv, r_pad, d = q_rows.shape
-    ps = kv_cache.shape[1]
-    num_wg = head_dim_v // block_dv
-    dt = kv_cache.dtype
+def _ring_scratch(q_rows, kv_cache, num_stages, num_wg):
+    """The SMEM both kernels share: (buffers, barriers) = ((q_smem [64, D], k_smem [num_stages, S, D]: the ring of
+    pages), (q_bar, k_bars: page landed, consumed_bars: slot free, released by every compute warpgroup))."""
+    d, ps, dt = q_rows.shape[-1], kv_cache.shape[1], kv_cache.dtype
     buffers = (
         plgpu.SMEM((_BLOCK_M, d), dt, transforms=_tiled()),  # q_smem
         plgpu.SMEM((num_stages, ps, d), dt, transforms=_tiled()),  # k_smem: ring of pages
     )
-    params = plgpu.CompilerParams(approx_math=True)
-    _check_smem(_smem_bytes(buffers, 2 + 2 * num_stages, params.reduction_scratch_bytes), "recompute_scores",
-                num_stages, d)
-    kernel = functools.partial(_decode_kernel, s_q=s_q, m=m, block_dv=block_dv, num_wg=num_wg,
-                               num_stages=num_stages, scale=scale, causal=causal, interpret=interpret is not None)
+    barriers = (
+        plgpu.Barrier(num_arrivals=1),  # q_bar
+        plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),  # k_bars: page landed
+        plgpu.Barrier(num_arrivals=num_wg, num_barriers=num_stages),  # consumed_bars: slot free
+    )
+    return buffers, barriers
+
+
+def _launch(body, q_rows, kv_cache, seqlens, table, *, head_dim_v, num_splits, num_wg, scratch, params, interpret):
+    """Run a kernel body on grid (B, G * row blocks, splits) with num_wg compute + 1 producer warpgroups:
+    q_rows [B, G, R_pad, D] -> (o_part [B, splits, G, R_pad, V] f32, lse_part [B, splits, G, R_pad] f32 log2)."""
+    b, h_kv, r_pad, _ = q_rows.shape
     return plgpu.kernel(
-        kernel,
+        body,
         out_type=(jax.ShapeDtypeStruct((b, num_splits, h_kv, r_pad, head_dim_v), jnp.float32),
                   jax.ShapeDtypeStruct((b, num_splits, h_kv, r_pad), jnp.float32)),
         grid=(b, h_kv * (r_pad // _BLOCK_M), num_splits),
         grid_names=("b", "hb", "split"),
         num_threads=num_wg + 1,
         thread_name="wg",
-        scratch_types=buffers + (
-            plgpu.Barrier(num_arrivals=1),  # q_bar
-            plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),  # k_bars: page landed
-            plgpu.Barrier(num_arrivals=num_wg, num_barriers=num_stages),  # consumed_bars: slot free
-            plgpu.Barrier(num_arrivals=num_wg),  # sync_bar: before zeroing a partial page's V rows
-        ),
+        scratch_types=scratch,
         compiler_params=params,
         interpret=interpret,
     )(seqlens, table, q_rows, kv_cache)
+
+
+def _recompute_scores_pallas(q_rows, kv_cache, seqlens, table, *, s_q, m, head_dim_v, scale, causal, num_splits,
+                             block_dv, num_stages, interpret):
+    """``plgpu.kernel`` wrapper of ``_decode_kernel``: q_rows [B, G, R_pad, D] -> (o_part [B, splits, G, R_pad, V]
+    f32, lse_part [B, splits, G, R_pad] f32 log2)."""
+    num_wg = head_dim_v // block_dv
+    buffers, barriers = _ring_scratch(q_rows, kv_cache, num_stages, num_wg)
+    sync_bar = plgpu.Barrier(num_arrivals=num_wg)  # before zeroing a partial page's V rows
+    params = plgpu.CompilerParams(approx_math=True)
+    n_barriers = 2 + 2 * num_stages  # q_bar, sync_bar, k_bars and consumed_bars per slot
+    _check_smem(_smem_bytes(buffers, n_barriers, params.reduction_scratch_bytes), "recompute_scores", num_stages,
+                q_rows.shape[-1])
+    kernel = functools.partial(_decode_kernel, s_q=s_q, m=m, block_dv=block_dv, num_wg=num_wg,
+                               num_stages=num_stages, scale=scale, causal=causal, interpret=interpret is not None)
+    return _launch(kernel, q_rows, kv_cache, seqlens, table, head_dim_v=head_dim_v, num_splits=num_splits,
+                   num_wg=num_wg, scratch=buffers + barriers + (sync_bar,), params=params, interpret=interpret)
 
 
 def _combine_splits(o_part, lse_part, r):

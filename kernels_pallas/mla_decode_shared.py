@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -47,8 +46,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas.mla_decode import (_BLOCK_M, _accumulate_pv, _check_smem, _compute_registers, _init_carry,
-                                       _online_softmax, _produce, _program, _rescale, _scores, _score_mask,
-                                       _smem_bytes, _store_lse, _store_out, _tiled, _zero_rows_past)
+                                       _launch, _online_softmax, _produce, _program, _rescale, _ring_scratch,
+                                       _scores, _score_mask, _smem_bytes, _store_lse, _store_out, _tiled,
+                                       _wait_page, _zero_rows_past)
 
 # The only reductions here (row max and row sum of a WGMMA-layout [64, S] tile) stay inside each warp, so they need
 # no reduction scratch; the default 2048 bytes would push the V3 configuration (d = 576, num_stages = 2) past 227 KB.
@@ -79,11 +79,7 @@ def _score_wg(prog, refs, sharing, *, ps, s_q, m, dv, block_dv, num_wg, num_stag
 
     def step(t, carry):
         acc, m_i, l_i = carry
-        slot = lax.rem(t, num_stages)
-        page_start = (prog.start + t) * ps
-        k_page = k_smem.at[slot]
-        plgpu.barrier_wait(k_bars.at[slot])
-
+        slot, page_start, k_page = _wait_page(prog, k_smem, k_bars, t, num_stages, ps)
         s = _scores(q_smem, k_page, interpret)  # [64, S] f32; the QK wgmma has completed
 
         @pl.when(prog.seqlen - page_start < ps)  # the sequence's last, partial page: zero V rows past seqlen
@@ -183,20 +179,10 @@ def shared_scores_pallas(q_rows, kv_cache, seqlens, table, *, s_q, m, head_dim_v
     """``plgpu.kernel`` wrapper of ``_shared_kernel``, same operands and results as mla_decode.py's
     ``_recompute_scores_pallas``: q_rows [B, G, R_pad, D] -> (o_part [B, splits, G, R_pad, V] f32, lse_part
     [B, splits, G, R_pad] f32 log2). Raises ValueError naming num_stages if the SMEM does not fit in 227 KB."""
-    b, h_kv, r_pad, d = q_rows.shape
-    ps = kv_cache.shape[1]
+    ps, dt = kv_cache.shape[1], kv_cache.dtype
     num_wg = head_dim_v // block_dv
-    dt = kv_cache.dtype
-    buffers = (
-        plgpu.SMEM((_BLOCK_M, d), dt, transforms=_tiled()),  # q_smem
-        plgpu.SMEM((num_stages, ps, d), dt, transforms=_tiled()),  # k_smem: ring of pages
-    )
-    barriers = (
-        plgpu.Barrier(num_arrivals=1),  # q_bar
-        plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),  # k_bars: page landed
-        plgpu.Barrier(num_arrivals=num_wg, num_barriers=num_stages),  # consumed_bars: slot free
-    )
-    sharing, shared_buffers, n_barriers = (), (), 1 + 2 * num_stages
+    buffers, barriers = _ring_scratch(q_rows, kv_cache, num_stages, num_wg)
+    sharing, shared_buffers, n_barriers = (), (), 1 + 2 * num_stages  # q_bar, k_bars and consumed_bars per slot
     if num_wg > 1:
         shared_buffers = (
             plgpu.SMEM((_BLOCK_M, ps), dt, transforms=_tiled()),  # p_smem: P of the page (wgmma A operand)
@@ -210,18 +196,9 @@ def shared_scores_pallas(q_rows, kv_cache, seqlens, table, *, s_q, m, head_dim_v
         )
         n_barriers += 3
     _check_smem(_smem_bytes(buffers + shared_buffers, n_barriers, _REDUCTION_SCRATCH), "shared_scores",
-                num_stages, d)
+                num_stages, q_rows.shape[-1])
     kernel = functools.partial(_shared_kernel, s_q=s_q, m=m, block_dv=block_dv, num_wg=num_wg,
                                num_stages=num_stages, scale=scale, causal=causal, interpret=interpret is not None)
-    return plgpu.kernel(
-        kernel,
-        out_type=(jax.ShapeDtypeStruct((b, num_splits, h_kv, r_pad, head_dim_v), jnp.float32),
-                  jax.ShapeDtypeStruct((b, num_splits, h_kv, r_pad), jnp.float32)),
-        grid=(b, h_kv * (r_pad // _BLOCK_M), num_splits),
-        grid_names=("b", "hb", "split"),
-        num_threads=num_wg + 1,
-        thread_name="wg",
-        scratch_types=buffers + barriers + (sharing,),
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=_REDUCTION_SCRATCH),
-        interpret=interpret,
-    )(seqlens, table, q_rows, kv_cache)
+    params = plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=_REDUCTION_SCRATCH)
+    return _launch(kernel, q_rows, kv_cache, seqlens, table, head_dim_v=head_dim_v, num_splits=num_splits,
+                   num_wg=num_wg, scratch=buffers + barriers + (sharing,), params=params, interpret=interpret)
