@@ -44,7 +44,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from kernels_pallas import _mosaic, fp8_tiling
-from kernels_pallas.fp8_gemm_ws import epilogue_smem, num_sms, ws_fp8_gemm_pallas
+from kernels_pallas.fp8_gemm_ws import epilogue_smem, load_scales, num_sms, promote, ws_fp8_gemm_pallas
 from kernels_pallas.fp8_tiling import BLOCK_K, KERNELS, Tiling, check_kernel  # noqa: F401 (re-exported)
 
 FP8 = jnp.float8_e4m3fn
@@ -156,21 +156,17 @@ def _tile_kernel(tile_group_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, o_gmem, o_sm
         gg = jnp.maximum(g, 0)
 
         def k_step(_, a_smem, b_smem, as_smem, bs_smem, acc):
+            # scales first, so their SMEM latency hides under the wgmma (DeepGEMM reads them before it)
+            sa, sb = load_scales(as_smem, bs_smem, sim=sim)                                          # (bm,), (bn,) | ()
             if sim:   # interpret mode: same tiles, value-level product (see module docstring)
                 part = lax.dot_general(a_smem[...], b_smem[...], (((1,), (1,)), ((), ())),
                                        preferred_element_type=jnp.float32)                          # (bm, bn)
-                sa, sb = as_smem[...], bs_smem[...]                                                  # (bm,), (bn,)
-            else:     # scales first, so their SMEM latency hides under the wgmma (DeepGEMM reads them before it)
-                sa = plgpu.load(as_smem, (), layout=plgpu.Layout.WGMMA.reduce(1))                  # (bm,) rows
-                sb = plgpu.load(bs_smem, (), layout=plgpu.Layout.WGMMA.reduce(0))                  # (bn,) columns
-
+            else:
                 def mma(acc_ref):
                     plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_smem, (1, 0)))                 # fp8, K-major B
                     return acc_ref[...]
                 part = pl.run_scoped(mma, plgpu.ACC((block_m, block_n), jnp.float32))               # (bm, bn)
-            shape = (block_m, block_n)
-            scale = lax.broadcast_in_dim(sa, shape, [0]) * lax.broadcast_in_dim(sb, shape, [1])  # As x Bs
-            return acc + part * scale                                                              # promotion
+            return promote(acc, part, sa, sb)
 
         acc0 = jnp.zeros((block_m, block_n), jnp.float32)
         if not sim:

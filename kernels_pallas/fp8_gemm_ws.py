@@ -76,6 +76,25 @@ def epilogue_smem(shape: tuple[int, ...], out_dtype):
     return plgpu.SMEM(shape, out_dtype, transforms=(plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle)))
 
 
+def load_scales(as_ref, bs_ref, *, sim: bool):
+    """A-row scales as_ref [rows] -> (rows,) in the WGMMA row layout; B scales bs_ref [bn] (per column) -> (bn,) in
+  the column layout, or one scalar when the tile lies in one 128-column scale block (bn divides 128: tiles start at
+  multiples of bn), so that ``promote`` is one FMA per element (DeepGEMM multiplies scale_a by one scale_b)."""
+    one_block = BLOCK_K % bs_ref.shape[-1] == 0
+    if sim:
+        return as_ref[...], bs_ref[0] if one_block else bs_ref[...]
+    sa = plgpu.load(as_ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
+    return sa, bs_ref[0] if one_block else plgpu.load(bs_ref, (), layout=plgpu.Layout.WGMMA.reduce(0))
+
+
+def promote(acc, part, sa, sb):
+    """acc + part * (As x Bs) (DeepGEMM's promotion): acc, part (rows, bn) f32; sa (rows,); sb (bn,) or a scalar."""
+    shape = part.shape
+    if jnp.ndim(sb) == 0:
+        return acc + part * lax.broadcast_in_dim(sa * sb, shape, [0])                          # row scale
+    return acc + part * (lax.broadcast_in_dim(sa, shape, [0]) * lax.broadcast_in_dim(sb, shape, [1]))
+
+
 def active_first(tile_group):
     """tile_group [T] -> (tile_rows [T]: row tiles, active ones first (stable); their groups [T]; active count [1])."""
     skip = tile_group < 0                                                                      # (T,)
@@ -126,23 +145,19 @@ def _ws_kernel(tile_rows_gmem, tile_group_gmem, num_active_gmem, a_gmem, as_gmem
     def k_step(_, a_smem, b_smem, as_smem, bs_smem, *barriers_and_acc):
         *consumed, acc = barriers_and_acc
         mine = pl.ds(wg * half, half)                     # this consumer's rows of the CTA tile
+        # scales first, so their SMEM latency hides under the wgmma (DeepGEMM reads them before it)
+        sa, sb = load_scales(as_smem.at[0, mine], bs_smem.at[0], sim=sim)                       # (half,), (bn,) | ()
         if sim:   # interpret mode: same tiles, value-level product (module docstring)
             part = lax.dot_general(a_smem.at[mine][...], b_smem[...], (((1,), (1,)), ((), ())),
                                    preferred_element_type=jnp.float32)                          # (half, bn)
-            sa, sb = as_smem.at[0, mine][...], bs_smem.at[0][...]                                # (half,), (bn,)
-        else:     # scales first, so their SMEM latency hides under the wgmma (DeepGEMM reads them before it)
-            sa = plgpu.load(as_smem.at[0, mine], (), layout=plgpu.Layout.WGMMA.reduce(1))       # (half,) rows
-            sb = plgpu.load(bs_smem.at[0], (), layout=plgpu.Layout.WGMMA.reduce(0))             # (bn,) columns
-
+        else:
             def mma(acc_ref):
                 plgpu.wgmma(acc_ref, a_smem.at[mine], plgpu.transpose_ref(b_smem, (1, 0)))       # fp8, K-major B
                 return acc_ref[...]                                                             # waits for it
             part = pl.run_scoped(mma, plgpu.ACC((half, bn), jnp.float32))                      # (half, bn)
         for barrier in consumed:   # every SMEM read of this stage is done: hand it back to the producer
             plgpu.barrier_arrive(barrier)
-        shape = (half, bn)
-        scale = lax.broadcast_in_dim(sa, shape, [0]) * lax.broadcast_in_dim(sb, shape, [1])     # As x Bs
-        return acc + part * scale                                                              # promotion
+        return promote(acc, part, sa, sb)
 
     ignore = lambda *_, **__: None  # noqa: E731 - the bodies do not change the allocations
     allocs = pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem.at[0], as_gmem, bs_gmem.at[0])
