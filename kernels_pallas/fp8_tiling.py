@@ -47,13 +47,15 @@ class Tiling:
     stages: int
     multicast: int = 1     # warp_specialized: 2 = CTA pairs (a cluster) share each A tile by TMA multicast
 
-    def rows_per_warpgroup(self, kernel: str) -> int:
-        return self.block_m // NUM_CONSUMERS if kernel == "warp_specialized" else self.block_m
-
-    def smem_bytes(self, kernel: str, out_itemsize: int) -> int:
+    def smem_bytes(self, out_itemsize: int) -> int:
         """Shared memory of one CTA: the ring (e4m3 A and B tiles + f32 scale vectors) and the epilogue tile."""
         per_stage = (self.block_m + self.block_n) * (BLOCK_K + 4)
         return self.stages * per_stage + self.block_m * self.block_n * out_itemsize + SMEM_SLACK
+
+
+def rows_per_warpgroup(kernel: str, block_m: int) -> int:
+    """Rows of the CTA tile one (consumer) warpgroup accumulates."""
+    return block_m // NUM_CONSUMERS if kernel == "warp_specialized" else block_m
 
 
 def accumulator_registers(rows: int, block_n: int) -> int:
@@ -62,7 +64,7 @@ def accumulator_registers(rows: int, block_n: int) -> int:
 
 
 def check_registers(kernel: str, block_m: int, block_n: int):
-    rows = block_m // NUM_CONSUMERS if kernel == "warp_specialized" else block_m
+    rows = rows_per_warpgroup(kernel, block_m)
     regs = accumulator_registers(rows, block_n)
     if regs > MAX_ACC_REGISTERS:
         limit = MAX_ACC_REGISTERS * 128 // (2 * rows) // 32 * 32
@@ -91,7 +93,7 @@ def check_knobs(kernel: str, t: Tiling, out_itemsize: int) -> Tiling:
                          f"tile, DeepGEMM's TMA multicast), got multicast={t.multicast} with kernel={kernel!r}")
     if t.stages < 1:
         raise ValueError(f"stages must be >= 1, got stages={t.stages}")
-    need = t.smem_bytes(kernel, out_itemsize)
+    need = t.smem_bytes(out_itemsize)
     if need > SMEM_BYTES:
         raise ValueError(f"stages={t.stages} with block_m={t.block_m} block_n={t.block_n} needs {need} bytes of "
                          f"shared memory (> {SMEM_BYTES}): lower stages or block_n")
@@ -114,7 +116,7 @@ def _pipelined_stages(t: Tiling, out_itemsize: int) -> int:
     """Deepest pipeline (<= PIPELINED_MAX_STAGES) with two CTAs per SM, else with one (at most 4)."""
     for ctas, cap in ((2, PIPELINED_MAX_STAGES), (1, 4)):
         for s in range(cap, 1, -1):
-            if ctas * dataclasses.replace(t, stages=s).smem_bytes("pipelined", out_itemsize) <= SMEM_BYTES:
+            if ctas * dataclasses.replace(t, stages=s).smem_bytes(out_itemsize) <= SMEM_BYTES:
                 return s
     return 1
 
@@ -134,15 +136,16 @@ def resolve(kernel: str, block_m, block_n, block_k: int, stages, *, rows: int, n
     ws = kernel == "warp_specialized"
     if block_m is None:
         block_m = 128 if ws else 64
-    if block_n is None:
+    if block_n is None:   # widths whose accumulators fit, and (multicast) that pair up the column tiles
         candidates = [bn for bn in (WS_BLOCK_NS if ws else PIPELINED_BLOCK_NS)
-                      if 2 * block_m * bn // 128 // (NUM_CONSUMERS if ws else 1) <= MAX_ACC_REGISTERS]
+                      if accumulator_registers(rows_per_warpgroup(kernel, block_m), bn) <= MAX_ACC_REGISTERS
+                      and _cdiv(n, bn) % multicast == 0]
         block_n = pick_block_n(_cdiv(rows, block_m), n, num_sms, candidates or [32])
     if stages is None:
         t = Tiling(block_m, block_n, 1)
         if ws:
             fits = [s for s in WS_STAGES
-                    if dataclasses.replace(t, stages=s).smem_bytes(kernel, out_itemsize) <= SMEM_BYTES]
+                    if dataclasses.replace(t, stages=s).smem_bytes(out_itemsize) <= SMEM_BYTES]
             stages = fits[0] if fits else 1
         else:
             stages = _pipelined_stages(t, out_itemsize)
