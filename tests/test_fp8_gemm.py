@@ -306,6 +306,10 @@ def test_bad_input_raises_value_error_with_numbers():
 
 
 # ------------------------------------------------------------------------------------------------- pallas (interpret)
+# A kernel whose barriers deadlock hangs GPU interpret mode (and the worker's later interpret calls); the thread
+# timeout ends the worker, so the test fails instead (calls take 5-15 s).
+INTERPRET_TIMEOUT = pytest.mark.timeout(300, method="thread")
+
 # block_m per variant: the pipelined kernel's 64-row tiles, the warp-specialized kernel's 128 (two 64-row consumer
 # halves; its interpret grid has 2 CTAs, so the cases with more tiles also run the persistent loop).
 def _rows(kernel, block_m):
@@ -315,6 +319,7 @@ def _rows(kernel, block_m):
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("m,n,k,block_m,block_n", [(70, 200, 300, 64, 128), (130, 96, 256, 128, 32),
                                              (70, 200, 300, 64, 96)])    # 96: tiles straddle 128-column scale blocks
+@INTERPRET_TIMEOUT
 def test_fp8_gemm_pallas_interpret(kernel, m, n, k, block_m, block_n):
     _, _, a, a_s, b, b_s = make_dense(m, n, k)
     out = fp8_gemm(a, a_s, b, b_s, out_dtype=F32, implementation="pallas", interpret=True, kernel=kernel,
@@ -322,6 +327,7 @@ def test_fp8_gemm_pallas_interpret(kernel, m, n, k, block_m, block_n):
     assert rel_err(out, fp8_gemm_reference(a, a_s, b, b_s, out_dtype=F32)) < 1e-5
 
 
+@INTERPRET_TIMEOUT
 def test_fp8_gemm_warp_specialized_256_rows_interpret():
     _, _, a, a_s, b, b_s = make_dense(300, 96, 384)                              # 2 row tiles of 256 (128 per consumer)
     out = fp8_gemm(a, a_s, b, b_s, out_dtype=F32, implementation="pallas", interpret=True,
@@ -330,6 +336,7 @@ def test_fp8_gemm_warp_specialized_256_rows_interpret():
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
+@INTERPRET_TIMEOUT
 def test_grouped_contiguous_pallas_interpret(kernel):
     g, m, n, k = 4, 100, 136, 200                                               # unaligned segments, -1 anywhere
     _, _, a, a_s, b, b_s = make_grouped(g, m, n, k)
@@ -340,6 +347,7 @@ def test_grouped_contiguous_pallas_interpret(kernel):
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
+@INTERPRET_TIMEOUT
 def test_grouped_masked_pallas_interpret(kernel):
     g, m_max, n, k = 3, 70, 136, 200
     masked_m = np.array([0, 70, 33], np.int32)

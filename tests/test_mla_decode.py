@@ -15,6 +15,9 @@ from kernels_pallas import _mosaic, mla_decode, mla_decode_reference
 from kernels_pallas.mla_decode import KERNELS
 
 PAGE = 64
+# A kernel whose barriers deadlock hangs GPU interpret mode (and the worker's later interpret calls); the thread
+# timeout ends the worker, so the test fails instead (calls take 5-15 s).
+INTERPRET_TIMEOUT = pytest.mark.timeout(300, method="thread")
 
 
 def cal_diff(x, y):
@@ -116,6 +119,7 @@ PALLAS_CASES = [
     case + (kernel,) for kernel in KERNELS for case in PALLAS_CASES] + [
     ((130,), 2, 128, True, 1, 64, "shared_scores"),  # the P hand-off under causal masks, P reused over 3 pages
 ])
+@INTERPRET_TIMEOUT
 def test_pallas_interpret_matches_reference(seqlens, s_q, h_q, causal, num_splits, block_dv, kernel):
     args, _ = make_case(3, seqlens, s_q, h_q, 128)
     ref = mla_decode_reference(*args, head_dim_v=128, causal=causal)
