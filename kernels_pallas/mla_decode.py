@@ -501,16 +501,37 @@ def default_num_splits(batch, h_kv, rows, max_pages):
     return max(1, min(max_pages, -(-_NUM_SMS // programs)))
 
 
-def _pallas_constraints(d, head_dim_v, page_size, block_dv, num_stages, kernel):
+def _check_pallas_knobs(num_stages, kernel):
+    """The Pallas knobs' own ranges (ValueError naming the knob)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got kernel={kernel!r}")
-    if page_size != 64:
-        raise ValueError(f"implementation='pallas' needs {page_size=} == 64 (FlashMLA's page size)")
-    if d % 64 or head_dim_v % block_dv or block_dv % 64:
-        raise ValueError(f"implementation='pallas' needs d={d} divisible by 64 and head_dim_v={head_dim_v} "
-                         f"divisible by {block_dv=}, itself a multiple of 64")
     if num_stages < 1:
         raise ValueError(f"{num_stages=} must be >= 1")
+
+
+def _pallas_unsupported(d, head_dim_v, page_size, dtype, block_dv):
+    """Why the Pallas kernels cannot run this cache layout (None: they can)."""
+    if page_size != 64:
+        return f"implementation='pallas' needs {page_size=} == 64 (FlashMLA's page size)"
+    if d % 64 or block_dv < 64 or block_dv % 64 or head_dim_v % block_dv:
+        return (f"implementation='pallas' needs d={d} divisible by 64 and head_dim_v={head_dim_v} divisible by "
+                f"{block_dv=}, itself a multiple of 64")
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return (f"implementation='pallas' needs a bfloat16 or float16 cache (the wgmma operands; q is cast to it), "
+                f"got {jnp.dtype(dtype).name}")
+    return None
+
+
+def choose_implementation(implementation, *, gpu: bool, unsupported: str | None) -> str:
+    """implementation None: "pallas" on a CUDA GPU where the kernels support the cache layout, else "xla" (so a
+    float32 model still decodes on a GPU); an explicit "pallas" the kernels cannot run raises ValueError."""
+    if implementation is None:
+        return "pallas" if gpu and unsupported is None else "xla"
+    if implementation not in ("pallas", "xla"):
+        raise ValueError(f"implementation must be None, 'pallas' or 'xla', got {implementation!r}")
+    if implementation == "pallas" and unsupported is not None:
+        raise ValueError(unsupported)
+    return implementation
 
 
 @functools.partial(jax.jit, static_argnames=("head_dim_v", "softmax_scale", "causal", "implementation",
@@ -535,7 +556,8 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, *, head_dim_v=512, softm
     causal); V = kv_cache[..., :head_dim_v]. out [B, Q, N, head_dim_v] in q's dtype, lse [B, N, Q] float32.
     softmax_scale None = D ** -0.5. causal: query i sees keys < seqlen - Q + i + 1.
 
-    implementation: None = "pallas" on a CUDA GPU, "xla" elsewhere. interpret (pallas only): None = GPU interpret
+    implementation: None = "pallas" on a CUDA GPU where the kernels support the cache (page size 64, d and dv
+    multiples of 64, a bfloat16 or float16 cache), "xla" elsewhere. interpret (pallas only): None = GPU interpret
     mode where the backend cannot run Mosaic GPU natively; True/False force it.
     Tuning knobs (pallas): num_splits (KV splits per sequence; None = ``default_num_splits``), block_dv (output
     columns per compute warpgroup; None = min(256, head_dim_v)), num_stages (pages in flight; 2 fits D = 576 in
@@ -545,14 +567,13 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, *, head_dim_v=512, softm
     xla: block_pages (pages per online-softmax step).
     """
     b, s_q, h_q, d, h_kv, p, ps = _check_inputs(q, kv_cache, block_table, cache_seqlens, head_dim_v)
-    if implementation is None:
-        implementation = "xla" if _mosaic.default_interpret() else "pallas"
-    if implementation not in ("pallas", "xla"):
-        raise ValueError(f"implementation must be None, 'pallas' or 'xla', got {implementation!r}")
+    block_dv = min(256, head_dim_v) if block_dv is None else block_dv
+    _check_pallas_knobs(num_stages, kernel)  # whatever the implementation, as fp8_gemm's kernel=
+    implementation = choose_implementation(
+        implementation, gpu=not _mosaic.default_interpret(),
+        unsupported=_pallas_unsupported(d, head_dim_v, ps, kv_cache.dtype, block_dv))
     scale = float(d ** -0.5 if softmax_scale is None else softmax_scale)
     if implementation == "pallas":
-        block_dv = min(256, head_dim_v) if block_dv is None else block_dv
-        _pallas_constraints(d, head_dim_v, ps, block_dv, num_stages, kernel)
         if num_splits is None:
             num_splits = default_num_splits(b, h_kv, s_q * (h_q // h_kv), p)
         if num_splits < 1:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kernels_pallas import _mosaic, mla_decode, mla_decode_reference
-from kernels_pallas.mla_decode import KERNELS
+from kernels_pallas.mla_decode import KERNELS, _pallas_unsupported, choose_implementation
 
 PAGE = 64
 # A kernel whose barriers deadlock hangs GPU interpret mode (and the worker's later interpret calls); the thread
@@ -177,6 +177,23 @@ def test_bad_pallas_knobs_raise():
         mla_decode(**kw, implementation="triton")
     with pytest.raises(ValueError, match="kernel='bogus'"):
         mla_decode(**kw, implementation="pallas", kernel="bogus")
+
+
+def test_float32_cache_decodes_with_xla_on_gpu_and_pallas_refuses_it():
+    """The kernels take 16-bit caches (wgmma operands): on a GPU implementation=None falls back to the XLA path for
+    float32 (a float32 model still decodes); an explicit implementation='pallas' says why it cannot."""
+    reason = _pallas_unsupported(576, 512, PAGE, jnp.float32, 256)
+    assert "bfloat16 or float16 cache" in reason and "float32" in reason
+    assert _pallas_unsupported(576, 512, PAGE, jnp.bfloat16, 256) is None
+    assert choose_implementation(None, gpu=True, unsupported=reason) == "xla"
+    assert choose_implementation(None, gpu=True, unsupported=None) == "pallas"
+    assert choose_implementation(None, gpu=False, unsupported=None) == "xla"
+    with pytest.raises(ValueError, match="bfloat16 or float16 cache"):
+        choose_implementation("pallas", gpu=True, unsupported=reason)
+    kw = dict(q=np.zeros((2, 1, 16, 64), np.float32), kv_cache=np.zeros((4, PAGE, 1, 64), np.float32),
+              block_table=np.zeros((2, 2), np.int32), cache_seqlens=np.ones((2,), np.int32), head_dim_v=64)
+    with pytest.raises(ValueError, match="got float32"):
+        mla_decode(**kw, implementation="pallas")
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
