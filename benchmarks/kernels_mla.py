@@ -19,10 +19,9 @@ import argparse
 import datetime
 import time
 
+from kernels_pallas.mla_decode import KERNELS
+
 PUBLISHED_H800 = "FlashMLA H800: up to 3000 GB/s (memory-bound), 580-660 TFLOPS (compute-bound)"
-
-
-KERNELS = ("recompute_scores", "shared_scores")
 
 
 def cases(which):

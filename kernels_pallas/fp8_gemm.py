@@ -16,7 +16,7 @@ scale per column): an fp8 wgmma into a fresh fp32 accumulator, then promotion in
 with the outer product of the A-row and B-column scales (DeepGEMM's two-level accumulation: the tensor cores'
 fp8 accumulation only ever sums 128 products). K-steps are TMA-pipelined ``stages`` deep (``plgpu.emit_pipeline``).
 B-scales are expanded on the host side to one per column ([G, kb, n], 1/32 byte per weight), so a tile may span
-two 128-blocks of n and the kernel needs no scalar shared-memory reads.
+two 128-blocks of n; a tile inside one 128-block reads its single scale as one scalar (``load_scales``).
 
 Two kernel variants, chosen with the static knob ``kernel=`` of every entry (fp8_gemm and the grouped GEMMs):
 - ``"pipelined"`` (default): this file's ``_tile_kernel``, one warpgroup per CTA, grid (row tiles, column tiles),
@@ -45,13 +45,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from kernels_pallas import _mosaic, fp8_tiling
 from kernels_pallas.fp8_gemm_ws import epilogue_smem, load_scales, num_sms, promote, ws_fp8_gemm_pallas
-from kernels_pallas.fp8_tiling import BLOCK_K, KERNELS, Tiling, check_kernel  # noqa: F401 (re-exported)
+from kernels_pallas.fp8_tiling import BLOCK_K, KERNELS, Tiling, _cdiv, check_kernel  # noqa: F401 (re-exported)
 
 FP8 = jnp.float8_e4m3fn
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _round_up(a: int, b: int) -> int:
@@ -258,7 +254,7 @@ def fp8_gemm(a, a_scale, b, b_scale, *, out_dtype=jnp.bfloat16, implementation=N
   implementation None: "pallas" on a CUDA GPU, "xla" elsewhere. interpret None: interpret the kernel where the
   backend cannot run it. Tuning (None: fp8_tiling.py's DeepGEMM-style defaults for this shape and GPU): kernel
   ("pipelined" | "warp_specialized", module docstring), block_m (pipelined: 64 | 128, None: 64; warp_specialized:
-  128 | 256, None: 128), block_n (multiple of 16 in [16, 256] whose accumulators fit registers: pipelined <= 192
+  128 | 256, None: 128), block_n (multiple of 32 in [32, 256] whose accumulators fit registers: pipelined <= 192
   at block_m 64, <= 96 at 128; warp_specialized <= 192 at 128, <= 96 at 256), block_k (must be 128: one scale per
   k-step), stages (TMA pipeline depth; the ring and the epilogue tile must fit in 227 KB of SMEM), multicast
   (warp_specialized: 2 = pairs of CTAs take adjacent column tiles of one row tile and share its A tile by TMA
