@@ -1,12 +1,14 @@
 """MLA decode over a paged latent cache (FlashMLA's contract, DESIGN.md "FlashMLA decode contract").
 
-Four parts (DESIGN.md "Kernels"): the Mosaic GPU kernel body -> its ``plgpu.kernel`` wrapper, with the split combine
-(``_decode_pallas``) -> ``mla_decode`` (public entry, ``implementation="pallas" | "xla"``, tuning knobs) ->
-``mla_decode_reference`` (plain jnp, fp32). ``_decode_xla`` is the XLA path the engine uses on CPU.
+Four parts (DESIGN.md "Kernels"): the Mosaic GPU kernel body -> its ``plgpu.kernel`` wrapper, with the work-item
+schedule and the split combine (``_decode_pallas``, mla_schedule.py) -> ``mla_decode`` (public entry,
+``implementation="pallas" | "xla"``, tuning knobs) -> ``mla_decode_reference`` (plain jnp, fp32). ``_decode_xla`` is
+the XLA path the engine uses on CPU.
 
-Two kernel bodies, chosen with the static knob ``kernel=`` of ``mla_decode``; both run on grid (B, G * row blocks,
-KV splits) with one producer warpgroup streaming q and the split's pages through an SMEM ring (``_produce``), and
-write the same per-split outputs that ``_combine_splits`` merges:
+Two kernel bodies, chosen with the static knob ``kernel=`` of ``mla_decode``; both run on grid (G * row blocks,
+work items), a work item being a page range of one sequence (mla_schedule.py: balanced over the batch's lengths,
+launched longest first), with one producer warpgroup streaming q and the item's pages through an SMEM ring
+(``_produce``), and write the same per-item outputs that ``mla_schedule.combine`` merges:
 - ``"recompute_scores"`` (default): this file's ``_decode_kernel`` (``_recompute_scores_pallas``). Each compute
   warpgroup owns block_dv output columns and computes the page's 64 x 64 scores S = Q K^T itself, so with V3's
   dv = 512, block_dv = 256 the QK wgmma runs twice per page. Measured: 1675-2094 GB/s on an H200
@@ -42,10 +44,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas import _mosaic
+from kernels_pallas.mla_schedule import LOG2E as _LOG2E
+from kernels_pallas.mla_schedule import balanced_schedule, combine, even_schedule, sm_count
 
-_LOG2E = math.log2(math.e)
 _BLOCK_M = 64  # rows per program: the wgmma M of one warpgroup
-_NUM_SMS = 132  # H800/H100/H200 SXM multiprocessors (split heuristic; FlashMLA get_mla_metadata does the same)
 # Dynamic shared memory one CTA may opt into on sm_90 (CUDA C Programming Guide, "Technical Specifications per
 # Compute Capability": 227 KB); Mosaic GPU refuses kernels above it (jax/experimental/mosaic/gpu/core.py).
 SMEM_BYTES = 227 * 1024
@@ -198,34 +200,29 @@ def _accumulate_pv(acc, p16, v_page, interpret):
 
 
 # Pieces both kernel variants share (this file's ``_decode_kernel`` and mla_decode_shared.py's): the program's
-# indices and pages, the producer warpgroup, the score mask, the online softmax step and the split's stores.
+# indices and pages, the producer warpgroup, the score mask, the online softmax step and the item's stores.
 class _Program(NamedTuple):
-    """One program's sequence ``bi``, kv head ``kvh``, 64-row block ``rb`` and KV ``split`` (traced scalars), the
-    sequence length and the split's pages ``[start, start + n_steps)`` (``n_steps`` may be 0)."""
+    """One program's sequence ``bi``, kv head ``kvh``, 64-row block ``rb`` and output ``row`` (traced scalars), the
+    sequence length and the work item's pages ``[start, start + n_steps)`` (``n_steps`` may be 0)."""
 
     bi: jax.Array
     kvh: jax.Array
     rb: jax.Array
-    split: jax.Array
+    row: jax.Array
     seqlen: jax.Array
     start: jax.Array
     n_steps: jax.Array
 
 
-def _program(seqlens_ref, q_ref, o_ref, ps):
-    """Read the grid position: q_ref [B, G, R_pad, D], o_ref [B, splits, G, R_pad, V] give the block counts."""
-    bi = lax.axis_index("b")
+def _program(seqlens_ref, items_ref, q_ref):
+    """Read the grid position (hb, item) and the item's column of items_ref [4, N] (mla_schedule.py: sequence,
+    first page, pages, output row); q_ref [B, G, R_pad, D] gives the row blocks per kv head."""
     hb = lax.axis_index("hb")  # kv head * row blocks + row block
-    split = lax.axis_index("split")
+    j = lax.axis_index("item")  # launch order
     n_rb = q_ref.shape[2] // _BLOCK_M
-    num_splits = o_ref.shape[1]
     kvh, rb = lax.div(hb, n_rb), lax.rem(hb, n_rb)
-    seqlen = seqlens_ref[bi]
-    n_pages = lax.div(seqlen + ps - 1, ps)
-    per_split = lax.div(n_pages + num_splits - 1, num_splits)
-    start = jnp.minimum(split * per_split, n_pages)
-    n_steps = jnp.minimum(start + per_split, n_pages) - start  # pages of this split (may be 0)
-    return _Program(bi, kvh, rb, split, seqlen, start, n_steps)
+    bi = items_ref[0, j]
+    return _Program(bi, kvh, rb, items_ref[3, j], seqlens_ref[bi], items_ref[1, j], items_ref[2, j])
 
 
 def _compute_registers(num_wg):
@@ -235,7 +232,7 @@ def _compute_registers(num_wg):
 
 
 def _produce(prog, table_ref, q_ref, kv_ref, q_smem, k_smem, q_bar, k_bars, consumed_bars, num_stages):
-    """Producer warpgroup: TMA q once (q_bar), then the split's pages, looked up in the block table, into the ring of
+    """Producer warpgroup: TMA q once (q_bar), then the item's pages, looked up in the block table, into the ring of
     ``num_stages`` SMEM slots (k_bars[slot]: page landed); a slot is refilled only after every compute warpgroup
     released it (consumed_bars[slot])."""
     plgpu.set_max_registers(40, action="decrease")
@@ -258,7 +255,7 @@ def _produce(prog, table_ref, q_ref, kv_ref, q_smem, k_smem, q_bar, k_bars, cons
 
 
 def _wait_page(prog, k_smem, k_bars, t, num_stages, ps):
-    """The split's t-th page, once it has landed: (ring slot, position of its first key, its SMEM ref [S, D])."""
+    """The item's t-th page, once it has landed: (ring slot, position of its first key, its SMEM ref [S, D])."""
     slot = lax.rem(t, num_stages)
     page_start = (prog.start + t) * ps
     k_page = k_smem.at[slot]
@@ -314,33 +311,34 @@ def _zero_rows_past(v_ref, n_valid):
 
 
 def _store_out(o_ref, prog, vcols, acc, l_i):
-    """This split's normalised output rows: o_ref[bi, split, kvh, rows, vcols] = acc / l (0 where l == 0)."""
+    """This item's normalised output rows: o_ref[row, kvh, rows, vcols] = acc / l (0 where l == 0)."""
     l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
-    o_ref.at[prog.bi, prog.split, prog.kvh, pl.ds(prog.rb * _BLOCK_M, _BLOCK_M), vcols][...] = (
+    o_ref.at[prog.row, prog.kvh, pl.ds(prog.rb * _BLOCK_M, _BLOCK_M), vcols][...] = (
         acc / lax.broadcast_in_dim(l_safe, acc.shape, [0]))
 
 
 def _store_lse(lse_ref, prog, m_i, l_i):
-    """This split's lse in log2 units: m + log2(l); -inf where this split saw no key."""
-    lse_ref.at[prog.bi, prog.split, prog.kvh, pl.ds(prog.rb * _BLOCK_M, _BLOCK_M)][...] = (
+    """This item's lse in log2 units: m + log2(l); -inf where this item saw no key."""
+    lse_ref.at[prog.row, prog.kvh, pl.ds(prog.rb * _BLOCK_M, _BLOCK_M)][...] = (
         jnp.where(m_i == -jnp.inf, 0.0, m_i) + jnp.log2(l_i))
 
 
-def _decode_kernel(seqlens_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref, q_smem, k_smem, q_bar, k_bars,
-                   consumed_bars, sync_bar, *, s_q, m, block_dv, num_wg, num_stages, scale, causal, interpret):
-    """kernel="recompute_scores": one program = one (sequence, 64-row block of one kv head's R = Q * M query rows,
-    KV split).
+def _decode_kernel(seqlens_ref, items_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref, q_smem, k_smem, q_bar,
+                   k_bars, consumed_bars, sync_bar, *, s_q, m, block_dv, num_wg, num_stages, scale, causal,
+                   interpret):
+    """kernel="recompute_scores": one program = one (64-row block of one kv head's R = Q * M query rows, work item:
+    a page range of one sequence).
 
     Warpgroups 0..num_wg-1 compute (each owns V columns [w * block_dv, (w + 1) * block_dv) of the output and
     recomputes the 64 x 64 scores of each page); warpgroup num_wg is the producer (``_produce``). sync_bar: every
     compute warpgroup's QK read of the sequence's partial last page is done before any of them zeroes its V rows.
 
-    seqlens_ref [B] i32, table_ref [B, P] i32, q_ref [B, G, R_pad, D], kv_ref [pages, 64, G, D] (all GMEM);
-    o_ref [B, splits, G, R_pad, V] f32 and lse_ref [B, splits, G, R_pad] f32 (log2 units) receive this split's
-    partial (normalised) output and log-sum-exp.
+    seqlens_ref [B] i32, items_ref [4, N] i32 (mla_schedule.py), table_ref [B, P] i32, q_ref [B, G, R_pad, D],
+    kv_ref [pages, 64, G, D] (all GMEM); o_ref [N, G, R_pad, V] f32 and lse_ref [N, G, R_pad] f32 (log2 units)
+    receive this item's partial (normalised) output and log-sum-exp in its output row.
     """
     ps = kv_ref.shape[1]
-    prog = _program(seqlens_ref, q_ref, o_ref, ps)
+    prog = _program(seqlens_ref, items_ref, q_ref)
     wg = lax.axis_index("wg")
     compute_regs = _compute_registers(num_wg)
 
@@ -419,28 +417,35 @@ def _ring_scratch(q_rows, kv_cache, num_stages, num_wg):
     return buffers, barriers
 
 
-def _launch(body, q_rows, kv_cache, seqlens, table, *, head_dim_v, num_splits, num_wg, scratch, params, interpret):
-    """Run a kernel body on grid (B, G * row blocks, splits) with num_wg compute + 1 producer warpgroups:
-    q_rows [B, G, R_pad, D] -> (o_part [B, splits, G, R_pad, V] f32, lse_part [B, splits, G, R_pad] f32 log2)."""
-    b, h_kv, r_pad, _ = q_rows.shape
+def _launch(body, q_rows, kv_cache, seqlens, items, table, *, head_dim_v, num_wg, scratch, params, interpret):
+    """Run a kernel body on grid (G * row blocks, N work items) with num_wg compute + 1 producer warpgroups:
+    q_rows [B, G, R_pad, D], items [4, N] -> (o_part [N, G, R_pad, V] f32, lse_part [N, G, R_pad] f32 log2).
+
+    The row blocks are the grid's first axis, CUDA's blockIdx.x, which the hardware launches fastest: the programs
+    that read the same pages (one per 64-row block: 2 for h_q = 128) run side by side and share them through L2
+    (FlashMLA's grid is (m blocks, h_kv, SM parts) for the same reason). With the sequences first, the second row
+    block of every sequence ran a wave later and read its pages from HBM again: the 2026-11-30 run measured half the
+    GB/s at h_q = 128 (969) of h_q = 16 and 64 (1675-2094), docs/benchmarks.md."""
+    _, h_kv, r_pad, _ = q_rows.shape
+    n = items.shape[1]
     return plgpu.kernel(
         body,
-        out_type=(jax.ShapeDtypeStruct((b, num_splits, h_kv, r_pad, head_dim_v), jnp.float32),
-                  jax.ShapeDtypeStruct((b, num_splits, h_kv, r_pad), jnp.float32)),
-        grid=(b, h_kv * (r_pad // _BLOCK_M), num_splits),
-        grid_names=("b", "hb", "split"),
+        out_type=(jax.ShapeDtypeStruct((n, h_kv, r_pad, head_dim_v), jnp.float32),
+                  jax.ShapeDtypeStruct((n, h_kv, r_pad), jnp.float32)),
+        grid=(h_kv * (r_pad // _BLOCK_M), n),
+        grid_names=("hb", "item"),
         num_threads=num_wg + 1,
         thread_name="wg",
         scratch_types=scratch,
         compiler_params=params,
         interpret=interpret,
-    )(seqlens, table, q_rows, kv_cache)
+    )(seqlens, items, table, q_rows, kv_cache)
 
 
-def _recompute_scores_pallas(q_rows, kv_cache, seqlens, table, *, s_q, m, head_dim_v, scale, causal, num_splits,
+def _recompute_scores_pallas(q_rows, kv_cache, seqlens, items, table, *, s_q, m, head_dim_v, scale, causal,
                              block_dv, num_stages, interpret):
-    """``plgpu.kernel`` wrapper of ``_decode_kernel``: q_rows [B, G, R_pad, D] -> (o_part [B, splits, G, R_pad, V]
-    f32, lse_part [B, splits, G, R_pad] f32 log2)."""
+    """``plgpu.kernel`` wrapper of ``_decode_kernel``: q_rows [B, G, R_pad, D], items [4, N] -> (o_part
+    [N, G, R_pad, V] f32, lse_part [N, G, R_pad] f32 log2)."""
     num_wg = head_dim_v // block_dv
     buffers, barriers = _ring_scratch(q_rows, kv_cache, num_stages, num_wg)
     sync_bar = plgpu.Barrier(num_arrivals=num_wg)  # before zeroing a partial page's V rows
@@ -450,29 +455,14 @@ def _recompute_scores_pallas(q_rows, kv_cache, seqlens, table, *, s_q, m, head_d
                 q_rows.shape[-1])
     kernel = functools.partial(_decode_kernel, s_q=s_q, m=m, block_dv=block_dv, num_wg=num_wg,
                                num_stages=num_stages, scale=scale, causal=causal, interpret=interpret is not None)
-    return _launch(kernel, q_rows, kv_cache, seqlens, table, head_dim_v=head_dim_v, num_splits=num_splits,
-                   num_wg=num_wg, scratch=buffers + barriers + (sync_bar,), params=params, interpret=interpret)
+    return _launch(kernel, q_rows, kv_cache, seqlens, items, table, head_dim_v=head_dim_v, num_wg=num_wg,
+                   scratch=buffers + barriers + (sync_bar,), params=params, interpret=interpret)
 
 
-def _combine_splits(o_part, lse_part, r):
-    """Merge the KV splits (flash-decoding): weights 2^(lse_s - lse), lse = log2 sum_s 2^lse_s.
-
-    o_part [B, splits, G, R_pad, V] f32 (each split normalised), lse_part [B, splits, G, R_pad] (log2) ->
-    out [B, G, R, V] f32, lse [B, G, R] (natural log; -inf where no split saw a key).
-    """
-    lse_part = lse_part[..., :r]  # [B, splits, G, R]
-    mx = jnp.max(lse_part, axis=1, keepdims=True)
-    mx = jnp.where(mx == -jnp.inf, 0.0, mx)
-    wts = jnp.exp2(lse_part - mx)  # [B, splits, G, R]
-    tot = jnp.sum(wts, axis=1)  # [B, G, R]
-    out = jnp.einsum("bsgr,bsgrv->bgrv", wts, o_part[..., :r, :]) / jnp.where(tot > 0, tot, 1.0)[..., None]
-    lse = (jnp.log2(tot) + mx[:, 0]) / _LOG2E  # [B, G, R]
-    return out, lse
-
-
-def _decode_pallas(q, kv_cache, block_table, cache_seqlens, *, head_dim_v, scale, causal, num_splits, block_dv,
-                   num_stages, kernel, interpret):
-    """Pack q rows, run the ``kernel`` variant on grid (B, G * row blocks, splits), merge the splits in jnp."""
+def _decode_pallas(q, kv_cache, block_table, cache_seqlens, *, head_dim_v, scale, causal, num_splits, num_sms,
+                   block_dv, num_stages, kernel, interpret):
+    """Pack q rows, schedule the work items (mla_schedule.py), run the ``kernel`` variant on grid (G * row blocks,
+    items), merge each sequence's items in jnp."""
     # Imported here: mla_decode_shared builds on this module's kernel pieces (_scores, _produce, ...).
     from kernels_pallas.mla_decode_shared import shared_scores_pallas
 
@@ -483,24 +473,24 @@ def _decode_pallas(q, kv_cache, block_table, cache_seqlens, *, head_dim_v, scale
     r_pad = -(-r // _BLOCK_M) * _BLOCK_M
     q_rows = q.reshape(b, s_q, h_kv, m, d).transpose(0, 2, 1, 3, 4).reshape(b, h_kv, r, d)  # [B, G, R, D]
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, r_pad - r), (0, 0))).astype(kv_cache.dtype)  # [B, G, R_pad, D]
+    seqlens = cache_seqlens.astype(jnp.int32)
+    ps = kv_cache.shape[1]
+    if num_splits is None:
+        sched = balanced_schedule(seqlens, page_size=ps, programs_per_item=h_kv * (r_pad // _BLOCK_M),
+                                  num_sms=num_sms)
+    else:
+        sched = even_schedule(seqlens, page_size=ps, num_splits=num_splits)
     call = _recompute_scores_pallas if kernel == "recompute_scores" else shared_scores_pallas
-    o_part, lse_part = call(q_rows, kv_cache, cache_seqlens.astype(jnp.int32), block_table.astype(jnp.int32),
-                            s_q=s_q, m=m, head_dim_v=head_dim_v, scale=scale, causal=causal, num_splits=num_splits,
+    o_part, lse_part = call(q_rows, kv_cache, seqlens, sched.items, block_table.astype(jnp.int32),
+                            s_q=s_q, m=m, head_dim_v=head_dim_v, scale=scale, causal=causal,
                             block_dv=block_dv, num_stages=num_stages, interpret=interpret)
-    out, lse = _combine_splits(o_part, lse_part, r)  # [B, G, R, V], [B, G, R]
+    out, lse = combine(o_part, lse_part, sched.row_seq, batch=b, rows=r)  # [B, G, R, V], [B, G, R]
     out = out.reshape(b, h_kv, s_q, m, head_dim_v).transpose(0, 2, 1, 3, 4).reshape(b, s_q, h_q, head_dim_v)
     lse = lse.reshape(b, h_kv, s_q, m).transpose(0, 1, 3, 2).reshape(b, h_q, s_q)
     return out.astype(q.dtype), lse
 
 
 # ----------------------------------------------------------------------------------------------- entry
-def default_num_splits(batch, h_kv, rows, max_pages):
-    """KV splits per sequence so that about one wave of programs fills the GPU (FlashMLA's get_mla_metadata idea:
-    num_sm_parts = SMs / h_kv / cdiv(rows, 64)); never more splits than pages."""
-    programs = batch * h_kv * (-(-rows // _BLOCK_M))
-    return max(1, min(max_pages, -(-_NUM_SMS // programs)))
-
-
 def _check_pallas_knobs(num_stages, kernel):
     """The Pallas knobs' own ranges (ValueError naming the knob)."""
     if kernel not in KERNELS:
@@ -535,20 +525,20 @@ def choose_implementation(implementation, *, gpu: bool, unsupported: str | None)
 
 
 @functools.partial(jax.jit, static_argnames=("head_dim_v", "softmax_scale", "causal", "implementation",
-                                             "interpret", "num_splits", "block_dv", "num_stages", "kernel",
-                                             "block_pages"))
+                                             "interpret", "num_splits", "num_sms", "block_dv", "num_stages",
+                                             "kernel", "block_pages"))
 def _mla_decode_jit(q, kv_cache, block_table, cache_seqlens, *, head_dim_v, softmax_scale, causal,
-                    implementation, interpret, num_splits, block_dv, num_stages, kernel, block_pages):
+                    implementation, interpret, num_splits, num_sms, block_dv, num_stages, kernel, block_pages):
     if implementation == "xla":
         return _decode_xla(q, kv_cache, block_table, cache_seqlens, head_dim_v=head_dim_v, scale=softmax_scale,
                            causal=causal, block_pages=block_pages)
     return _decode_pallas(q, kv_cache, block_table, cache_seqlens, head_dim_v=head_dim_v, scale=softmax_scale,
-                          causal=causal, num_splits=num_splits, block_dv=block_dv, num_stages=num_stages,
-                          kernel=kernel, interpret=interpret)
+                          causal=causal, num_splits=num_splits, num_sms=num_sms, block_dv=block_dv,
+                          num_stages=num_stages, kernel=kernel, interpret=interpret)
 
 
 def mla_decode(q, kv_cache, block_table, cache_seqlens, *, head_dim_v=512, softmax_scale=None, causal=False,
-               implementation=None, interpret=None, num_splits=None, block_dv=None, num_stages=2,
+               implementation=None, interpret=None, num_splits=None, num_sms=None, block_dv=None, num_stages=2,
                kernel="recompute_scores", block_pages=16):
     """MLA decode over a paged latent cache (FlashMLA ``flash_mla_with_kvcache`` semantics). Returns (out, lse).
 
@@ -559,14 +549,17 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, *, head_dim_v=512, softm
     implementation: None = "pallas" on a CUDA GPU where the kernels support the cache (page size 64, d and dv
     multiples of 64, a bfloat16 or float16 cache), "xla" elsewhere. interpret (pallas only): None = GPU interpret
     mode where the backend cannot run Mosaic GPU natively; True/False force it.
-    Tuning knobs (pallas): num_splits (KV splits per sequence; None = ``default_num_splits``), block_dv (output
-    columns per compute warpgroup; None = min(256, head_dim_v)), num_stages (pages in flight; 2 fits D = 576 in
-    SMEM; a configuration over the 227 KB per CTA raises ValueError), kernel ("recompute_scores": every compute
+    Tuning knobs (pallas): num_splits (None: FlashMLA-style work items balanced over the batch's lengths,
+    ``mla_schedule.balanced_schedule``; an int: that many equal KV splits per sequence), num_sms (the SMs the
+    balanced schedule fills, e.g. fewer when communication kernels hold some, as DeepEP's do; None: the device's
+    count, 132 where it has none), block_dv (output columns per compute warpgroup; None = min(256, head_dim_v)),
+    num_stages (pages in flight; 2 fits D = 576 in SMEM; a configuration over the 227 KB per CTA raises
+    ValueError), kernel ("recompute_scores": every compute
     warpgroup computes the page's scores itself; "shared_scores": warpgroup 0 computes them once and hands P to the
     others through SMEM, FlashMLA's structure, not yet measured on a GPU; see the module docstring).
     xla: block_pages (pages per online-softmax step).
     """
-    b, s_q, h_q, d, h_kv, p, ps = _check_inputs(q, kv_cache, block_table, cache_seqlens, head_dim_v)
+    b, s_q, h_q, d, h_kv, _, ps = _check_inputs(q, kv_cache, block_table, cache_seqlens, head_dim_v)
     block_dv = min(256, head_dim_v) if block_dv is None else block_dv
     _check_pallas_knobs(num_stages, kernel)  # whatever the implementation, as fp8_gemm's kernel=
     implementation = choose_implementation(
@@ -574,10 +567,11 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, *, head_dim_v=512, softm
         unsupported=_pallas_unsupported(d, head_dim_v, ps, kv_cache.dtype, block_dv))
     scale = float(d ** -0.5 if softmax_scale is None else softmax_scale)
     if implementation == "pallas":
-        if num_splits is None:
-            num_splits = default_num_splits(b, h_kv, s_q * (h_q // h_kv), p)
-        if num_splits < 1:
-            raise ValueError(f"{num_splits=} must be >= 1")
+        if num_splits is not None and num_splits < 1:
+            raise ValueError(f"{num_splits=} must be None or >= 1")
+        num_sms = sm_count() if num_sms is None else num_sms
+        if num_sms < 1:
+            raise ValueError(f"{num_sms=} must be None or >= 1")
         if interpret is None:
             interpret = _mosaic.default_interpret()
         interpret = _mosaic.interpret_params() if interpret else None
@@ -585,5 +579,5 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, *, head_dim_v=512, softm
         raise ValueError(f"{block_pages=} must be >= 1")
     return _mla_decode_jit(q, kv_cache, block_table, cache_seqlens, head_dim_v=head_dim_v, softmax_scale=scale,
                            causal=bool(causal), implementation=implementation, interpret=interpret,
-                           num_splits=num_splits, block_dv=block_dv, num_stages=num_stages, kernel=kernel,
-                           block_pages=block_pages)
+                           num_splits=num_splits, num_sms=num_sms, block_dv=block_dv, num_stages=num_stages,
+                           kernel=kernel, block_pages=block_pages)

@@ -142,9 +142,10 @@ def _pv_wg(w, prog, refs, sharing, *, block_dv, num_stages, interpret):
     _store_out(o_ref, prog, vcols, acc, _load_rows(l_smem, interpret))
 
 
-def _shared_kernel(seqlens_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref, q_smem, k_smem, q_bar, k_bars,
-                   consumed_bars, sharing, *, s_q, m, block_dv, num_wg, num_stages, scale, causal, interpret):
-    """One program = one (sequence, 64-row block of one kv head's R = Q * M query rows, KV split), as
+def _shared_kernel(seqlens_ref, items_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref, q_smem, k_smem, q_bar,
+                   k_bars, consumed_bars, sharing, *, s_q, m, block_dv, num_wg, num_stages, scale, causal,
+                   interpret):
+    """One program = one (64-row block of one kv head's R = Q * M query rows, work item), as
     ``_decode_kernel``: warpgroup 0 scores (``_score_wg``), 1..num_wg-1 accumulate (``_pv_wg``), num_wg produces.
 
     Refs as ``_decode_kernel``; sharing = (p_smem [64, S], alpha_smem [64] f32, l_smem [64] f32, p_full, p_free,
@@ -152,7 +153,7 @@ def _shared_kernel(seqlens_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref, q_smem
     """
     wg = lax.axis_index("wg")
     ps = kv_ref.shape[1]
-    prog = _program(seqlens_ref, q_ref, o_ref, ps)
+    prog = _program(seqlens_ref, items_ref, q_ref)
     compute_regs = _compute_registers(num_wg)
     refs = (q_smem, k_smem, q_bar, k_bars, consumed_bars, o_ref, lse_ref)
 
@@ -174,11 +175,11 @@ def _shared_kernel(seqlens_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref, q_smem
         pl.when(wg == w)(functools.partial(pv, w))
 
 
-def shared_scores_pallas(q_rows, kv_cache, seqlens, table, *, s_q, m, head_dim_v, scale, causal, num_splits,
-                         block_dv, num_stages, interpret):
+def shared_scores_pallas(q_rows, kv_cache, seqlens, items, table, *, s_q, m, head_dim_v, scale, causal, block_dv,
+                         num_stages, interpret):
     """``plgpu.kernel`` wrapper of ``_shared_kernel``, same operands and results as mla_decode.py's
-    ``_recompute_scores_pallas``: q_rows [B, G, R_pad, D] -> (o_part [B, splits, G, R_pad, V] f32, lse_part
-    [B, splits, G, R_pad] f32 log2). Raises ValueError naming num_stages if the SMEM does not fit in 227 KB."""
+    ``_recompute_scores_pallas``: q_rows [B, G, R_pad, D], items [4, N] -> (o_part [N, G, R_pad, V] f32, lse_part
+    [N, G, R_pad] f32 log2). Raises ValueError naming num_stages if the SMEM does not fit in 227 KB."""
     ps, dt = kv_cache.shape[1], kv_cache.dtype
     num_wg = head_dim_v // block_dv
     buffers, barriers = _ring_scratch(q_rows, kv_cache, num_stages, num_wg)
@@ -200,5 +201,4 @@ def shared_scores_pallas(q_rows, kv_cache, seqlens, table, *, s_q, m, head_dim_v
     kernel = functools.partial(_shared_kernel, s_q=s_q, m=m, block_dv=block_dv, num_wg=num_wg,
                                num_stages=num_stages, scale=scale, causal=causal, interpret=interpret is not None)
     params = plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=_REDUCTION_SCRATCH)
-    return _launch(kernel, q_rows, kv_cache, seqlens, table, head_dim_v=head_dim_v, num_splits=num_splits,
-                   num_wg=num_wg, scratch=buffers + barriers + (sharing,), params=params, interpret=interpret)
+    return _launch(kernel, q_rows, kv_cache, seqlens, items, table, head_dim_v=head_dim_v, num_wg=num_wg, scratch=buffers + barriers + (sharing,), params=params, interpret=interpret)

@@ -109,27 +109,31 @@ def test_default_implementation_on_cpu_is_xla():
 # GPU interpret mode costs ~5-15 s per call (it re-lowers each simulated warpgroup), so few small shapes, each run by
 # both kernel variants. block_dv=64 with dv=128 runs the two-compute-warpgroup structure of V3 (d=576, dv=512,
 # block_dv=256); block_dv=128 runs one compute warpgroup (shared_scores then has no P hand-off).
+# The balanced schedule (num_splits=None) with num_sms=6 keeps the grid small (6 + B items): the lengths (300, 1, 70)
+# are 5, 1 and 2 pages, so items hold at most cdiv(8 + 5 * 3, 6) = 4 pages (mla_schedule.py): the first sequence
+# spans 2 items (3 + 2 pages), launched first, and 5 items are empty.
 PALLAS_CASES = [
-    ((130, 1), 1, 16, False, 2, 64),  # >1 split, partial last page, a length of 1 (a split with no page), 2 WGs
-    ((130,), 2, 128, True, 1, 128),  # causal MTP verification (s_q = 2), h_q = 128: four 64-row blocks
+    # >1 item per sequence, partial last pages, a length of 1, empty items, 2 compute WGs
+    ((300, 1, 70), 1, 16, False, None, 6, 64),
+    ((130,), 2, 128, True, 1, None, 128),  # causal MTP verification (s_q = 2), h_q = 128: four 64-row blocks
 ]
 
 
-@pytest.mark.parametrize("seqlens,s_q,h_q,causal,num_splits,block_dv,kernel", [
+@pytest.mark.parametrize("seqlens,s_q,h_q,causal,num_splits,num_sms,block_dv,kernel", [
     case + (kernel,) for kernel in KERNELS for case in PALLAS_CASES] + [
-    ((130,), 2, 128, True, 1, 64, "shared_scores"),  # the P hand-off under causal masks, P reused over 3 pages
+    ((130,), 2, 128, True, 1, None, 64, "shared_scores"),  # the P hand-off under causal masks, P over 3 pages
 ])
 @INTERPRET_TIMEOUT
-def test_pallas_interpret_matches_reference(seqlens, s_q, h_q, causal, num_splits, block_dv, kernel):
+def test_pallas_interpret_matches_reference(seqlens, s_q, h_q, causal, num_splits, num_sms, block_dv, kernel):
     args, _ = make_case(3, seqlens, s_q, h_q, 128)
     ref = mla_decode_reference(*args, head_dim_v=128, causal=causal)
     out, lse = mla_decode(*args, head_dim_v=128, causal=causal, implementation="pallas", interpret=True,
-                          num_splits=num_splits, block_dv=block_dv, kernel=kernel)
+                          num_splits=num_splits, num_sms=num_sms, block_dv=block_dv, kernel=kernel)
     check(out, lse, *ref, (len(seqlens), s_q, h_q, 128))
 
 
-# Every configuration the entry ships for V3 shapes (block_dv=256 -> 2 compute warpgroups; num_stages=2; one or
-# several splits; s_q 1 and 2 causal; h_q 16 and 128), in both kernel variants, lowers for cuda to a Mosaic GPU
+# Every configuration the entry ships for V3 shapes (block_dv=256 -> 2 compute warpgroups; num_stages=2; the
+# balanced schedule and even splits; s_q 1 and 2 causal; h_q 16 and 128), in both kernel variants, lowers for cuda to a Mosaic GPU
 # kernel (Mosaic GPU also refuses a kernel over 227 KB of shared memory here).
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("s_q,h_q,causal,num_splits,dtype", [
@@ -177,6 +181,11 @@ def test_bad_pallas_knobs_raise():
         mla_decode(**kw, implementation="triton")
     with pytest.raises(ValueError, match="kernel='bogus'"):
         mla_decode(**kw, implementation="pallas", kernel="bogus")
+    kw["kv_cache"] = np.zeros((4, PAGE, 1, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="num_splits=0"):
+        mla_decode(**kw, implementation="pallas", num_splits=0)
+    with pytest.raises(ValueError, match="num_sms=0"):
+        mla_decode(**kw, implementation="pallas", num_sms=0)
 
 
 def test_float32_cache_decodes_with_xla_on_gpu_and_pallas_refuses_it():
