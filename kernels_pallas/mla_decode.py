@@ -311,10 +311,14 @@ def _zero_rows_past(v_ref, n_valid):
 
 
 def _store_out(o_ref, prog, vcols, acc, l_i):
-    """This item's normalised output rows: o_ref[row, kvh, rows, vcols] = acc / l (0 where l == 0)."""
+    """This item's normalised output rows: o_ref[row, kvh, rows, vcols] = acc / l (0 where l == 0). An empty item
+    (the schedule's padding) stores nothing: its lse is -inf, so ``combine`` gives its row weight 0 and masks it."""
     l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
-    o_ref.at[prog.row, prog.kvh, pl.ds(prog.rb * _BLOCK_M, _BLOCK_M), vcols][...] = (
-        acc / lax.broadcast_in_dim(l_safe, acc.shape, [0]))
+
+    @pl.when(prog.n_steps > 0)
+    def _():
+        o_ref.at[prog.row, prog.kvh, pl.ds(prog.rb * _BLOCK_M, _BLOCK_M), vcols][...] = (
+            acc / lax.broadcast_in_dim(l_safe, acc.shape, [0]))
 
 
 def _store_lse(lse_ref, prog, m_i, l_i):

@@ -112,7 +112,8 @@ def even_schedule(cache_seqlens, *, page_size: int, num_splits: int) -> Schedule
 def combine(o_part, lse_part, row_seq, *, batch: int, rows: int):
     """Merge each sequence's items (flash-decoding): weights 2^(lse_j - lse), lse = log2 sum_j 2^lse_j.
 
-    o_part [N, G, R_pad, V] f32 (each item normalised), lse_part [N, G, R_pad] f32 (log2 units), row_seq [N] ->
+    o_part [N, G, R_pad, V] f32 (each item normalised; rows of items that saw no key are never read, the kernels
+    leave those of empty items unwritten), lse_part [N, G, R_pad] f32 (log2 units), row_seq [N] ->
     out [B, G, R, V] f32, lse [B, G, R] (natural log; -inf where no item saw a key: out 0 there)."""
     lse_part = lse_part[..., :rows]  # [N, G, R]
     seg = dict(segment_ids=row_seq, num_segments=batch, indices_are_sorted=True)
@@ -120,7 +121,7 @@ def combine(o_part, lse_part, row_seq, *, batch: int, rows: int):
     mx = jnp.where(mx == -jnp.inf, 0.0, mx)
     wts = jnp.exp2(lse_part - mx[row_seq])  # [N, G, R]; 0 for an item that saw no key
     tot = jax.ops.segment_sum(wts, **seg)  # [B, G, R]
-    # where(): an item's weight is 0 exactly when it saw no key; its partial output is 0 then, but keep NaN-safe.
+    # where(): an item's weight is 0 exactly when it saw no key, and its o_part row may be unwritten memory.
     weighted = jnp.where(wts[..., None] > 0, wts[..., None] * o_part[..., :rows, :], 0.0)  # [N, G, R, V]
     out = jax.ops.segment_sum(weighted, **seg) / jnp.where(tot > 0, tot, 1.0)[..., None]
     lse = (jnp.log2(tot) + mx) / LOG2E  # [B, G, R]

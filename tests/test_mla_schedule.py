@@ -111,8 +111,8 @@ def test_combine_of_item_partials_equals_whole_sequence_attention(which, seqlens
     lse_part = np.full((n, g, r_pad), np.nan)
     for i, a, c, j in zip(seq, start, count, row):
         k = keys[i][a * PAGE:(a + c) * PAGE]
-        if len(k) == 0:  # an empty item: the kernels store out 0 and lse -inf
-            o_part[j, 0, :r], lse_part[j, 0, :r] = 0.0, -np.inf
+        if len(k) == 0:  # an empty item: the kernels store lse -inf and leave its output rows unwritten (NaN here)
+            lse_part[j, 0, :r] = -np.inf
             continue
         o, lse = np_attention(q[i], k, k[:, :dv])
         o_part[j, 0, :r], lse_part[j, 0, :r] = o, lse / np.log(2)
@@ -129,7 +129,7 @@ def test_combine_of_a_sequence_that_saw_no_key_is_zero_and_minus_inf():
     n = sched.items.shape[1]
     row = np.asarray(sched.items[3])
     count = np.asarray(sched.items[2])
-    o_part = np.zeros((n, 1, 1, 2), np.float32)
+    o_part = np.full((n, 1, 1, 2), np.nan, np.float32)  # unwritten rows
     lse_part = np.full((n, 1, 1), -np.inf, np.float32)
     lse_part[row[count > 0]] = 1.0  # the one non-empty item (sequence 1)
     o_part[row[count > 0]] = 7.0
