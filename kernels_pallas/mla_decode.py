@@ -48,6 +48,7 @@ from kernels_pallas.mla_schedule import LOG2E as _LOG2E
 from kernels_pallas.mla_schedule import balanced_schedule, combine, even_schedule, sm_count
 
 _BLOCK_M = 64  # rows per program: the wgmma M of one warpgroup
+_MAX_GRID_Y = 65535  # gridDim.y limit (CUDA C Programming Guide, "Technical Specifications per Compute Capability")
 # Dynamic shared memory one CTA may opt into on sm_90 (CUDA C Programming Guide, "Technical Specifications per
 # Compute Capability": 227 KB); Mosaic GPU refuses kernels above it (jax/experimental/mosaic/gpu/core.py).
 SMEM_BYTES = 227 * 1024
@@ -432,6 +433,9 @@ def _launch(body, q_rows, kv_cache, seqlens, items, table, *, head_dim_v, num_wg
     GB/s at h_q = 128 (969) of h_q = 16 and 64 (1675-2094), docs/benchmarks.md."""
     _, h_kv, r_pad, _ = q_rows.shape
     n = items.shape[1]
+    if n > _MAX_GRID_Y:
+        raise ValueError(f"{n} work items exceed CUDA's grid limit of {_MAX_GRID_Y} blocks along y (the items' "
+                         f"axis): lower num_splits (or pass None) or split the batch")
     return plgpu.kernel(
         body,
         out_type=(jax.ShapeDtypeStruct((n, h_kv, r_pad, head_dim_v), jnp.float32),

@@ -186,6 +186,8 @@ def test_bad_pallas_knobs_raise():
         mla_decode(**kw, implementation="pallas", num_splits=0)
     with pytest.raises(ValueError, match="num_sms=0"):
         mla_decode(**kw, implementation="pallas", num_sms=0)
+    with pytest.raises(ValueError, match="65536 work items exceed CUDA's grid limit of 65535"):
+        mla_decode(**kw, implementation="pallas", num_splits=32768)  # b = 2
 
 
 def test_float32_cache_decodes_with_xla_on_gpu_and_pallas_refuses_it():
