@@ -475,6 +475,8 @@ def _decode_pallas(q, kv_cache, block_table, cache_seqlens, *, head_dim_v, scale
     from kernels_pallas.mla_decode_shared import shared_scores_pallas
 
     b, s_q, h_q, d = q.shape
+    if b == 0:  # an empty batch: no work items (the schedule indexes sequence 0), nothing to launch
+        return jnp.zeros((0, s_q, h_q, head_dim_v), q.dtype), jnp.zeros((0, h_q, s_q), jnp.float32)
     h_kv = kv_cache.shape[2]
     m = h_q // h_kv
     r = s_q * m

@@ -207,6 +207,14 @@ def test_float32_cache_decodes_with_xla_on_gpu_and_pallas_refuses_it():
         mla_decode(**kw, implementation="pallas")
 
 
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_empty_batch_returns_empty_results(implementation):
+    q, kv = jnp.zeros((0, 1, 16, 64), jnp.bfloat16), jnp.zeros((4, PAGE, 1, 64), jnp.bfloat16)
+    out, lse = mla_decode(q, kv, jnp.zeros((0, 2), jnp.int32), jnp.zeros((0,), jnp.int32), head_dim_v=64,
+                          implementation=implementation)
+    assert out.shape == (0, 1, 16, 64) and out.dtype == jnp.bfloat16 and lse.shape == (0, 16, 1)
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_pallas_smem_over_227kb_raises(kernel):
     """V3's d = 576 in bf16: q + 3 pages in flight = 288 KB of SMEM, over Hopper's 227 KB per CTA."""
