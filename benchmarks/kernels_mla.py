@@ -1,14 +1,15 @@
 """MLA decode benchmark on FlashMLA's sweep, in FlashMLA's units (tests/test_flash_mla.py, README).
 
     PYTHONPATH=. python benchmarks/kernels_mla.py [--out results.txt] [--implementation pallas|xla] [--iters 20]
-        [--kernel recompute_scores|shared_scores|both] [--cases all|compare]
+        [--kernel recompute_scores|shared_scores|both] [--cases all|compare] [--breakdown]
 
 Sweep (--cases all): b=128; s_k 4096, 8192; h_q 16, 32, 64, 128; s_q 1, 2 (causal for s_q=2); h_kv 1; d 576;
 dv 512; page 64; every sequence at full length s_k. --cases compare: b=128, s_k=8192, (h_q, s_q) in (16, 1), (64, 1),
 (128, 2), a short subset to compare the kernel variants, then FlashMLA's varlen batch (tests/test_flash_mla.py
 --varlen: lengths drawn from normal(s_k, s_k / 2), at least s_q) at s_k=4096, h_q=64 under the balanced schedule
 and under one split per sequence (num_splits=1). --kernel (pallas only): mla_decode's kernel= variant;
-"both" prints the two variants' lines of each case next to each other. Metrics (FlashMLA's formulas, DESIGN.md):
+"both" prints the two variants' lines of each case next to each other. --breakdown: each stage of the Pallas path
+jitted and timed on its own (the work-item schedule, the kernel, the split combine). Metrics (FlashMLA's formulas, DESIGN.md):
   bytes = (sum(seqlen) * h_kv * 576 + b * s_q * h_q * 576 + b * s_q * h_q * 512) * 2  -> GB/s
   FLOPs = 2 * s_q * sum(seqlen) * h_q * (576 + 512)                                  -> TFLOPS
 Published (FlashMLA README, H800 SXM5, CUDA 12.8): up to 3000 GB/s memory-bound, 580-660 TFLOPS compute-bound.
@@ -43,38 +44,81 @@ def seqlens_of(b, s_k, s_q, varlen, seed=0):
     return np.maximum(np.random.default_rng(seed).normal(s_k, s_k / 2, b), s_q).astype(np.int32)
 
 
-def run_case(b, s_k, h_q, s_q, varlen, num_splits, implementation, kernel, iters):
+D, DV, H_KV, PAGE = 576, 512, 1, 64
+
+
+def make_inputs(b, s_k, h_q, s_q, varlen):
+    """(q [b, s_q, h_q, 576] bf16, kv cache of shuffled pages, block table, seqlens [b]) and the lengths (numpy)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from kernels_pallas import mla_decode
-
-    d, dv, h_kv, page = 576, 512, 1, 64
     lens = seqlens_of(b, s_k, s_q, varlen)
-    pages_per_seq = -(-int(lens.max()) // page)
-    key = jax.random.PRNGKey(0)
-    kq, kk = jax.random.split(key)
-    q = jax.random.normal(kq, (b, s_q, h_q, d), jnp.bfloat16)
-    kv = jax.random.normal(kk, (b * pages_per_seq, page, h_kv, d), jnp.bfloat16)
+    pages_per_seq = -(-int(lens.max()) // PAGE)
+    kq, kk = jax.random.split(jax.random.PRNGKey(0))
+    q = jax.random.normal(kq, (b, s_q, h_q, D), jnp.bfloat16)
+    kv = jax.random.normal(kk, (b * pages_per_seq, PAGE, H_KV, D), jnp.bfloat16)
     table = jnp.asarray(np.random.default_rng(0).permutation(b * pages_per_seq).reshape(b, pages_per_seq),
                         jnp.int32)
-    seqlens = jnp.asarray(lens)
-    causal = s_q > 1
-    knobs = dict(kernel=kernel, num_splits=num_splits) if implementation == "pallas" else {}
-    f = jax.jit(lambda q, kv, t, s: mla_decode(q, kv, t, s, head_dim_v=dv, causal=causal,
-                                               implementation=implementation, **knobs))
-    jax.block_until_ready(f(q, kv, table, seqlens))
+    return (q, kv, table, jnp.asarray(lens)), lens
+
+
+def median_time(f, args, iters):
+    """Median seconds of f(*args) over ``iters`` synced calls, after one warm-up (compile) call."""
+    import jax
+    import numpy as np
+
+    jax.block_until_ready(f(*args))
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
-        jax.block_until_ready(f(q, kv, table, seqlens))
+        jax.block_until_ready(f(*args))
         times.append(time.perf_counter() - t0)
-    t = float(np.median(times))
+    return float(np.median(times))
+
+
+def run_case(b, s_k, h_q, s_q, varlen, num_splits, implementation, kernel, iters):
+    import jax
+
+    from kernels_pallas import mla_decode
+
+    args, lens = make_inputs(b, s_k, h_q, s_q, varlen)
+    causal = s_q > 1
+    knobs = dict(kernel=kernel, num_splits=num_splits) if implementation == "pallas" else {}
+    f = jax.jit(lambda q, kv, t, s: mla_decode(q, kv, t, s, head_dim_v=DV, causal=causal,
+                                               implementation=implementation, **knobs))
+    t = median_time(f, args, iters)
     total = int(lens.sum())
-    nbytes = (total * h_kv * 576 + b * s_q * h_q * 576 + b * s_q * h_q * 512) * 2
+    nbytes = (total * H_KV * 576 + b * s_q * h_q * 576 + b * s_q * h_q * 512) * 2
     flops = 2 * s_q * total * h_q * (576 + 512)
     return t, nbytes / t / 1e9, flops / t / 1e12
+
+
+def breakdown_case(b, s_k, h_q, s_q, varlen, num_splits, kernel, iters, interpret=None):
+    """Median seconds of the Pallas path's stages, each jitted on its own (mla_decode.py ``_decode_pallas``):
+    the schedule, the kernel alone (on that schedule), the combine (on its outputs). interpret: for a CPU check."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from kernels_pallas import _mosaic
+    from kernels_pallas.mla_decode import _pack_rows, _run_items, _schedule
+    from kernels_pallas.mla_schedule import combine, sm_count
+
+    (q, kv, table, seqlens), _ = make_inputs(b, s_k, h_q, s_q, varlen)
+    q_rows = _pack_rows(q, H_KV, kv.dtype)
+    sched_f = jax.jit(functools.partial(_schedule, page_size=PAGE, num_splits=num_splits, num_sms=sm_count()))
+    sched = sched_f(seqlens, q_rows)
+    run = jax.jit(functools.partial(
+        _run_items, kernel=kernel, s_q=s_q, m=h_q // H_KV, head_dim_v=DV, scale=D ** -0.5, causal=s_q > 1,
+        block_dv=256, num_stages=2, interpret=_mosaic.interpret_params() if interpret else None))
+    o_part, lse_part = run(q_rows, kv, seqlens, sched.items, table)
+    comb = jax.jit(functools.partial(combine, batch=b, rows=s_q * (h_q // H_KV)))
+    return {"schedule": median_time(sched_f, (seqlens, q_rows), iters),
+            "kernel": median_time(run, (q_rows, kv, seqlens, sched.items, table), iters),
+            "combine": median_time(comb, (o_part, lse_part, sched.row_seq), iters),
+            "items": int(sched.items.shape[1]), "nonempty": int(jnp.sum(sched.items[2] > 0))}
 
 
 def copy_ceiling(gib: float = 2.0, iters: int = 20) -> str:
@@ -102,7 +146,10 @@ def main() -> None:
     p.add_argument("--kernel", default="recompute_scores", choices=KERNELS + ("both",),
                    help="mla_decode kernel= variant (pallas only); both: adjacent lines per case")
     p.add_argument("--cases", default="all", choices=("all", "compare"),
-                   help="all: FlashMLA's sweep; compare: b=128 s_k=8192 (h_q, s_q) (16,1) (64,1) (128,2)")
+                   help="all: FlashMLA's sweep; compare: b=128 s_k=8192 (h_q, s_q) (16,1) (64,1) (128,2) + varlen")
+    p.add_argument("--breakdown", action="store_true",
+                   help="pallas only: after each case's line, the stages timed on their own (schedule, kernel, "
+                        "combine), to show where the time goes")
     args = p.parse_args()
     kernels = KERNELS if args.kernel == "both" else (args.kernel,)
     if args.implementation == "xla":
@@ -142,6 +189,14 @@ def main() -> None:
             except Exception as e:  # one failing case must not stop the sweep
                 line = f"{name}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             emit(line)
+            if args.breakdown and kernel is not None:
+                try:
+                    st = breakdown_case(b, s_k, h_q, s_q, varlen, num_splits, kernel, args.iters)
+                    emit(f"  stages: schedule {st['schedule'] * 1e6:.1f} us, kernel {st['kernel'] * 1e6:.1f} us, "
+                         f"combine {st['combine'] * 1e6:.1f} us ({st['nonempty']} of {st['items']} items hold "
+                         f"pages)")
+                except Exception as e:  # noqa: BLE001 - the breakdown is context, not a case
+                    emit(f"  stages: FAILED {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
     if out is not None:
         out.close()
 

@@ -467,36 +467,62 @@ def _recompute_scores_pallas(q_rows, kv_cache, seqlens, items, table, *, s_q, m,
                    scratch=buffers + barriers + (sync_bar,), params=params, interpret=interpret)
 
 
-def _decode_pallas(q, kv_cache, block_table, cache_seqlens, *, head_dim_v, scale, causal, num_splits, num_sms,
-                   block_dv, num_stages, kernel, interpret):
-    """Pack q rows, schedule the work items (mla_schedule.py), run the ``kernel`` variant on grid (G * row blocks,
-    items), merge each sequence's items in jnp."""
-    # Imported here: mla_decode_shared builds on this module's kernel pieces (_scores, _produce, ...).
-    from kernels_pallas.mla_decode_shared import shared_scores_pallas
-
+# The Pallas path in stages: ``_decode_pallas`` chains them; benchmarks/kernels_mla.py --breakdown times each.
+def _pack_rows(q, h_kv, dtype):
+    """q [B, Q, N, D] -> q_rows [B, G, R_pad, D] in ``dtype``: row r of kv head g is query r // M, head g * M + r % M
+    (M = N // G, R = Q * M), rows R..R_pad are 0 (FlashMLA packs the query rows of one kv head the same way)."""
     b, s_q, h_q, d = q.shape
-    if b == 0:  # an empty batch: no work items (the schedule indexes sequence 0), nothing to launch
-        return jnp.zeros((0, s_q, h_q, head_dim_v), q.dtype), jnp.zeros((0, h_q, s_q), jnp.float32)
-    h_kv = kv_cache.shape[2]
     m = h_q // h_kv
     r = s_q * m
     r_pad = -(-r // _BLOCK_M) * _BLOCK_M
     q_rows = q.reshape(b, s_q, h_kv, m, d).transpose(0, 2, 1, 3, 4).reshape(b, h_kv, r, d)  # [B, G, R, D]
-    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, r_pad - r), (0, 0))).astype(kv_cache.dtype)  # [B, G, R_pad, D]
-    seqlens = cache_seqlens.astype(jnp.int32)
-    ps = kv_cache.shape[1]
+    return jnp.pad(q_rows, ((0, 0), (0, 0), (0, r_pad - r), (0, 0))).astype(dtype)  # [B, G, R_pad, D]
+
+
+def _unpack_rows(out, lse, s_q):
+    """out [B, G, R, V], lse [B, G, R] (R = Q * M) -> out [B, Q, N, V], lse [B, N, Q] (FlashMLA's layouts)."""
+    b, h_kv, r, dv = out.shape
+    m = r // s_q
+    out = out.reshape(b, h_kv, s_q, m, dv).transpose(0, 2, 1, 3, 4).reshape(b, s_q, h_kv * m, dv)
+    lse = lse.reshape(b, h_kv, s_q, m).transpose(0, 1, 3, 2).reshape(b, h_kv * m, s_q)
+    return out, lse
+
+
+def _schedule(seqlens, q_rows, page_size, *, num_splits, num_sms):
+    """The work items (mla_schedule.py): balanced over the lengths (num_splits None; one program per 64-row block
+    of each kv head) or num_splits equal splits per sequence."""
     if num_splits is None:
-        sched = balanced_schedule(seqlens, page_size=ps, programs_per_item=h_kv * (r_pad // _BLOCK_M),
-                                  num_sms=num_sms)
-    else:
-        sched = even_schedule(seqlens, page_size=ps, num_splits=num_splits)
+        _, h_kv, r_pad, _ = q_rows.shape
+        return balanced_schedule(seqlens, page_size=page_size, programs_per_item=h_kv * (r_pad // _BLOCK_M),
+                                 num_sms=num_sms)
+    return even_schedule(seqlens, page_size=page_size, num_splits=num_splits)
+
+
+def _run_items(q_rows, kv_cache, seqlens, items, table, *, kernel, **kw):
+    """Run the ``kernel`` variant: (o_part [N, G, R_pad, V] f32, lse_part [N, G, R_pad] f32 log2)."""
+    # Imported here: mla_decode_shared builds on this module's kernel pieces (_scores, _produce, ...).
+    from kernels_pallas.mla_decode_shared import shared_scores_pallas
+
     call = _recompute_scores_pallas if kernel == "recompute_scores" else shared_scores_pallas
-    o_part, lse_part = call(q_rows, kv_cache, seqlens, sched.items, block_table.astype(jnp.int32),
-                            s_q=s_q, m=m, head_dim_v=head_dim_v, scale=scale, causal=causal,
-                            block_dv=block_dv, num_stages=num_stages, interpret=interpret)
-    out, lse = combine(o_part, lse_part, sched.row_seq, batch=b, rows=r)  # [B, G, R, V], [B, G, R]
-    out = out.reshape(b, h_kv, s_q, m, head_dim_v).transpose(0, 2, 1, 3, 4).reshape(b, s_q, h_q, head_dim_v)
-    lse = lse.reshape(b, h_kv, s_q, m).transpose(0, 1, 3, 2).reshape(b, h_q, s_q)
+    return call(q_rows, kv_cache, seqlens, items, table, **kw)
+
+
+def _decode_pallas(q, kv_cache, block_table, cache_seqlens, *, head_dim_v, scale, causal, num_splits, num_sms,
+                   block_dv, num_stages, kernel, interpret):
+    """Pack q rows, schedule the work items (mla_schedule.py), run the ``kernel`` variant on grid (G * row blocks,
+    items), merge each sequence's items in jnp."""
+    b, s_q, h_q, _ = q.shape
+    if b == 0:  # an empty batch: no work items (the schedule indexes sequence 0), nothing to launch
+        return jnp.zeros((0, s_q, h_q, head_dim_v), q.dtype), jnp.zeros((0, h_q, s_q), jnp.float32)
+    h_kv = kv_cache.shape[2]
+    q_rows = _pack_rows(q, h_kv, kv_cache.dtype)  # [B, G, R_pad, D]
+    seqlens = cache_seqlens.astype(jnp.int32)
+    sched = _schedule(seqlens, q_rows, kv_cache.shape[1], num_splits=num_splits, num_sms=num_sms)
+    o_part, lse_part = _run_items(q_rows, kv_cache, seqlens, sched.items, block_table.astype(jnp.int32),
+                                  kernel=kernel, s_q=s_q, m=h_q // h_kv, head_dim_v=head_dim_v, scale=scale,
+                                  causal=causal, block_dv=block_dv, num_stages=num_stages, interpret=interpret)
+    out, lse = combine(o_part, lse_part, sched.row_seq, batch=b, rows=s_q * (h_q // h_kv))  # [B, G, R, V], [B, G, R]
+    out, lse = _unpack_rows(out, lse, s_q)
     return out.astype(q.dtype), lse
 
 

@@ -6,7 +6,7 @@
 #   3. both FP8 variants (and the warp-specialized one with multicast=2) side by side on the goal shapes
 #      (m = 4096 x DeepGEMM's six (n, k)) + decode/grouped ones, then XLA/cuBLAS ceilings;
 #   4. both MLA variants side by side on a short FlashMLA subset, and on FlashMLA's varlen batch under the balanced
-#      schedule and one split per sequence;
+#      schedule and one split per sequence, each with its stages timed alone (schedule, kernel, combine);
 #   5. the engine (embedded model through LLM(): Pallas MLA decode over the paged cache, FP8 compute);
 #   6. with what is left of the budget, the full FlashMLA and DeepGEMM sweeps with the default kernels.
 # Steps 3-4 skip the new variants when step 2 hung (rc 124).
@@ -50,7 +50,7 @@ fp8_kernels=both; mla_kernels=both
 if [ "$new_rc" -eq 124 ]; then fp8_kernels=pipelined; mla_kernels=recompute_scores; fi
 step bench.log 180 python benchmarks/kernels_fp8.py --kernel "$fp8_kernels" --cases compare --multicast \
   --out "$OUT/bench_compare.txt"
-step bench.log 90 python benchmarks/kernels_mla.py --kernel "$mla_kernels" --cases compare \
+step bench.log 120 python benchmarks/kernels_mla.py --kernel "$mla_kernels" --cases compare --breakdown \
   --out "$OUT/bench_compare.txt"
 step engine.txt 60 python -c "
 import time, jaxinfer
