@@ -57,7 +57,7 @@ def _scales(key, shape):
     return jax.random.uniform(key, shape, jnp.float32, 0.5, 2.0) / 448.0
 
 
-def _time(fn, *args, iters: int = 20, repeats: int = 5) -> float:
+def time_per_call(fn, *args, iters: int = 20, repeats: int = 5) -> float:
     """Seconds per call of a jitted fn (after compile + warmup): median over repeats of iters back-to-back calls."""
     jax.block_until_ready(fn(*args))
     jax.block_until_ready(fn(*args))
@@ -145,7 +145,7 @@ def ceilings(emit) -> None:
                 a, b = a.astype(dtype), b.astype(dtype)
                 f = jax.jit(lambda a, b: lax.dot_general(a, b, (((1,), (1,)), ((), ())),
                                                          preferred_element_type=jnp.bfloat16))
-                t = _time(f, a, b)
+                t = time_per_call(f, a, b)
                 emit(f"{name}: {t * 1e6:9.1f} us {2 * m * n * k / t / 1e12:7.1f} TFLOPS")
             except Exception as e:  # noqa: BLE001 - one failing case must not stop the sweep
                 emit(f"{name}: FAILED {type(e).__name__}: {str(e)[:200]}")
@@ -163,7 +163,7 @@ def run(implementation: str, kernels, cases: str, tilings: list[dict], emit, mul
                 try:
                     tag += _tiling_label(kind, shape, kernel, tiling)
                     name, f, ops, flops, pub = _case(kind, shape, implementation, kernel, tiling)
-                    t = _time(f, *ops)
+                    t = time_per_call(f, *ops)
                     emit(f"{name}{tag}: {t * 1e6:9.1f} us {flops / t / 1e12:7.1f} TFLOPS   published H800: {pub}")
                 except Exception as e:  # noqa: BLE001 - one failing case must not stop the sweep
                     emit(f"{name}{tag}: FAILED {type(e).__name__}: {str(e)[:200]}")

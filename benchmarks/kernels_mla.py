@@ -64,17 +64,11 @@ def make_inputs(b, s_k, h_q, s_q, varlen):
 
 
 def median_time(f, args, iters):
-    """Median seconds of f(*args) over ``iters`` synced calls, after one warm-up (compile) call."""
-    import jax
-    import numpy as np
+    """Seconds per call of f(*args): kernels_fp8.py's timing (median over 5 repeats of ``iters`` back-to-back calls
+    after a warm-up), so the dispatch of one call overlaps the previous call's kernels, as in a decode loop."""
+    from kernels_fp8 import time_per_call  # benchmarks/ is on sys.path when this script runs
 
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    return time_per_call(f, *args, iters=iters)
 
 
 def run_case(b, s_k, h_q, s_q, varlen, num_splits, implementation, kernel, iters):
