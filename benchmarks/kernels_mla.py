@@ -9,7 +9,8 @@ dv 512; page 64; every sequence at full length s_k. --cases compare: b=128, s_k=
 --varlen: lengths drawn from normal(s_k, s_k / 2), at least s_q) at s_k=4096, h_q=64 under the balanced schedule
 and under one split per sequence (num_splits=1). --kernel (pallas only): mla_decode's kernel= variant;
 "both" prints the two variants' lines of each case next to each other. --breakdown: each stage of the Pallas path
-jitted and timed on its own (the work-item schedule, the kernel, the split combine). Metrics (FlashMLA's formulas, DESIGN.md):
+jitted and timed on its own (the work-item schedule, the kernel, the split combine). Calls are timed back to back.
+Metrics (FlashMLA's formulas, DESIGN.md):
   bytes = (sum(seqlen) * h_kv * 576 + b * s_q * h_q * 576 + b * s_q * h_q * 512) * 2  -> GB/s
   FLOPs = 2 * s_q * sum(seqlen) * h_q * (576 + 512)                                  -> TFLOPS
 Published (FlashMLA README, H800 SXM5, CUDA 12.8): up to 3000 GB/s memory-bound, 580-660 TFLOPS compute-bound.

@@ -201,4 +201,5 @@ def shared_scores_pallas(q_rows, kv_cache, seqlens, items, table, *, s_q, m, hea
     kernel = functools.partial(_shared_kernel, s_q=s_q, m=m, block_dv=block_dv, num_wg=num_wg,
                                num_stages=num_stages, scale=scale, causal=causal, interpret=interpret is not None)
     params = plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=_REDUCTION_SCRATCH)
-    return _launch(kernel, q_rows, kv_cache, seqlens, items, table, head_dim_v=head_dim_v, num_wg=num_wg, scratch=buffers + barriers + (sharing,), params=params, interpret=interpret)
+    return _launch(kernel, q_rows, kv_cache, seqlens, items, table, head_dim_v=head_dim_v, num_wg=num_wg,
+                   scratch=buffers + barriers + (sharing,), params=params, interpret=interpret)

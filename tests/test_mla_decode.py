@@ -133,8 +133,8 @@ def test_pallas_interpret_matches_reference(seqlens, s_q, h_q, causal, num_split
 
 
 # Every configuration the entry ships for V3 shapes (block_dv=256 -> 2 compute warpgroups; num_stages=2; the
-# balanced schedule and even splits; s_q 1 and 2 causal; h_q 16 and 128), in both kernel variants, lowers for cuda to a Mosaic GPU
-# kernel (Mosaic GPU also refuses a kernel over 227 KB of shared memory here).
+# balanced schedule and even splits; s_q 1 and 2 causal; h_q 16 and 128), in both kernel variants, lowers for cuda
+# to a Mosaic GPU kernel (Mosaic GPU also refuses a kernel over 227 KB of shared memory here).
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("s_q,h_q,causal,num_splits,dtype", [
     (1, 16, False, None, jnp.bfloat16),
