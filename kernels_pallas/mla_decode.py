@@ -233,11 +233,14 @@ def _compute_registers(num_wg):
 
 
 def _produce(prog, table_ref, q_ref, kv_ref, q_smem, k_smem, q_bar, k_bars, consumed_bars, num_stages):
-    """Producer warpgroup: TMA q once (q_bar), then the item's pages, looked up in the block table, into the ring of
-    ``num_stages`` SMEM slots (k_bars[slot]: page landed); a slot is refilled only after every compute warpgroup
-    released it (consumed_bars[slot])."""
+    """Producer warpgroup: TMA q once (q_bar; not for an empty item, whose compute warpgroups skip ``_wait_q``), then
+    the item's pages, looked up in the block table, into the ring of ``num_stages`` SMEM slots (k_bars[slot]: page
+    landed); a slot is refilled only after every compute warpgroup released it (consumed_bars[slot])."""
     plgpu.set_max_registers(40, action="decrease")
-    plgpu.copy_gmem_to_smem(q_ref.at[prog.bi, prog.kvh, pl.ds(prog.rb * _BLOCK_M, _BLOCK_M)], q_smem, q_bar)
+
+    @pl.when(prog.n_steps > 0)
+    def _():
+        plgpu.copy_gmem_to_smem(q_ref.at[prog.bi, prog.kvh, pl.ds(prog.rb * _BLOCK_M, _BLOCK_M)], q_smem, q_bar)
 
     @pl.loop(0, prog.n_steps)
     def _(t):
@@ -253,6 +256,11 @@ def _produce(prog, table_ref, q_ref, kv_ref, q_smem, k_smem, q_bar, k_bars, cons
     @pl.loop(jnp.maximum(prog.n_steps - num_stages, 0), prog.n_steps)
     def _(t):  # observe the last releases too, so every phase of consumed_bars is seen by its waiter
         plgpu.barrier_wait(consumed_bars.at[lax.rem(t, num_stages)])
+
+
+def _wait_q(prog, q_bar):
+    """A compute warpgroup waits for q, which the producer loads only for an item that holds pages."""
+    pl.when(prog.n_steps > 0)(lambda: plgpu.barrier_wait(q_bar))
 
 
 def _wait_page(prog, k_smem, k_bars, t, num_stages, ps):
@@ -354,7 +362,7 @@ def _decode_kernel(seqlens_ref, items_ref, table_ref, q_ref, kv_ref, o_ref, lse_
     def compute(w):
         vcols = pl.ds(w * block_dv, block_dv)
         plgpu.set_max_registers(compute_regs, action="increase")
-        plgpu.barrier_wait(q_bar)
+        _wait_q(prog, q_bar)
         cols, limit = _score_mask(prog, ps, s_q, m, causal)
         carry = _init_carry(block_dv)
 
@@ -488,13 +496,13 @@ def _unpack_rows(out, lse, s_q):
     return out, lse
 
 
-def _schedule(seqlens, q_rows, page_size, *, num_splits, num_sms):
+def _schedule(seqlens, q_rows, page_size, max_pages, *, num_splits, num_sms):
     """The work items (mla_schedule.py): balanced over the lengths (num_splits None; one program per 64-row block
-    of each kv head) or num_splits equal splits per sequence."""
+    of each kv head; max_pages = the block table's width) or num_splits equal splits per sequence."""
     if num_splits is None:
         _, h_kv, r_pad, _ = q_rows.shape
         return balanced_schedule(seqlens, page_size=page_size, programs_per_item=h_kv * (r_pad // _BLOCK_M),
-                                 num_sms=num_sms)
+                                 num_sms=num_sms, max_pages=max_pages)
     return even_schedule(seqlens, page_size=page_size, num_splits=num_splits)
 
 
@@ -517,7 +525,8 @@ def _decode_pallas(q, kv_cache, block_table, cache_seqlens, *, head_dim_v, scale
     h_kv = kv_cache.shape[2]
     q_rows = _pack_rows(q, h_kv, kv_cache.dtype)  # [B, G, R_pad, D]
     seqlens = cache_seqlens.astype(jnp.int32)
-    sched = _schedule(seqlens, q_rows, kv_cache.shape[1], num_splits=num_splits, num_sms=num_sms)
+    sched = _schedule(seqlens, q_rows, kv_cache.shape[1], block_table.shape[1], num_splits=num_splits,
+                      num_sms=num_sms)
     o_part, lse_part = _run_items(q_rows, kv_cache, seqlens, sched.items, block_table.astype(jnp.int32),
                                   kernel=kernel, s_q=s_q, m=h_q // h_kv, head_dim_v=head_dim_v, scale=scale,
                                   causal=causal, block_dv=block_dv, num_stages=num_stages, interpret=interpret)

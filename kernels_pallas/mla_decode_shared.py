@@ -48,7 +48,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kernels_pallas.mla_decode import (_BLOCK_M, _accumulate_pv, _check_smem, _compute_registers, _init_carry,
                                        _launch, _online_softmax, _produce, _program, _rescale, _ring_scratch,
                                        _scores, _score_mask, _smem_bytes, _store_lse, _store_out, _tiled,
-                                       _wait_page, _zero_rows_past)
+                                       _wait_page, _wait_q, _zero_rows_past)
 
 # The only reductions here (row max and row sum of a WGMMA-layout [64, S] tile) stay inside each warp, so they need
 # no reduction scratch; the default 2048 bytes would push the V3 configuration (d = 576, num_stages = 2) past 227 KB.
@@ -74,7 +74,7 @@ def _score_wg(prog, refs, sharing, *, ps, s_q, m, dv, block_dv, num_wg, num_stag
     """Compute warpgroup 0: scores, softmax and the P hand-off (module docstring); its own columns [0, block_dv)."""
     q_smem, k_smem, q_bar, k_bars, consumed_bars, o_ref, lse_ref = refs
     vcols = pl.ds(0, block_dv)
-    plgpu.barrier_wait(q_bar)
+    _wait_q(prog, q_bar)
     cols, limit = _score_mask(prog, ps, s_q, m, causal)
 
     def step(t, carry):

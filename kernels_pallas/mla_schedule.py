@@ -12,8 +12,8 @@ not one per SM), so the same balance comes from the work items' sizes and their 
   the 5 pages per sequence are FlashMLA's fixed overhead of a split (``FIXED_OVERHEAD_NUM_BLOCKS``,
   csrc/kernels/config.h; its payload per SM part is cdiv(sum of pages + 5 B, parts) + 5, of which a split reads
   at most the payload less 5), so a batch of equal lengths that already fills a wave is not cut. Sequence i gets
-  max(1, cdiv(pages_i, chunk)) items of equal size: at most ``slots + B`` items, the grid's static size (the rest
-  are empty);
+  max(1, cdiv(pages_i, chunk)) items of equal size: at most ``slots + B`` items, and at most B * P with P the
+  block table's width (one item per page at most), the lesser being the grid's static size (the rest are empty);
 - ``even_schedule`` (``num_splits=S``): every sequence cut into S equal ranges (flash-decoding's fixed split);
 - both launch the items longest first: the GPU hands thread blocks to SMs in block-index order as SMs free up
   (observed behaviour, not a CUDA guarantee; the kernels' grid makes the item the slow index), which is list
@@ -79,14 +79,18 @@ def num_slots(programs_per_item: int, num_sms: int = NUM_SMS) -> int:
     return max(1, num_sms // programs_per_item)
 
 
-def balanced_schedule(cache_seqlens, *, page_size: int, programs_per_item: int, num_sms: int = NUM_SMS) -> Schedule:
-    """FlashMLA-style balanced split of a batch of mixed lengths (module docstring); cache_seqlens [B] int32 (traced).
+def balanced_schedule(cache_seqlens, *, page_size: int, programs_per_item: int, num_sms: int = NUM_SMS,
+                      max_pages: int | None = None) -> Schedule:
+    """FlashMLA-style balanced split of a batch of mixed lengths (module docstring); cache_seqlens [B] int32 (traced,
+    each at most max_pages * page_size when max_pages, the block table's width, is given).
 
     Row layout: sequence i owns rows [off_i, off_i + n_i), n_i = max(1, cdiv(pages_i, chunk)); the rows past
-    sum(n) are empty items of the last sequence (0 pages: partial output 0, lse -inf, so they weigh nothing)."""
+    sum(n) are empty items of the last sequence (0 pages: no output, lse -inf, so they weigh nothing)."""
     b = cache_seqlens.shape[0]
     slots = num_slots(programs_per_item, num_sms)
     n_rows = slots + b  # sum_i max(1, cdiv(p_i, chunk)) <= sum_i (p_i / chunk + 1) <= slots + b
+    if max_pages is not None:  # and n_i <= max(1, p_i) <= max(1, P): small batches of short sequences
+        n_rows = min(n_rows, b * max(1, max_pages))
     pages = _cdiv(cache_seqlens.astype(jnp.int32), page_size)  # [B]
     chunk = jnp.maximum(1, _cdiv(jnp.sum(pages) + OVERHEAD_PAGES * b, slots))
     n = jnp.maximum(1, _cdiv(pages, chunk))  # [B] items per sequence

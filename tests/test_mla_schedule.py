@@ -19,8 +19,8 @@ from kernels_pallas.mla_schedule import OVERHEAD_PAGES, num_slots
 
 PAGE = 64
 # jitted once per batch size (as inside mla_decode), so the examples do not re-trace every op eagerly
-balanced_schedule = functools.partial(jax.jit, static_argnames=("page_size", "programs_per_item", "num_sms"))(
-    mla_schedule.balanced_schedule)
+balanced_schedule = functools.partial(
+    jax.jit, static_argnames=("page_size", "programs_per_item", "num_sms", "max_pages"))(mla_schedule.balanced_schedule)
 even_schedule = functools.partial(jax.jit, static_argnames=("page_size", "num_splits"))(mla_schedule.even_schedule)
 combine = functools.partial(jax.jit, static_argnames=("batch", "rows"))(mla_schedule.combine)
 seqlens_st = st.lists(st.integers(0, 40 * PAGE), min_size=1, max_size=12)
@@ -44,15 +44,21 @@ def check_partition(sched, seqlens):
     return seq, start, count
 
 
-@given(seqlens=seqlens_st, programs=st.sampled_from([1, 2, 4, 8]), num_sms=st.sampled_from([4, 16, 132]))
+@given(seqlens=seqlens_st, programs=st.sampled_from([1, 2, 4, 8]), num_sms=st.sampled_from([4, 16, 132]),
+       spare_pages=st.one_of(st.none(), st.integers(0, 3)))
 @settings(max_examples=60, deadline=None)
-def test_balanced_schedule_partitions_and_balances(seqlens, programs, num_sms):
+def test_balanced_schedule_partitions_and_balances(seqlens, programs, num_sms, spare_pages):
+    """spare_pages: the block table is that many pages wider than the longest sequence (None: width not given)."""
+    max_pages = None if spare_pages is None else max(-(-s // PAGE) for s in seqlens) + spare_pages
     sched = balanced_schedule(jnp.asarray(seqlens, jnp.int32), page_size=PAGE, programs_per_item=programs,
-                              num_sms=num_sms)
+                              num_sms=num_sms, max_pages=max_pages)
     seq, _, count = check_partition(sched, seqlens)
     slots = num_slots(programs, num_sms)
     total = sum(-(-s // PAGE) for s in seqlens)
-    assert sched.items.shape[1] == slots + len(seqlens)
+    rows = slots + len(seqlens)
+    if max_pages is not None:
+        rows = min(rows, len(seqlens) * max(1, max_pages))
+    assert sched.items.shape[1] == rows
     # FlashMLA's share: no item holds more than its payload less the fixed overhead, cdiv(total + 5 B, slots).
     chunk = max(1, -(-(total + OVERHEAD_PAGES * len(seqlens)) // slots))
     assert count.max() <= chunk
@@ -82,6 +88,9 @@ def test_balanced_schedule_worked_cases():
     assert np.asarray(sched.row_seq).tolist() == [0, 0, 0, 0, 1, 2, 2, 2, 2, 2, 2]
     even = balanced_schedule(jnp.full((128,), 4096, jnp.int32), page_size=PAGE, programs_per_item=1)
     assert (np.asarray(even.items[2])[:128] == 64).all() and (np.asarray(even.items[2])[128:] == 0).all()
+    # one sequence of 2 pages in a table 4 pages wide: 4 rows (one per page at most), not 132 + 1
+    short = balanced_schedule(jnp.asarray([100], jnp.int32), page_size=PAGE, programs_per_item=1, max_pages=4)
+    assert np.asarray(short.items[2]).tolist() == [1, 1, 0, 0]
 
 
 def np_attention(q, k, v):
