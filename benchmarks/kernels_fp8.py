@@ -169,7 +169,7 @@ def run(implementation: str, kernels, cases: str, tilings: list[dict], emit, mul
                     emit(f"{name}{tag}: FAILED {type(e).__name__}: {str(e)[:200]}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench_fp8.txt", help="results are appended to this file")
     p.add_argument("--implementation", default="pallas", choices=("pallas", "xla"))
@@ -179,7 +179,7 @@ def main() -> None:
     p.add_argument("--tilings", default=None, help="BMxBNxST[,...]: time these tilings instead of the defaults")
     p.add_argument("--multicast", action="store_true",
                    help="also time each warp_specialized case with multicast=2 (CTA pairs sharing A by TMA multicast)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     tilings = parse_tilings(args.tilings)
     if args.implementation == "xla":
         kernels = (None,)

@@ -134,7 +134,7 @@ def copy_ceiling(gib: float = 2.0, iters: int = 20) -> str:
     return f"copy ceiling: x * 2 on {gib:g} GiB bf16: {2 * x.nbytes / t / 1e9:.0f} GB/s (read + write)"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="append result lines to this file")
     p.add_argument("--implementation", default="pallas", choices=("pallas", "xla"))
@@ -146,7 +146,7 @@ def main() -> None:
     p.add_argument("--breakdown", action="store_true",
                    help="pallas only: after each case's line, the stages timed on their own (schedule, kernel, "
                         "combine), to show where the time goes")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     kernels = KERNELS if args.kernel == "both" else (args.kernel,)
     if args.implementation == "xla":
         kernels = (None,)
