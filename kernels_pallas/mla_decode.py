@@ -5,10 +5,10 @@ schedule and the split combine (``_decode_pallas``, mla_schedule.py) -> ``mla_de
 ``implementation="pallas" | "xla"``, tuning knobs) -> ``mla_decode_reference`` (plain jnp, fp32). ``_decode_xla`` is
 the XLA path the engine uses on CPU.
 
-Two kernel bodies, chosen with the static knob ``kernel=`` of ``mla_decode``; both run on grid (G * row blocks,
-work items), a work item being a page range of one sequence (mla_schedule.py: balanced over the batch's lengths,
-launched longest first), with one producer warpgroup streaming q and the item's pages through an SMEM ring
-(``_produce``), and write the same per-item outputs that ``mla_schedule.combine`` merges:
+Two kernel bodies, chosen with the static knob ``kernel=`` of ``mla_decode``; both run on grid (work items,
+G * row blocks), a work item being a page range of one sequence (mla_schedule.py: balanced over the batch's
+lengths, launched longest first), with one producer warpgroup streaming q and the item's pages through an SMEM
+ring (``_produce``), and write the same per-item outputs that ``mla_schedule.combine`` merges:
 - ``"recompute_scores"`` (default): this file's ``_decode_kernel`` (``_recompute_scores_pallas``). Each compute
   warpgroup owns block_dv output columns and computes the page's 64 x 64 scores S = Q K^T itself, so with V3's
   dv = 512, block_dv = 256 the QK wgmma runs twice per page. Measured: 1675-2094 GB/s on an H200
@@ -216,7 +216,7 @@ class _Program(NamedTuple):
 
 
 def _program(seqlens_ref, items_ref, q_ref):
-    """Read the grid position (hb, item) and the item's column of items_ref [4, N] (mla_schedule.py: sequence,
+    """Read the grid position (item, hb) and the item's column of items_ref [4, N] (mla_schedule.py: sequence,
     first page, pages, output row); q_ref [B, G, R_pad, D] gives the row blocks per kv head."""
     hb = lax.axis_index("hb")  # kv head * row blocks + row block
     j = lax.axis_index("item")  # launch order
@@ -431,14 +431,14 @@ def _ring_scratch(q_rows, kv_cache, num_stages, num_wg):
 
 
 def _launch(body, q_rows, kv_cache, seqlens, items, table, *, head_dim_v, num_wg, scratch, params, interpret):
-    """Run a kernel body on grid (G * row blocks, N work items) with num_wg compute + 1 producer warpgroups:
+    """Run a kernel body on grid (N work items, G * row blocks) with num_wg compute + 1 producer warpgroups:
     q_rows [B, G, R_pad, D], items [4, N] -> (o_part [N, G, R_pad, V] f32, lse_part [N, G, R_pad] f32 log2).
 
-    The row blocks are the grid's first axis, CUDA's blockIdx.x, which the hardware launches fastest: the programs
-    that read the same pages (one per 64-row block: 2 for h_q = 128) run side by side and share them through L2
-    (FlashMLA's grid is (m blocks, h_kv, SM parts) for the same reason). With the sequences first, the second row
-    block of every sequence ran a wave later and read its pages from HBM again: the 2026-11-30 run measured half the
-    GB/s at h_q = 128 (969) of h_q = 16 and 64 (1675-2094), docs/benchmarks.md."""
+    Pallas Mosaic GPU reverses the grid onto CUDA's (jax/_src/pallas/mosaic_gpu/lowering.py: "Pallas prefers
+    row-major iteration while the CUDA runtime prefers column-major"), so the last axis, the row blocks, is
+    blockIdx.x, which the GPU launches fastest: the programs that read the same pages (one per 64-row block: 2 for
+    h_q = 128) run side by side and share them through L2, as in FlashMLA's grid (m blocks, h_kv, SM parts); the
+    items follow in launch (longest-first) order on blockIdx.y."""
     _, h_kv, r_pad, _ = q_rows.shape
     n = items.shape[1]
     if n > _MAX_GRID_Y:
@@ -448,8 +448,8 @@ def _launch(body, q_rows, kv_cache, seqlens, items, table, *, head_dim_v, num_wg
         body,
         out_type=(jax.ShapeDtypeStruct((n, h_kv, r_pad, head_dim_v), jnp.float32),
                   jax.ShapeDtypeStruct((n, h_kv, r_pad), jnp.float32)),
-        grid=(h_kv * (r_pad // _BLOCK_M), n),
-        grid_names=("hb", "item"),
+        grid=(n, h_kv * (r_pad // _BLOCK_M)),
+        grid_names=("item", "hb"),
         num_threads=num_wg + 1,
         thread_name="wg",
         scratch_types=scratch,
@@ -517,8 +517,8 @@ def _run_items(q_rows, kv_cache, seqlens, items, table, *, kernel, **kw):
 
 def _decode_pallas(q, kv_cache, block_table, cache_seqlens, *, head_dim_v, scale, causal, num_splits, num_sms,
                    block_dv, num_stages, kernel, interpret):
-    """Pack q rows, schedule the work items (mla_schedule.py), run the ``kernel`` variant on grid (G * row blocks,
-    items), merge each sequence's items in jnp."""
+    """Pack q rows, schedule the work items (mla_schedule.py), run the ``kernel`` variant on grid (items,
+    G * row blocks), merge each sequence's items in jnp."""
     b, s_q, h_q, _ = q.shape
     if b == 0:  # an empty batch: no work items (the schedule indexes sequence 0), nothing to launch
         return jnp.zeros((0, s_q, h_q, head_dim_v), q.dtype), jnp.zeros((0, h_q, s_q), jnp.float32)
