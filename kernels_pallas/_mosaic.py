@@ -8,6 +8,9 @@ API (small on purpose; the MLA decode and FP8 GEMM kernels share it):
   (cross-lowering works without a GPU); ``args`` may be arrays or ``jax.ShapeDtypeStruct``.
 - ``has_mosaic_gpu_call(text) -> bool``: whether lowered module text contains the Mosaic GPU kernel call
   (so an XLA fallback cannot pass for a kernel).
+- ``kernel_launches(fn, *args, **kwargs) -> list[Launch]``: the CUDA launch of every Mosaic GPU kernel that
+  lowering ``fn`` for cuda builds (grid and block as CUDA's (x, y, z), dynamic shared memory bytes), read from the
+  kernel modules before Mosaic GPU serializes them, so tests can check grid order and SMEM accounting.
 
 Checked on jax 0.10.2 (CPU); the GPU machines run jax 0.11.
 """
@@ -15,6 +18,8 @@ Checked on jax 0.10.2 (CPU); the GPU machines run jax 0.11.
 from __future__ import annotations
 
 import functools
+import re
+from typing import NamedTuple
 
 import jax
 
@@ -57,3 +62,48 @@ def lower_for_cuda(fn, *args, **kwargs) -> str:
 def has_mosaic_gpu_call(text: str) -> bool:
     """Whether lowered module text holds a Mosaic GPU kernel custom call."""
     return any(f'custom_call_target = "{t}"' in text or f"@{t}" in text for t in _MOSAIC_GPU_TARGETS)
+
+
+class Launch(NamedTuple):
+    """One kernel launch: grid and block in CUDA's (x, y, z) order (x is launched fastest), dynamic SMEM bytes."""
+
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem_bytes: int
+
+
+# ``gpu.launch ... blocks(..) in (%a = %c4, %b = %c12, %c = %c1) threads(..) in (..) dynamic_shared_memory_size
+# %c223280_i32``: index constants print as %c<value> (a suffix _<n> tells equal constants apart).
+_DIM = r"%\w+ = %c(\d+)(?:_\d+)?"
+_LAUNCH = re.compile(rf"gpu\.launch[^\n]*?blocks\([^)]*\) in \({_DIM}, {_DIM}, {_DIM}\) "
+                     rf"threads\([^)]*\) in \({_DIM}, {_DIM}, {_DIM}\)"
+                     rf"(?: dynamic_shared_memory_size %c(\d+)(?:_i32)?(?:_\d+)?)?")
+
+
+def kernel_launches(fn, *args, **kwargs) -> list[Launch]:
+    """The launches of the Mosaic GPU kernels that lowering ``fn(*args, **kwargs)`` for cuda builds.
+
+    Mosaic GPU builds each kernel's MLIR module in Python and serializes it to bytecode in ``_run_serde_pass``
+    (jax/experimental/mosaic/gpu/core.py, private): the module text is captured there, then the ``gpu.launch``
+    op's constant grid, block and shared memory size are parsed from it."""
+    from jax.experimental.mosaic.gpu import core as mgpu_core  # private: kept here only
+
+    texts = []
+    original = mgpu_core._run_serde_pass
+
+    def capture(module, *, serialize, **kw):
+        if serialize:
+            texts.append(str(module))
+        return original(module, serialize=serialize, **kw)
+
+    mgpu_core._run_serde_pass = capture
+    try:
+        lower_for_cuda(fn, *args, **kwargs)
+    finally:
+        mgpu_core._run_serde_pass = original
+    launches = []
+    for text in texts:
+        for m in _LAUNCH.finditer(text):
+            v = [int(x) if x is not None else 0 for x in m.groups()]
+            launches.append(Launch(tuple(v[0:3]), tuple(v[3:6]), v[6]))
+    return launches

@@ -405,3 +405,23 @@ def test_kernels_lower_for_cuda(entry, cfg):
                                              sds((4, 2, 3), f32), sds((4,), i32))
     text = _mosaic.lower_for_cuda(fn, *args, implementation="pallas", interpret=False, **cfg)
     assert _mosaic.has_mosaic_gpu_call(text)
+
+
+# The CUDA launch Mosaic GPU builds for a goal shape (m=4096 n=7168 k=2048, the default tilings): the pipelined
+# kernel's grid is (column tiles, row tiles) with the column tiles on blockIdx.x, one warpgroup, and little enough
+# SMEM for the two CTAs per SM its default assumes; the warp-specialized one is persistent (one CTA per SM, three
+# warpgroups). Tiling.smem_bytes bounds Mosaic GPU's allocation from above by at most its slack.
+@pytest.mark.parametrize("kernel,grid,threads", [("pipelined", (7168 // 128, 4096 // 64, 1), 128),
+                                                 ("warp_specialized", (132, 1, 1), 384)])
+def test_default_tiling_launch(kernel, grid, threads):
+    m, n, k = 4096, 7168, 2048
+    S = jax.ShapeDtypeStruct
+    args = (S((m, k), jnp.float8_e4m3fn), S((m, k // 128), jnp.float32), S((n, k), jnp.float8_e4m3fn),
+            S((n // 128, k // 128), jnp.float32))
+    (launch,) = _mosaic.kernel_launches(fp8_gemm, *args, implementation="pallas", interpret=False, kernel=kernel)
+    tiling = fp8_tiling.resolve(kernel, None, None, 128, None, rows=m, n=n, num_sms=132, out_itemsize=2)
+    assert launch.grid == grid and launch.block == (threads, 1, 1)
+    estimate = tiling.smem_bytes(2)
+    assert estimate - fp8_tiling.SMEM_SLACK <= launch.smem_bytes <= estimate
+    if kernel == "pipelined":
+        assert 2 * launch.smem_bytes <= fp8_tiling.SMEM_BYTES

@@ -151,6 +151,26 @@ def test_shipped_configs_lower_to_mosaic_gpu(s_q, h_q, causal, num_splits, dtype
     assert not _mosaic.has_mosaic_gpu_call(xla_text)
 
 
+# The CUDA launch Mosaic GPU builds (read from the kernel module before serialization): the row blocks that read
+# the same pages are blockIdx.x, launched fastest (Pallas reverses the grid onto CUDA's), the work items blockIdx.y;
+# 2 compute + 1 producer warpgroups; and the shared memory our _smem_bytes accounting (and the docs) state for V3:
+# q [64, 576] bf16 73728 + ring 2 x [64, 576] bf16 147456, 8 bytes per mbarrier, then recompute_scores: the default
+# reduction scratch 2048 + 6 barriers; shared_scores: P [64, 64] bf16 8192 + alpha and l (1024 each, aligned) +
+# 8 barriers, no reduction scratch.
+@pytest.mark.parametrize("kernel,smem", [("recompute_scores", 73728 + 147456 + 2048 + 6 * 8),
+                                         ("shared_scores", 73728 + 147456 + 8192 + 2 * 1024 + 8 * 8)])
+@pytest.mark.parametrize("num_splits,items", [(3, 4 * 3), (None, min(132 // 4 + 4, 4 * 16))])
+def test_kernel_launch_grid_and_smem(kernel, smem, num_splits, items):
+    S = jax.ShapeDtypeStruct
+    args = (S((4, 2, 128, 576), jnp.bfloat16), S((64, PAGE, 1, 576), jnp.bfloat16), S((4, 16), jnp.int32),
+            S((4,), jnp.int32))  # s_q 2 x h_q 128 = 256 rows: 4 row blocks of 64
+    (launch,) = _mosaic.kernel_launches(mla_decode, *args, head_dim_v=512, causal=True, implementation="pallas",
+                                        interpret=False, num_splits=num_splits, num_sms=132, kernel=kernel)
+    assert launch.grid == (4, items, 1)
+    assert launch.block == (3 * 128, 1, 1)
+    assert launch.smem_bytes == smem
+
+
 @pytest.mark.parametrize("change,match", [
     (dict(q=np.zeros((2, 16, 64), np.float32)), "rank 3"),
     (dict(kv_cache=np.zeros((4, PAGE, 64), np.float32)), "rank 3"),
