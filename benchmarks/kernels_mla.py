@@ -99,12 +99,12 @@ def breakdown_case(b, s_k, h_q, s_q, varlen, num_splits, kernel, iters, interpre
 
     from kernels_pallas import _mosaic
     from kernels_pallas.mla_decode import _pack_rows, _run_items, _schedule
-    from kernels_pallas.mla_schedule import combine, sm_count
+    from kernels_pallas.mla_schedule import combine
 
     (q, kv, table, seqlens), _ = make_inputs(b, s_k, h_q, s_q, varlen)
     q_rows = _pack_rows(q, H_KV, kv.dtype)
     sched_f = jax.jit(functools.partial(_schedule, page_size=PAGE, max_pages=table.shape[1],
-                                        num_splits=num_splits, num_sms=sm_count()))
+                                        num_splits=num_splits, num_sms=_mosaic.device_sm_count()))
     sched = sched_f(seqlens, q_rows)
     run = jax.jit(functools.partial(
         _run_items, kernel=kernel, s_q=s_q, m=h_q // H_KV, head_dim_v=DV, scale=D ** -0.5, causal=s_q > 1,

@@ -4,6 +4,7 @@ API (small on purpose; the MLA decode and FP8 GEMM kernels share it):
 - ``interpret_params()``: the GPU interpret-mode parameters to pass as ``interpret=`` to ``plgpu.kernel`` /
   ``pl.pallas_call`` so a Mosaic GPU kernel runs on CPU (simulated SMEM, barriers, TMA, wgmma).
 - ``default_interpret() -> bool``: True when the default backend is not a CUDA GPU (the kernel must be interpreted).
+- ``device_sm_count() -> int``: the default GPU's multiprocessors, ``HOPPER_SMS`` (132) where there is no GPU.
 - ``lower_for_cuda(fn, *args, **kwargs) -> str``: the text of ``fn`` lowered for the ``cuda`` platform
   (cross-lowering works without a GPU); ``args`` may be arrays or ``jax.ShapeDtypeStruct``.
 - ``has_mosaic_gpu_call(text) -> bool``: whether lowered module text contains the Mosaic GPU kernel call
@@ -51,6 +52,19 @@ def default_interpret() -> bool:
     except RuntimeError:
         return True
     return not (device.platform == "gpu" and "cuda" in getattr(device.client, "platform_version", "cuda").lower())
+
+
+HOPPER_SMS = 132  # multiprocessors of an H800/H100/H200 SXM: the grids' size when lowering without a GPU
+
+
+def device_sm_count() -> int:
+    """The default GPU's multiprocessors (``Device.core_count``; JAX's Hopper matmul ``get_num_sms`` and FlashMLA's
+    get_mla_metadata read the same), HOPPER_SMS on a backend that is not a GPU or does not say."""
+    try:
+        device = jax.devices()[0]
+    except RuntimeError:
+        return HOPPER_SMS
+    return int(getattr(device, "core_count", 0) or HOPPER_SMS) if device.platform == "gpu" else HOPPER_SMS
 
 
 def lower_for_cuda(fn, *args, **kwargs) -> str:

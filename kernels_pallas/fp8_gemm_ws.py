@@ -55,16 +55,12 @@ from kernels_pallas.fp8_tiling import BLOCK_K, NUM_CONSUMERS, Tiling, check_knob
 
 TMA_REGISTERS = 40        # DeepGEMM kNumTMARegisters; JAX matmul memory_registers=40
 TILE_BAND = 16            # DeepGEMM Scheduler kNumNBlocksPerGroup: column tiles per L2 band
-H100_SMS = 132            # SMs of an H100/H200 SXM: the persistent grid when lowering without a GPU
 INTERPRET_SMS = 2         # interpret mode: few CTAs, so each runs several tiles (the persistent path)
 
 
 def num_sms(interpret: bool) -> int:
     """CTAs of the persistent grid: the GPU's SM count (JAX matmul ``get_num_sms``), 132 when lowering elsewhere."""
-    if interpret:
-        return INTERPRET_SMS
-    device = jax.devices()[0]
-    return int(getattr(device, "core_count", 0) or H100_SMS) if device.platform == "gpu" else H100_SMS
+    return INTERPRET_SMS if interpret else _mosaic.device_sm_count()
 
 
 def epilogue_smem(shape: tuple[int, ...], out_dtype):

@@ -45,7 +45,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas import _mosaic
 from kernels_pallas.mla_schedule import LOG2E as _LOG2E
-from kernels_pallas.mla_schedule import balanced_schedule, combine, even_schedule, sm_count
+from kernels_pallas.mla_schedule import balanced_schedule, combine, even_schedule
 
 _BLOCK_M = 64  # rows per program: the wgmma M of one warpgroup
 _MAX_GRID_Y = 65535  # gridDim.y limit (CUDA C Programming Guide, "Technical Specifications per Compute Capability")
@@ -614,7 +614,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, *, head_dim_v=512, softm
     if implementation == "pallas":
         if num_splits is not None and num_splits < 1:
             raise ValueError(f"{num_splits=} must be None or >= 1")
-        num_sms = sm_count() if num_sms is None else num_sms
+        num_sms = _mosaic.device_sm_count() if num_sms is None else num_sms
         if num_sms < 1:
             raise ValueError(f"{num_sms=} must be None or >= 1")
         if interpret is None:

@@ -33,7 +33,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-NUM_SMS = 132  # H800/H100/H200 SXM multiprocessors: where the device cannot say (CPU, interpret mode)
+from kernels_pallas._mosaic import HOPPER_SMS
+
 OVERHEAD_PAGES = 5  # a split's fixed cost in pages (FlashMLA csrc/kernels/config.h FIXED_OVERHEAD_NUM_BLOCKS)
 LOG2E = math.log2(math.e)  # the kernels' scores and lse are in log2 units (exp2 is the fast path)
 
@@ -64,22 +65,12 @@ def _longest_first(seq, start, count):
     return Schedule(items.astype(jnp.int32), seq.astype(jnp.int32))
 
 
-def sm_count() -> int:
-    """The default device's multiprocessors (``Device.core_count`` on a GPU; FlashMLA's get_mla_metadata reads
-    the same from cudaDeviceProp), NUM_SMS where it has none."""
-    try:
-        count = getattr(jax.devices()[0], "core_count", None)
-    except RuntimeError:
-        count = None
-    return int(count) if count else NUM_SMS
-
-
-def num_slots(programs_per_item: int, num_sms: int = NUM_SMS) -> int:
+def num_slots(programs_per_item: int, num_sms: int = HOPPER_SMS) -> int:
     """Work items one wave holds: one program per SM (the kernels' SMEM ring allows one CTA per SM)."""
     return max(1, num_sms // programs_per_item)
 
 
-def balanced_schedule(cache_seqlens, *, page_size: int, programs_per_item: int, num_sms: int = NUM_SMS,
+def balanced_schedule(cache_seqlens, *, page_size: int, programs_per_item: int, num_sms: int = HOPPER_SMS,
                       max_pages: int | None = None) -> Schedule:
     """FlashMLA-style balanced split of a batch of mixed lengths (module docstring); cache_seqlens [B] int32 (traced,
     each at most max_pages * page_size when max_pages, the block table's width, is given).
