@@ -101,23 +101,26 @@ def _tiling_label(kind: str, shape, kernel: str | None, knobs: dict) -> str:
 
 
 def _case(kind: str, shape, implementation: str, kernel: str | None, tiling: dict):
-    """-> (name, jitted fn, operands, flops, published figure) of one benchmark case."""
+    """-> (name, jitted fn, make_ops, flops, published figure) of one benchmark case; make_ops() builds the operands
+    (kernels_ptxas.py --offline only traces it, with jax.eval_shape)."""
     knobs = dict(implementation=implementation) | ({} if kernel is None else dict(kernel=kernel, **tiling))
     if kind == "dense":
         m, n, k = shape
         pub = PUBLISHED_M4096.get((n, k)) if m == 4096 else None
         f = jax.jit(lambda *x: fp8_gemm(*x, **knobs))
-        return f"dense m={m} n={n} k={k}", f, _operands((m,), (), n, k), 2 * m * n * k, pub or "-"
+        return f"dense m={m} n={n} k={k}", f, lambda: _operands((m,), (), n, k), 2 * m * n * k, pub or "-"
     g, mg, n, k = shape
     if kind == "contiguous":
-        ops = (*_operands((g * mg,), (g,), n, k), jnp.repeat(jnp.arange(g, dtype=jnp.int32), mg))
+        def make_ops():
+            return (*_operands((g * mg,), (g,), n, k), jnp.repeat(jnp.arange(g, dtype=jnp.int32), mg))
         f = jax.jit(lambda *x: fp8_grouped_gemm_contiguous(*x, **knobs))
         name = f"contiguous groups={g} m_per_group={mg} n={n} k={k}"
     else:
-        ops = (*_operands((g, mg), (g,), n, k), jnp.full((g,), mg, jnp.int32))
+        def make_ops():
+            return (*_operands((g, mg), (g,), n, k), jnp.full((g,), mg, jnp.int32))
         f = jax.jit(lambda *x: fp8_grouped_gemm_masked(*x, **knobs))
         name = f"masked groups={g} m={mg} n={n} k={k}"
-    return name, f, ops, 2 * g * mg * n * k, GROUPED_PUBLISHED
+    return name, f, make_ops, 2 * g * mg * n * k, GROUPED_PUBLISHED
 
 
 def parse_tilings(text: str | None) -> list[dict]:
@@ -162,8 +165,8 @@ def run(implementation: str, kernels, cases: str, tilings: list[dict], emit, mul
                 name = f"{kind} {shape}"
                 try:
                     tag += _tiling_label(kind, shape, kernel, tiling)
-                    name, f, ops, flops, pub = _case(kind, shape, implementation, kernel, tiling)
-                    t = time_per_call(f, *ops)
+                    name, f, make_ops, flops, pub = _case(kind, shape, implementation, kernel, tiling)
+                    t = time_per_call(f, *make_ops())
                     emit(f"{name}{tag}: {t * 1e6:9.1f} us {flops / t / 1e12:7.1f} TFLOPS   published H800: {pub}")
                 except Exception as e:  # noqa: BLE001 - one failing case must not stop the sweep
                     emit(f"{name}{tag}: FAILED {type(e).__name__}: {str(e)[:200]}")

@@ -12,6 +12,9 @@ API (small on purpose; the MLA decode and FP8 GEMM kernels share it):
 - ``kernel_launches(fn, *args, **kwargs) -> list[Launch]``: the CUDA launch of every Mosaic GPU kernel that
   lowering ``fn`` for cuda builds (grid and block as CUDA's (x, y, z), dynamic shared memory bytes), read from the
   kernel modules before Mosaic GPU serializes them, so tests can check grid order and SMEM accounting.
+- ``kernel_modules(fn, *args, **kwargs) -> list[KernelModule]``: each of those kernel modules as text and as the
+  bytecode the custom call carries (what Mosaic GPU compiles at run time; benchmarks/mosaic_offline.py compiles it
+  to PTX and runs ptxas on it without a GPU).
 
 Checked on jax 0.10.2 (CPU); the GPU machines run jax 0.11.
 """
@@ -19,6 +22,7 @@ Checked on jax 0.10.2 (CPU); the GPU machines run jax 0.11.
 from __future__ import annotations
 
 import functools
+import io
 import re
 from typing import NamedTuple
 
@@ -94,29 +98,45 @@ _LAUNCH = re.compile(rf"gpu\.launch[^\n]*?blocks\([^)]*\) in \({_DIM}, {_DIM}, {
                      rf"(?: dynamic_shared_memory_size %c(\d+)(?:_i32)?(?:_\d+)?)?")
 
 
-def kernel_launches(fn, *args, **kwargs) -> list[Launch]:
-    """The launches of the Mosaic GPU kernels that lowering ``fn(*args, **kwargs)`` for cuda builds.
+class KernelModule(NamedTuple):
+    """One Mosaic GPU kernel module: its text before serialization, and the serialized bytecode (format version 0,
+    as ``jax.experimental.mosaic.gpu.core`` embeds it in the ``mosaic_gpu_v2`` custom call's ``module`` attribute)."""
 
-    Mosaic GPU builds each kernel's MLIR module in Python and serializes it to bytecode in ``_run_serde_pass``
-    (jax/experimental/mosaic/gpu/core.py, private): the module text is captured there, then the ``gpu.launch``
-    op's constant grid, block and shared memory size are parsed from it."""
+    text: str
+    bytecode: bytes
+
+
+def kernel_modules(fn, *args, **kwargs) -> list[KernelModule]:
+    """The Mosaic GPU kernel modules that lowering ``fn(*args, **kwargs)`` for cuda builds.
+
+    Mosaic GPU builds each kernel's MLIR module in Python and serializes it in ``_run_serde_pass``
+    (jax/experimental/mosaic/gpu/core.py, private): both forms are captured there."""
     from jax.experimental.mosaic.gpu import core as mgpu_core  # private: kept here only
 
-    texts = []
+    modules = []
     original = mgpu_core._run_serde_pass
 
     def capture(module, *, serialize, **kw):
+        out = original(module, serialize=serialize, **kw)
         if serialize:
-            texts.append(str(module))
-        return original(module, serialize=serialize, **kw)
+            buf = io.BytesIO()
+            out.operation.write_bytecode(buf, desired_version=0)
+            modules.append(KernelModule(str(module), buf.getvalue()))
+        return out
 
     mgpu_core._run_serde_pass = capture
     try:
         lower_for_cuda(fn, *args, **kwargs)
     finally:
         mgpu_core._run_serde_pass = original
+    return modules
+
+
+def kernel_launches(fn, *args, **kwargs) -> list[Launch]:
+    """The launches of the Mosaic GPU kernels that lowering ``fn(*args, **kwargs)`` for cuda builds: the
+    ``gpu.launch`` op's constant grid, block and shared memory size, parsed from each ``kernel_modules`` text."""
     launches = []
-    for text in texts:
+    for text, _ in kernel_modules(fn, *args, **kwargs):
         for m in _LAUNCH.finditer(text):
             v = [int(x) if x is not None else 0 for x in m.groups()]
             launches.append(Launch(tuple(v[0:3]), tuple(v[3:6]), v[6]))

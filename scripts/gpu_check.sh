@@ -7,8 +7,11 @@
 #      (m = 4096 x DeepGEMM's six (n, k)) + decode/grouped ones, then XLA/cuBLAS ceilings;
 #   4. both MLA variants side by side on a short FlashMLA subset, and on FlashMLA's varlen batch under the balanced
 #      schedule and one split per sequence, each with its stages timed alone (schedule, kernel, combine);
-#   5. the engine (embedded model through LLM(): Pallas MLA decode over the paged cache, FP8 compute);
-#   6. with what is left of the budget, the full FlashMLA and DeepGEMM sweeps with the default kernels.
+#   5. what ptxas made of each shipped kernel configuration (registers, spills, its warnings, the SASS mix:
+#      benchmarks/kernels_ptxas.py), then Nsight Compute's speed-of-light, warp-stall and occupancy sections for
+#      the headline FP8 GEMM (both variants) and one MLA decode, where ncu runs (it cannot read counters on gVisor);
+#   6. the engine (embedded model through LLM(): Pallas MLA decode over the paged cache, FP8 compute);
+#   7. with what is left of the budget, the full FlashMLA and DeepGEMM sweeps with the default kernels.
 # Steps 3-4 skip the new variants when step 2 hung (rc 124).
 # Usage on the GPU machine (offline, preinstalled jax 0.11): OUT=<dir> bash scripts/gpu_check.sh
 # Each step has its own time limit, cut to what is left of the whole run's budget (BUDGET_S, default 470 s: the
@@ -43,7 +46,7 @@ NEW="warp_specialized or shared_scores"
 # tests/conftest.py defaults JAX_PLATFORMS to cpu (8 simulated devices): the native tests need the GPU.
 JAX_PLATFORMS=cuda,cpu step kernel_tests.txt 150 python -m pytest -q -x --durations=10 -k "not ($NEW)" \
   tests/test_kernels_gpu.py
-JAX_PLATFORMS=cuda,cpu step kernel_tests_new.txt 90 python -m pytest -q --durations=5 -k "$NEW" \
+JAX_PLATFORMS=cuda,cpu step kernel_tests.txt 90 python -m pytest -q --durations=5 -k "$NEW" \
   tests/test_kernels_gpu.py
 new_rc=$?
 fp8_kernels=both; mla_kernels=both
@@ -52,6 +55,20 @@ step bench.log 180 python benchmarks/kernels_fp8.py --kernel "$fp8_kernels" --ca
   --out "$OUT/bench_compare.txt"
 step bench.log 120 python benchmarks/kernels_mla.py --kernel "$mla_kernels" --cases compare --breakdown \
   --out "$OUT/bench_compare.txt"
+step bench.log 75 python benchmarks/kernels_ptxas.py --out "$OUT/ptxas.txt"
+# Kernel names for ncu's filter: the entry functions ptxas reported (Mosaic GPU outlines each kernel as one).
+knames=$(sed -n 's/^[^:]*: \([A-Za-z_][A-Za-z0-9_]*\): [0-9]* registers.*/\1/p' "$OUT/ptxas.txt" 2>/dev/null \
+  | sort -u | paste -sd'|')
+ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+if [ -n "$ncu_bin" ]; then
+  XLA_PYTHON_CLIENT_PREALLOCATE=false step ncu.txt 90 "$ncu_bin" --clock-control none \
+    --kernel-name "regex:^(${knames:-main_kernel})\$" --launch-count 3 \
+    --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
+    python benchmarks/kernels_ptxas.py --no-dump --only "(4096, 7168, 16384) [pipelined]" \
+    --only "(4096, 7168, 16384) [warp_specialized]" --only "h_q=16 s_q=1 kernel=recompute_scores"
+else
+  echo "no ncu on this machine" >> "$OUT/ncu.txt"
+fi
 step engine.txt 60 python -c "
 import time, jaxinfer
 p = jaxinfer.SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
@@ -62,7 +79,7 @@ for b in (1, 32):
     dt = time.perf_counter() - t0
     print(f'embedded model bf16, batch {b}: {b * 64 / dt:.1f} tok/s, text {outs[0].outputs[0].text[:60]!r}', flush=True)
 "
-step bench.log 60 python benchmarks/kernels_mla.py --out "$OUT/bench_mla.txt"
-step bench.log 120 python benchmarks/kernels_fp8.py --out "$OUT/bench_fp8.txt"
+step bench.log 60 python benchmarks/kernels_mla.py --out "$OUT/bench_sweep.txt"
+step bench.log 120 python benchmarks/kernels_fp8.py --out "$OUT/bench_sweep.txt"
 echo "total $SECONDS s" >> "$OUT/env.txt"
 tail -n 3 "$OUT"/*.txt "$OUT"/*.log
