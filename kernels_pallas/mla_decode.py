@@ -359,8 +359,13 @@ def _decode_kernel(seqlens_ref, items_ref, table_ref, q_ref, kv_ref, o_ref, lse_
     def _producer():
         _produce(prog, table_ref, q_ref, kv_ref, q_smem, k_smem, q_bar, k_bars, consumed_bars, num_stages)
 
+    # One code path for every compute warpgroup, its V columns offset by its (traced) index: written as a static
+    # branch per warpgroup, LLVM hoisted both branches' wgmma descriptors above the split and ptxas spilled them
+    # (480 bytes per thread, reloaded every page); as one path, 4 bytes (h_q 16) and 20 (h_q 128, causal) outside
+    # the page loop (ptxas -v, benchmarks/kernels_ptxas.py --offline, 2026-12-02).
     def compute(w):
-        vcols = pl.ds(w * block_dv, block_dv)
+        col0 = pl.multiple_of(w * block_dv, 64)
+        vcols = pl.ds(col0, block_dv)
         plgpu.set_max_registers(compute_regs, action="increase")
         _wait_q(prog, q_bar)
         cols, limit = _score_mask(prog, ps, s_q, m, causal)
@@ -375,7 +380,8 @@ def _decode_kernel(seqlens_ref, items_ref, table_ref, q_ref, kv_ref, o_ref, lse_
             def _():
                 plgpu.barrier_arrive(sync_bar)  # every warpgroup's QK read of this slot is done
                 plgpu.barrier_wait(sync_bar)
-                _zero_rows_past(k_page.at[:, vcols], prog.seqlen - page_start)
+                for c in range(0, block_dv, 64):  # 64 columns at a time: 16 registers, not 64 for all of them
+                    _zero_rows_past(k_page.at[:, pl.ds(col0 + c, 64)], prog.seqlen - page_start)
                 plgpu.commit_smem()  # order the stores before the tensor cores read them
 
             p, alpha, m_new, l_i = _online_softmax(s, cols + page_start < limit, m_i, l_i, scale)
@@ -388,11 +394,9 @@ def _decode_kernel(seqlens_ref, items_ref, table_ref, q_ref, kv_ref, o_ref, lse_
 
         acc, m_i, l_i = lax.fori_loop(0, prog.n_steps, step, carry)
         _store_out(o_ref, prog, vcols, acc, l_i)
-        if w == 0:
-            _store_lse(lse_ref, prog, m_i, l_i)
+        pl.when(w == 0)(lambda: _store_lse(lse_ref, prog, m_i, l_i))
 
-    for w in range(num_wg):
-        pl.when(wg == w)(functools.partial(compute, w))
+    pl.when(wg < num_wg)(lambda: compute(wg))
 
 
 def _tiled():
