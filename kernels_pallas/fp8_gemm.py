@@ -254,8 +254,8 @@ def fp8_gemm(a, a_scale, b, b_scale, *, out_dtype=jnp.bfloat16, implementation=N
   implementation None: "pallas" on a CUDA GPU, "xla" elsewhere. interpret None: interpret the kernel where the
   backend cannot run it. Tuning (None: fp8_tiling.py's DeepGEMM-style defaults for this shape and GPU): kernel
   ("pipelined" | "warp_specialized", module docstring), block_m (pipelined: 64 | 128, None: 64; warp_specialized:
-  128 | 256, None: 128), block_n (multiple of 32 in [32, 256] whose accumulators fit registers: pipelined <= 192
-  at block_m 64, <= 96 at 128; warp_specialized <= 192 at 128, <= 96 at 256), block_k (must be 128: one scale per
+  128 | 256, None: 128), block_n (multiple of 32 in [32, 256] whose accumulators fit registers: pipelined <= 160
+  at block_m 64, <= 64 at 128; warp_specialized <= 160 at 128, <= 64 at 256), block_k (must be 128: one scale per
   k-step), stages (TMA pipeline depth; the ring and the epilogue tile must fit in 227 KB of SMEM), multicast
   (warp_specialized: 2 = pairs of CTAs take adjacent column tiles of one row tile and share its A tile by TMA
   multicast, DeepGEMM's; needs an even number of column tiles; not in interpret mode)."""

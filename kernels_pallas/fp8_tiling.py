@@ -12,9 +12,13 @@ do:
 - every config must keep its accumulators in registers (``check_registers``).
 
 Register rule: per k-step a warpgroup holds the wgmma's fresh fp32 accumulator and the promoted fp32 sum, each
-rows x block_n / 128 registers per thread (128 threads). A thread has at most 255 registers (sm90); with the
-addresses, scale vectors and loop state, two accumulators must stay within MAX_ACC_REGISTERS. A 128 x 128 tile
-in one warpgroup (256 accumulator registers) cannot, so it spills to local memory in every k-step. DeepGEMM's
+rows x block_n / 128 registers per thread (128 threads). A thread has at most 255 registers (sm90; 232 in the
+warp-specialized consumers, after setmaxnreg); with the addresses, scale vectors and loop state, two accumulators
+must stay within MAX_ACC_REGISTERS. The limit is ptxas's own verdict on our kernels (CUDA 13.0 ptxas -v for sm_90a,
+benchmarks/kernels_ptxas.py --offline, 2026-12-02): 160 accumulator registers compile without spills in both
+kernels (pipelined 64 x 160: 254 registers; warp-specialized 128 x 160), 192 spill in the k-loop in both (pipelined
+64 x 192 and 128 x 96: 284 and 232 bytes; warp-specialized 128 x 192: 228 bytes, 256 x 96: 28 bytes). The 128 x
+128 pipelined tile measured on 2026-11-30 (256 accumulator registers) spilled 112 bytes per thread. DeepGEMM's
 BLOCK_M = 128 likewise splits the rows over two math warpgroups (64 each).
 """
 
@@ -24,11 +28,11 @@ import dataclasses
 
 BLOCK_K = 128             # one scale per 128 channels (DeepGEMM): a k-step is one scale block
 NUM_CONSUMERS = 2         # warp-specialized kernel: DeepGEMM get_num_math_warpgroups(BLOCK_M = 128) = 2
-MAX_ACC_REGISTERS = 192   # two fp32 accumulator tiles per thread, out of 255 (232 for the ws consumers)
+MAX_ACC_REGISTERS = 160   # two fp32 accumulator tiles per thread; 192 spill (ptxas, module docstring)
 SMEM_BYTES = 227 * 1024   # H100/H200 dynamic shared memory per CTA (CUDA: 227 KB opt-in); DeepGEMM sizes stages to it
 SMEM_SLACK = 2048         # barriers and allocation alignment
 PIPELINED_BLOCK_NS = (128, 96, 64, 32)            # at 64 rows, wider tiles leave one CTA per SM
-WS_BLOCK_NS = (192, 160, 128, 96, 64, 32)         # 192: the register rule's limit at block_m = 128
+WS_BLOCK_NS = (160, 128, 96, 64, 32)              # 160: the register rule's limit at block_m = 128
 PIPELINED_MAX_STAGES = 6
 WS_STAGES = (8, 7, 6, 5, 4, 3, 2)                 # DeepGEMM's candidates (8 .. 3), deepest that fits first
 KERNELS = ("pipelined", "warp_specialized")
@@ -70,8 +74,8 @@ def check_registers(kernel: str, block_m: int, block_n: int):
         limit = MAX_ACC_REGISTERS * 128 // (2 * rows) // 32 * 32
         where = "per consumer warpgroup" if kernel == "warp_specialized" else "in the CTA's one warpgroup"
         raise ValueError(f"block_m={block_m} x block_n={block_n} ({rows} rows {where}) needs {regs} fp32 "
-                         f"accumulator registers per thread (> {MAX_ACC_REGISTERS} of 255; it would spill): use "
-                         f"block_n <= {limit} at block_m={block_m}")
+                         f"accumulator registers per thread (> {MAX_ACC_REGISTERS}, the most ptxas keeps without "
+                         f"spilling in these kernels): use block_n <= {limit} at block_m={block_m}")
 
 
 def check_knobs(kernel: str, t: Tiling, out_itemsize: int) -> Tiling:

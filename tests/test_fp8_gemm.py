@@ -380,12 +380,14 @@ SHIPPED = _shipped() + [dict(kernel="warp_specialized", block_m=128, block_n=128
 def test_default_block_n_follows_deepgemm_wave_rule():
     """Worked by hand from DeepGEMM's rule (fewest waves over 132 SMs, then the fullest last wave), widths dividing n
     first. m=64, n=7168 (pipelined, 1 row tile; 96 does not divide 7168): 128 -> 56 tiles, 64 -> 112, 32 -> 224 (two
-    waves): 64. m=4096, n=2112 (warp_specialized, 32 row tiles; 2112 = 64 * 33, so 192, 96, 64 and 32 divide it):
-    192 -> 352 tiles (3 waves), 96 -> 704 (6 waves): 192. m=4096, n=7168 (pipelined, 64 row tiles): 128 -> 28 waves,
+    waves): 64. m=4096, n=2112 (warp_specialized, 32 row tiles; 2112 = 64 * 33, so of its widths up to the register
+    limit 160 only 96, 64 and 32 divide it): 96 -> 704 tiles (6 waves), 64 -> 1056 (8 waves): 96; with 192 allowed
+    (352 tiles, 3 waves) it would win. m=4096, n=7168 (pipelined, 64 row tiles): 128 -> 28 waves,
     the fewest: 128."""
     pick = fp8_tiling.pick_block_n
     assert pick(1, 7168, 132, fp8_tiling.PIPELINED_BLOCK_NS) == 64
-    assert pick(32, 2112, 132, fp8_tiling.WS_BLOCK_NS) == 192
+    assert pick(32, 2112, 132, fp8_tiling.WS_BLOCK_NS) == 96
+    assert pick(32, 2112, 132, (192,) + fp8_tiling.WS_BLOCK_NS) == 192
     assert pick(64, 7168, 132, fp8_tiling.PIPELINED_BLOCK_NS) == 128
     assert pick(1, 100, 132, (128, 64)) == 64                      # nothing divides n: every candidate counts
 
