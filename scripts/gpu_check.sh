@@ -7,8 +7,8 @@
 #      (m = 4096 x DeepGEMM's six (n, k)) + decode/grouped ones, then XLA/cuBLAS ceilings;
 #   4. both MLA variants side by side on a short FlashMLA subset, and on FlashMLA's varlen batch under the balanced
 #      schedule and one split per sequence, each with its stages timed alone (schedule, kernel, combine);
-#   5. what ptxas made of each shipped kernel configuration (registers, spills, its warnings, the SASS mix:
-#      benchmarks/kernels_ptxas.py), then Nsight Compute's speed-of-light, warp-stall and occupancy sections for
+#   5. what this machine's ptxas made of the headline kernel configurations (registers, spills, its warnings, the
+#      SASS mix: benchmarks/kernels_ptxas.py; the full report runs offline on CPU), then Nsight Compute's speed-of-light, warp-stall and occupancy sections for
 #      the headline FP8 GEMM (both variants) and one MLA decode, where ncu runs (it cannot read counters on gVisor);
 #   6. the engine (embedded model through LLM(): Pallas MLA decode over the paged cache, FP8 compute);
 #   7. with what is left of the budget, the full FlashMLA and DeepGEMM sweeps with the default kernels.
@@ -55,7 +55,10 @@ step bench.log 180 python benchmarks/kernels_fp8.py --kernel "$fp8_kernels" --ca
   --out "$OUT/bench_compare.txt"
 step bench.log 120 python benchmarks/kernels_mla.py --kernel "$mla_kernels" --cases compare --breakdown \
   --out "$OUT/bench_compare.txt"
-step bench.log 75 python benchmarks/kernels_ptxas.py --out "$OUT/ptxas.txt"
+# The full report runs offline on CPU (docs/benchmarks.md); here the headline configurations, to see what this
+# machine's jax and ptxas make of them.
+step bench.log 45 python benchmarks/kernels_ptxas.py --out "$OUT/ptxas.txt" --only "(4096, 7168, 16384)" \
+  --only "h_q=16 s_q=1"
 # Kernel names for ncu's filter: the entry functions ptxas reported (Mosaic GPU outlines each kernel as one).
 knames=$(sed -n 's/^[^:]*: \([A-Za-z_][A-Za-z0-9_]*\): [0-9]* registers.*/\1/p' "$OUT/ptxas.txt" 2>/dev/null \
   | sort -u | paste -sd'|')
