@@ -15,8 +15,10 @@ the one-group case. Per output tile (block_m x block_n) and per k-step of 128 (s
 scale per column): an fp8 wgmma into a fresh fp32 accumulator, then promotion into the main fp32 accumulator
 with the outer product of the A-row and B-column scales (DeepGEMM's two-level accumulation: the tensor cores'
 fp8 accumulation only ever sums 128 products). K-steps are TMA-pipelined ``stages`` deep (``plgpu.emit_pipeline``).
-B-scales are expanded on the host side to one per column ([G, kb, n], 1/32 byte per weight), so a tile may span
-two 128-blocks of n; a tile inside one 128-block reads its single scale as one scalar (``load_scales``).
+B's block scales stay blocks: ``prepare_b`` only transposes and pads them ([G, kb, nbw], about 1/16384 byte per
+weight), and each k-step copies a 32-scale window of them (fp8_gemm_ws.py ``SCALE_WINDOW``). A tile inside one
+128-block of n reads its single scale as one scalar; a tile that spans two (block_n 96, 160) selects per column
+(``load_scales``, ``promote``).
 
 Two kernel variants, chosen with the static knob ``kernel=`` of every entry (fp8_gemm and the grouped GEMMs):
 - ``"pipelined"`` (default): this file's ``_tile_kernel``, one warpgroup per CTA, grid (row tiles, column tiles),
@@ -44,8 +46,10 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from kernels_pallas import _mosaic, fp8_tiling
-from kernels_pallas.fp8_gemm_ws import epilogue_smem, load_scales, num_sms, promote, ws_fp8_gemm_pallas
-from kernels_pallas.fp8_tiling import BLOCK_K, KERNELS, Tiling, _cdiv, check_kernel  # noqa: F401 (re-exported)
+from kernels_pallas.fp8_gemm_ws import (epilogue_smem, load_scales, num_sms, promote, scale_window_start,
+                                        ws_fp8_gemm_pallas)
+from kernels_pallas.fp8_tiling import (BLOCK_K, KERNELS, SCALE_WINDOW, Tiling, _cdiv,  # noqa: F401 (re-exported)
+                                       check_kernel)
 
 FP8 = jnp.float8_e4m3fn
 
@@ -140,7 +144,7 @@ def _tile_kernel(tile_group_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, o_gmem, o_sm
     """One (block_m, block_n) output tile of row tile ti, group tile_group[ti] (-1: skip).
 
   a_gmem [T*bm, kp] e4m3, as_gmem [kb, T*bm] f32 (A scales, transposed), b_gmem [G, np, kp] e4m3,
-  bs_gmem [G, kb, np] f32 (B scales per column), o_gmem [T*bm, np]; o_smem (bm, bn) scratch.
+  bs_gmem [G, kb, nbw] f32 (B block scales, transposed: prepare_b), o_gmem [T*bm, np]; o_smem (bm, bn) scratch.
   """
     ti, ni = lax.axis_index("m"), lax.axis_index("n")
     g = tile_group_gmem[ti]
@@ -153,7 +157,7 @@ def _tile_kernel(tile_group_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, o_gmem, o_sm
 
         def k_step(_, a_smem, b_smem, as_smem, bs_smem, acc):
             # scales first, so their SMEM latency hides under the wgmma (DeepGEMM reads them before it)
-            sa, sb = load_scales(as_smem, bs_smem, sim=sim)                                          # (bm,), (bn,) | ()
+            sa, sb = load_scales(as_smem, bs_smem, ni * block_n, block_n, sim=sim)                  # (bm,), scalar(s)
             if sim:   # interpret mode: same tiles, value-level product (see module docstring)
                 part = lax.dot_general(a_smem[...], b_smem[...], (((1,), (1,)), ((), ())),
                                        preferred_element_type=jnp.float32)                          # (bm, bn)
@@ -162,7 +166,7 @@ def _tile_kernel(tile_group_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, o_gmem, o_sm
                     plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_smem, (1, 0)))                 # fp8, K-major B
                     return acc_ref[...]
                 part = pl.run_scoped(mma, plgpu.ACC((block_m, block_n), jnp.float32))               # (bm, bn)
-            return promote(acc, part, sa, sb)
+            return promote(acc, part, sa, sb, sim=sim)
 
         acc0 = jnp.zeros((block_m, block_n), jnp.float32)
         if not sim:
@@ -175,21 +179,23 @@ def _tile_kernel(tile_group_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, o_gmem, o_sm
                 plgpu.BlockSpec((block_m, BLOCK_K), lambda k: (0, k), transforms=tiles),
                 plgpu.BlockSpec((block_n, BLOCK_K), lambda k: (0, k), transforms=tiles),
                 plgpu.BlockSpec((None, block_m), lambda k: (k, 0)),
-                plgpu.BlockSpec((None, block_n), lambda k: (k, 0)),
+                plgpu.BlockSpec((None, SCALE_WINDOW), lambda k: (k, 0)),
             ],
             max_concurrent_steps=stages,
             init_carry=acc0,
-        )(a_gmem.at[rows], b_gmem.at[gg, cols], as_gmem.at[:, rows], bs_gmem.at[gg, :, cols])
+        )(a_gmem.at[rows], b_gmem.at[gg, cols], as_gmem.at[:, rows],
+          bs_gmem.at[gg, :, pl.ds(scale_window_start(ni * block_n), SCALE_WINDOW)])
         o_smem[...] = acc.astype(o_smem.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[rows, cols])
         plgpu.wait_smem_to_gmem(0)
 
 
-def tiled_fp8_gemm_pallas(tile_group, a, a_scale_t, b, b_scale_cols, *, block_m, block_n, stages, out_dtype,
+def tiled_fp8_gemm_pallas(tile_group, a, a_scale_t, b, b_scale_t, *, block_m, block_n, stages, out_dtype,
                           interpret):
     """Pallas wrapper. tile_group [T] int32; a [T*bm, kp]; a_scale_t [kb, T*bm]; b [G, np, kp];
-  b_scale_cols [G, kb, np] -> [T*bm, np] out_dtype (rows of skipped tiles unwritten). kp = kb*128, np % bn = 0."""
+  b_scale_t [G, kb, nbw] (prepare_b) -> [T*bm, np] out_dtype (rows of skipped tiles unwritten). kp = kb*128,
+  np % bn = 0."""
     (t,) = tile_group.shape
     rows, kp = a.shape
     _, n_pad, _ = b.shape
@@ -203,7 +209,7 @@ def tiled_fp8_gemm_pallas(tile_group, a, a_scale_t, b, b_scale_cols, *, block_m,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=_mosaic.interpret_params() if interpret else False,
     )
-    return kernel(tile_group, a, a_scale_t, b, b_scale_cols)
+    return kernel(tile_group, a, a_scale_t, b, b_scale_t)
 
 
 def resolve_tiling(kernel: str, block_m, block_n, block_k: int, stages, *, rows: int, n: int, out_dtype,
@@ -215,25 +221,26 @@ def resolve_tiling(kernel: str, block_m, block_n, block_k: int, stages, *, rows:
                               multicast=multicast)
 
 
-def run_tiles(tile_group, a, a_scale_t, b, b_scale_cols, *, kernel, tiling: Tiling, out_dtype, interpret):
+def run_tiles(tile_group, a, a_scale_t, b, b_scale_t, *, kernel, tiling: Tiling, out_dtype, interpret):
     """Dispatch to the chosen kernel variant (same operands, same result; see the module docstring)."""
     if kernel == "warp_specialized":
-        return ws_fp8_gemm_pallas(tile_group, a, a_scale_t, b, b_scale_cols, cfg=tiling, out_dtype=out_dtype,
+        return ws_fp8_gemm_pallas(tile_group, a, a_scale_t, b, b_scale_t, cfg=tiling, out_dtype=out_dtype,
                                   interpret=interpret)
-    return tiled_fp8_gemm_pallas(tile_group, a, a_scale_t, b, b_scale_cols, block_m=tiling.block_m,
+    return tiled_fp8_gemm_pallas(tile_group, a, a_scale_t, b, b_scale_t, block_m=tiling.block_m,
                                  block_n=tiling.block_n, stages=tiling.stages, out_dtype=out_dtype,
                                  interpret=interpret)
 
 
 def prepare_b(b, b_scale, block_n):
-    """b [G, n, k], b_scale [G, nb, kb] -> padded b [G, np, kp] and per-column scales [G, kb, np]."""
+    """b [G, n, k], b_scale [G, nb, kb] -> padded b [G, np, kp] and the block scales transposed [G, kb, nbw],
+  zero-padded so that every tile's window (fp8_gemm_ws.py ``SCALE_WINDOW``) lies inside."""
     _, n, k = b.shape
-    kb = _cdiv(k, BLOCK_K)
+    kb, nb = _cdiv(k, BLOCK_K), b_scale.shape[1]
     n_pad = _round_up(n, block_n)
     b_p = jnp.pad(b, ((0, 0), (0, n_pad - n), (0, kb * BLOCK_K - k)))                          # (G, np, kp)
-    cols = jnp.repeat(b_scale, BLOCK_K, axis=1)[:, :n]                                          # (G, n, kb)
-    cols = jnp.pad(cols, ((0, 0), (0, n_pad - n), (0, 0))).swapaxes(1, 2)                       # (G, kb, np)
-    return b_p, cols
+    nbw = scale_window_start(n_pad - 1) + SCALE_WINDOW                   # the last tile's window end (>= nb)
+    bs_t = jnp.pad(b_scale, ((0, 0), (0, nbw - nb), (0, 0))).swapaxes(1, 2)                     # (G, kb, nbw)
+    return b_p, bs_t
 
 
 def prepare_a(a, a_scale, rows):
@@ -268,8 +275,8 @@ def fp8_gemm(a, a_scale, b, b_scale, *, out_dtype=jnp.bfloat16, implementation=N
                             interpret=interpret, multicast=multicast)
     rows = _round_up(m, tiling.block_m)
     a_p, as_t = prepare_a(a, a_scale, rows)
-    b_p, bs_cols = prepare_b(b[None], b_scale[None], tiling.block_n)
+    b_p, bs_t = prepare_b(b[None], b_scale[None], tiling.block_n)
     tile_group = jnp.zeros((rows // tiling.block_m,), jnp.int32)
-    out = run_tiles(tile_group, a_p, as_t, b_p, bs_cols, kernel=kernel, tiling=tiling, out_dtype=out_dtype,
+    out = run_tiles(tile_group, a_p, as_t, b_p, bs_t, kernel=kernel, tiling=tiling, out_dtype=out_dtype,
                     interpret=interpret)                                                           # (rows, np)
     return out[:m, :n]

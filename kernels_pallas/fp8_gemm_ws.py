@@ -2,7 +2,7 @@
 
 Same contract and operand preparation as the pipelined kernel of fp8_gemm.py (which selects this one with
 ``kernel="warp_specialized"``): row tiles of A tagged with a group (-1: skip), padded B [G, np, kp], transposed A
-scales [kb, rows], per-column B scales [G, kb, np]. Structure, after DeepGEMM's fp8_gemm.cuh and JAX's Hopper matmul
+scales [kb, rows], B block scales transposed [G, kb, nbw]. Structure, after DeepGEMM's fp8_gemm.cuh and JAX's Hopper matmul
 (jax/experimental/pallas/ops/gpu/hopper_matmul_mgpu.py):
 
 - three warpgroups per CTA (``num_threads=3``): one TMA producer and two consumers (DeepGEMM:
@@ -51,7 +51,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from kernels_pallas import _mosaic
-from kernels_pallas.fp8_tiling import BLOCK_K, NUM_CONSUMERS, Tiling, check_knobs
+from kernels_pallas.fp8_tiling import BLOCK_K, NUM_CONSUMERS, SCALE_WINDOW, SCALE_WINDOW_ALIGN, Tiling, check_knobs
 
 TMA_REGISTERS = 40        # DeepGEMM kNumTMARegisters; JAX matmul memory_registers=40
 TILE_BAND = 16            # DeepGEMM Scheduler kNumNBlocksPerGroup: column tiles per L2 band
@@ -72,23 +72,45 @@ def epilogue_smem(shape: tuple[int, ...], out_dtype):
     return plgpu.SMEM(shape, out_dtype, transforms=(plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle)))
 
 
-def load_scales(as_ref, bs_ref, *, sim: bool):
-    """A-row scales as_ref [rows] -> (rows,) in the WGMMA row layout; B scales bs_ref [bn] (per column) -> (bn,) in
-  the column layout, or one scalar when the tile lies in one 128-column scale block (bn divides 128: tiles start at
-  multiples of bn), so that ``promote`` is one FMA per element (DeepGEMM multiplies scale_a by one scale_b)."""
-    one_block = BLOCK_K % bs_ref.shape[-1] == 0
-    if sim:
-        return as_ref[...], bs_ref[0] if one_block else bs_ref[...]
-    sa = plgpu.load(as_ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
-    return sa, bs_ref[0] if one_block else plgpu.load(bs_ref, (), layout=plgpu.Layout.WGMMA.reduce(0))
+# B's 128x128 block scales reach a kernel as [G, kb, nbw] (``fp8_gemm.prepare_b``: the contract's [G, nb, kb],
+# transposed and zero-padded; no per-column expansion). Per k-step a tile copies a window of SCALE_WINDOW of them
+# (fp8_tiling.py), starting at a multiple of SCALE_WINDOW_ALIGN at or below its first block j0 = col0 // 128, so the
+# window holds j0 and j0 + 1, the most a tile spans (block_n <= 256, a multiple of 32 other than 224, which the
+# register rule excludes: (col0 % 128) + block_n <= 256).
 
 
-def promote(acc, part, sa, sb):
-    """acc + part * (As x Bs) (DeepGEMM's promotion): acc, part (rows, bn) f32; sa (rows,); sb (bn,) or a scalar."""
+def scale_window_start(col0):
+    """First block scale of the window that tile columns [col0, col0 + block_n) copy (traced or static)."""
+    return col0 // BLOCK_K // SCALE_WINDOW_ALIGN * SCALE_WINDOW_ALIGN
+
+
+def load_scales(as_ref, win_ref, col0, block_n: int, *, sim: bool):
+    """A-row scales as_ref [rows] -> (rows,) in the WGMMA row layout; B's window win_ref [SCALE_WINDOW] -> one scalar
+  when the tile lies in one 128-column scale block (block_n divides 128; tiles start at multiples of block_n), so
+  ``promote`` is one FMA per element (DeepGEMM multiplies scale_a by one scale_b), else (s0, s1, split): columns
+  before ``split`` (tile-relative) take block j0's scale, the rest block j0 + 1's."""
+    sa = as_ref[...] if sim else plgpu.load(as_ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
+    j0 = col0 // BLOCK_K
+    i = j0 % SCALE_WINDOW_ALIGN                        # j0's place in the window
+    if BLOCK_K % block_n == 0:
+        return sa, win_ref[i]
+    return sa, (win_ref[i], win_ref[i + 1], (j0 + 1) * BLOCK_K - col0)
+
+
+def promote(acc, part, sa, sb, *, sim: bool):
+    """acc + part * (As x Bs) (DeepGEMM's promotion): acc, part (rows, bn) f32; sa (rows,); sb one scalar or
+  (s0, s1, split) from ``load_scales``."""
     shape = part.shape
-    if jnp.ndim(sb) == 0:
+    if not isinstance(sb, tuple):
         return acc + part * lax.broadcast_in_dim(sa * sb, shape, [0])                          # row scale
-    return acc + part * (lax.broadcast_in_dim(sa, shape, [0]) * lax.broadcast_in_dim(sb, shape, [1]))
+    s0, s1, split = sb
+    if sim:
+        cols = lax.broadcasted_iota(jnp.int32, shape, 1)
+    else:
+        cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+    scale = jnp.where(cols < split, lax.broadcast_in_dim(sa * s0, shape, [0]),
+                      lax.broadcast_in_dim(sa * s1, shape, [0]))                               # (rows, bn)
+    return acc + part * scale
 
 
 def active_first(tile_group):
@@ -105,7 +127,7 @@ def _ws_kernel(tile_rows_gmem, tile_group_gmem, num_active_gmem, a_gmem, as_gmem
     """Persistent loop over (active row tile, column tile); per tile a warp-specialized k pipeline.
 
   tile_rows_gmem [T] i32 (row tiles, the num_active_gmem[0] active ones first), tile_group_gmem [T] i32 (their
-  groups), a_gmem [T*bm, kp] e4m3, as_gmem [kb, T*bm] f32, b_gmem [G, np, kp] e4m3, bs_gmem [G, kb, np] f32,
+  groups), a_gmem [T*bm, kp] e4m3, as_gmem [kb, T*bm] f32, b_gmem [G, np, kp] e4m3, bs_gmem [G, kb, nbw] f32,
   o_gmem [T*bm, np]; o_smem (2, bm/2, bn) out_dtype: one epilogue slot per consumer. Skipped row tiles are never
   visited (DeepGEMM's masked scheduler likewise stops at the last valid block)."""
     bm, bn = cfg.block_m, cfg.block_n
@@ -127,7 +149,7 @@ def _ws_kernel(tile_rows_gmem, tile_group_gmem, num_active_gmem, a_gmem, as_gmem
                                 collective_axes=("cluster",) if pair else ()),             # the pair: multicast
                 plgpu.BlockSpec((bn, BLOCK_K), lambda k: (0, k), transforms=tiles),     # B (bn, 128), K-major
                 plgpu.BlockSpec((1, bm), lambda k: (k, 0)),                             # A scales (1, bm)
-                plgpu.BlockSpec((1, bn), lambda k: (k, 0)),                             # B scales (1, bn)
+                plgpu.BlockSpec((1, SCALE_WINDOW), lambda k: (k, 0)),                   # B block scales
             ],
             wg_axis="wg",
             num_compute_wgs=NUM_CONSUMERS,
@@ -138,11 +160,11 @@ def _ws_kernel(tile_rows_gmem, tile_group_gmem, num_active_gmem, a_gmem, as_gmem
 
     # Scale blocks are (1, n) rather than squeezed (None, n): older warp-specialized pipelines allocate SMEM from
     # the raw block shape, so this form works across jax releases.
-    def k_step(_, a_smem, b_smem, as_smem, bs_smem, *barriers_and_acc):
+    def k_step(col0, _, a_smem, b_smem, as_smem, bs_smem, *barriers_and_acc):
         *consumed, acc = barriers_and_acc
         mine = pl.ds(wg * half, half)                     # this consumer's rows of the CTA tile
         # scales first, so their SMEM latency hides under the wgmma (DeepGEMM reads them before it)
-        sa, sb = load_scales(as_smem.at[0, mine], bs_smem.at[0], sim=sim)                       # (half,), (bn,) | ()
+        sa, sb = load_scales(as_smem.at[0, mine], bs_smem.at[0], col0, bn, sim=sim)             # (half,), scalar(s)
         if sim:   # interpret mode: same tiles, value-level product (module docstring)
             part = lax.dot_general(a_smem.at[mine][...], b_smem[...], (((1,), (1,)), ((), ())),
                                    preferred_element_type=jnp.float32)                          # (half, bn)
@@ -153,10 +175,11 @@ def _ws_kernel(tile_rows_gmem, tile_group_gmem, num_active_gmem, a_gmem, as_gmem
             part = pl.run_scoped(mma, plgpu.ACC((half, bn), jnp.float32))                      # (half, bn)
         for barrier in consumed:   # every SMEM read of this stage is done: hand it back to the producer
             plgpu.barrier_arrive(barrier)
-        return promote(acc, part, sa, sb)
+        return promote(acc, part, sa, sb, sim=sim)
 
     ignore = lambda *_, **__: None  # noqa: E731 - the bodies do not change the allocations
-    allocs = pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem.at[0], as_gmem, bs_gmem.at[0])
+    allocs = pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem.at[0], as_gmem,
+                                                      bs_gmem.at[0, :, pl.ds(0, SCALE_WINDOW)])
 
     @functools.partial(pl.run_scoped, allocs=allocs, collective_axes="wg")
     def _scope(allocs):
@@ -179,15 +202,18 @@ def _ws_kernel(tile_rows_gmem, tile_group_gmem, num_active_gmem, a_gmem, as_gmem
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[pl.ds(ti * bm + wg * half, half), cols])
 
-            pipeline(k_step, context)(a_gmem.at[rows], b_gmem.at[g, cols], as_gmem.at[:, rows],
-                                      bs_gmem.at[g, :, cols], allocations=allocs)
+            window = pl.ds(scale_window_start(ni * bn), SCALE_WINDOW)
+            pipeline(functools.partial(k_step, ni * bn), context)(
+                a_gmem.at[rows], b_gmem.at[g, cols], as_gmem.at[:, rows], bs_gmem.at[g, :, window],
+                allocations=allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # all stores issued by this warpgroup are out
 
 
-def ws_fp8_gemm_pallas(tile_group, a, a_scale_t, b, b_scale_cols, *, cfg: Tiling, out_dtype, interpret: bool):
+def ws_fp8_gemm_pallas(tile_group, a, a_scale_t, b, b_scale_t, *, cfg: Tiling, out_dtype, interpret: bool):
     """Pallas wrapper, same operands as fp8_gemm.tiled_fp8_gemm_pallas: tile_group [T] int32; a [T*bm, kp];
-  a_scale_t [kb, T*bm]; b [G, np, kp]; b_scale_cols [G, kb, np] -> [T*bm, np] out_dtype (skipped rows unwritten)."""
+  a_scale_t [kb, T*bm]; b [G, np, kp]; b_scale_t [G, kb, nbw] (block scales, ``fp8_gemm.prepare_b``) ->
+  [T*bm, np] out_dtype (skipped rows unwritten)."""
     check_knobs("warp_specialized", cfg, jnp.dtype(out_dtype).itemsize)
     (t,) = tile_group.shape
     rows, kp = a.shape
@@ -211,4 +237,4 @@ def ws_fp8_gemm_pallas(tile_group, a, a_scale_t, b, b_scale_cols, *, cfg: Tiling
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=_mosaic.interpret_params() if interpret else False,
     )
-    return kernel(tile_rows, groups, num_active, a, a_scale_t, b, b_scale_cols)
+    return kernel(tile_rows, groups, num_active, a, a_scale_t, b, b_scale_t)

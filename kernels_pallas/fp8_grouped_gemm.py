@@ -138,8 +138,8 @@ def _contiguous_pallas(a, a_scale, b, b_scale, group_ids, *, out_dtype, kernel, 
     a_g = jnp.concatenate([a, jnp.zeros((1, k), a.dtype)])[src]                                # (T*bm, k)
     as_g = jnp.concatenate([a_scale, jnp.zeros((1, a_scale.shape[1]), a_scale.dtype)])[src]  # (T*bm, kb)
     a_p, as_t = prepare_a(a_g, as_g, rows)
-    b_p, bs_cols = prepare_b(b, b_scale, tiling.block_n)
-    out = run_tiles(tile_group, a_p, as_t, b_p, bs_cols, kernel=kernel, tiling=tiling, out_dtype=out_dtype,
+    b_p, bs_t = prepare_b(b, b_scale, tiling.block_n)
+    out = run_tiles(tile_group, a_p, as_t, b_p, bs_t, kernel=kernel, tiling=tiling, out_dtype=out_dtype,
                     interpret=interpret)                                                       # (T*bm, np)
     out = jnp.take(out[:, :n], jnp.minimum(dest, rows - 1), axis=0)                            # (m, n)
     return jnp.where(valid[:, None], out, jnp.zeros((), out_dtype))
@@ -154,10 +154,10 @@ def _masked_pallas(a, a_scale, b, b_scale, masked_m, *, out_dtype, kernel, tilin
     a_p = jnp.pad(a, ((0, 0), (0, mp - m_max), (0, 0))).reshape(g * mp, k)                    # (G*mp, k)
     as_p = jnp.pad(a_scale, ((0, 0), (0, mp - m_max), (0, 0))).reshape(g * mp, -1)           # (G*mp, kb)
     a_p, as_t = prepare_a(a_p, as_p, g * mp)
-    b_p, bs_cols = prepare_b(b, b_scale, tiling.block_n)
+    b_p, bs_t = prepare_b(b, b_scale, tiling.block_n)
     t = jnp.arange(g * per_g, dtype=jnp.int32)
     tile_group = jnp.where((t % per_g) * block_m < masked_m[t // per_g], t // per_g, -1).astype(jnp.int32)
-    out = run_tiles(tile_group, a_p, as_t, b_p, bs_cols, kernel=kernel, tiling=tiling, out_dtype=out_dtype,
+    out = run_tiles(tile_group, a_p, as_t, b_p, bs_t, kernel=kernel, tiling=tiling, out_dtype=out_dtype,
                     interpret=interpret)                                                       # (G*mp, np)
     out = out.reshape(g, mp, -1)[:, :m_max, :n]                                                # (G, m_max, n)
     return jnp.where(_row_mask(masked_m, g, m_max)[..., None], out, jnp.zeros((), out_dtype))

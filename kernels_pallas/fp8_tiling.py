@@ -31,11 +31,20 @@ NUM_CONSUMERS = 2         # warp-specialized kernel: DeepGEMM get_num_math_warpg
 MAX_ACC_REGISTERS = 160   # two fp32 accumulator tiles per thread; 192 spill (ptxas, module docstring)
 SMEM_BYTES = 227 * 1024   # H100/H200 dynamic shared memory per CTA (CUDA: 227 KB opt-in); DeepGEMM sizes stages to it
 SMEM_SLACK = 2048         # barriers and allocation alignment
-PIPELINED_BLOCK_NS = (128, 96, 64, 32)            # at 64 rows, wider tiles leave one CTA per SM
-WS_BLOCK_NS = (160, 128, 96, 64, 32)              # 160: the register rule's limit at block_m = 128
+# Default widths: divisors of 128 and no wider, so no tile straddles two 128-column scale blocks (a straddling
+# tile selects its B scale per column, which made the warp-specialized k-loop spill: ~20 reloads per k-step at
+# 128 x 96, ptxas 2026-12-02). Explicit block_n 96 and 160 stay valid. At 64 rows, wider pipelined tiles would
+# leave one CTA per SM; 160 is the register rule's limit at block_m = 128.
+PIPELINED_BLOCK_NS = (128, 64, 32)
+WS_BLOCK_NS = (128, 64, 32)
 PIPELINED_MAX_STAGES = 6
 WS_STAGES = (8, 7, 6, 5, 4, 3, 2)                 # DeepGEMM's candidates (8 .. 3), deepest that fits first
 KERNELS = ("pipelined", "warp_specialized")
+# B's block scales per k-step copy (fp8_gemm_ws.py load_scales): 32 floats = 128 bytes, from a multiple of 16, so the
+# window holds the one or two 128-column blocks a tile spans. Mosaic GPU (Lane semantics) splits a copy's bytes over
+# the 128 threads of a warpgroup; 64-byte copies did not lower (hence also block_n % 32 == 0).
+SCALE_WINDOW = 32
+SCALE_WINDOW_ALIGN = 16
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -52,8 +61,9 @@ class Tiling:
     multicast: int = 1     # warp_specialized: 2 = CTA pairs (a cluster) share each A tile by TMA multicast
 
     def smem_bytes(self, out_itemsize: int) -> int:
-        """Shared memory of one CTA: the ring (e4m3 A and B tiles + f32 scale vectors) and the epilogue tile."""
-        per_stage = (self.block_m + self.block_n) * (BLOCK_K + 4)
+        """Shared memory of one CTA: the ring (e4m3 A and B tiles, f32 A-row scales and B's window of block
+        scales) and the epilogue tile."""
+        per_stage = (self.block_m + self.block_n) * BLOCK_K + 4 * (self.block_m + SCALE_WINDOW)
         return self.stages * per_stage + self.block_m * self.block_n * out_itemsize + SMEM_SLACK
 
 

@@ -318,7 +318,8 @@ def _rows(kernel, block_m):
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("m,n,k,block_m,block_n", [(70, 200, 300, 64, 128), (130, 96, 256, 128, 32),
-                                             (70, 200, 300, 64, 96)])    # 96: tiles straddle 128-column scale blocks
+                                             (70, 200, 300, 64, 96),     # 96: tiles straddle 128-column scale blocks
+                                             (70, 2200, 260, 64, 160)])  # 160: straddles; windows past the 16th block
 @INTERPRET_TIMEOUT
 def test_fp8_gemm_pallas_interpret(kernel, m, n, k, block_m, block_n):
     _, _, a, a_s, b, b_s = make_dense(m, n, k)
@@ -380,14 +381,14 @@ SHIPPED = _shipped() + [dict(kernel="warp_specialized", block_m=128, block_n=128
 def test_default_block_n_follows_deepgemm_wave_rule():
     """Worked by hand from DeepGEMM's rule (fewest waves over 132 SMs, then the fullest last wave), widths dividing n
     first. m=64, n=7168 (pipelined, 1 row tile; 96 does not divide 7168): 128 -> 56 tiles, 64 -> 112, 32 -> 224 (two
-    waves): 64. m=4096, n=2112 (warp_specialized, 32 row tiles; 2112 = 64 * 33, so of its widths up to the register
-    limit 160 only 96, 64 and 32 divide it): 96 -> 704 tiles (6 waves), 64 -> 1056 (8 waves): 96; with 192 allowed
-    (352 tiles, 3 waves) it would win. m=4096, n=7168 (pipelined, 64 row tiles): 128 -> 28 waves,
+    waves): 64. m=4096, n=2112 (warp_specialized, 32 row tiles; 2112 = 64 * 33, so of the default widths 128, 64,
+    32 only 64 and 32 divide it): 64 -> 1056 tiles (8 waves), 32 -> 2112 (16): 64; among 192, 96, 64 (192 and 96
+    divide too) 192 -> 352 tiles (3 waves) would win. m=4096, n=7168 (pipelined, 64 row tiles): 128 -> 28 waves,
     the fewest: 128."""
     pick = fp8_tiling.pick_block_n
     assert pick(1, 7168, 132, fp8_tiling.PIPELINED_BLOCK_NS) == 64
-    assert pick(32, 2112, 132, fp8_tiling.WS_BLOCK_NS) == 96
-    assert pick(32, 2112, 132, (192,) + fp8_tiling.WS_BLOCK_NS) == 192
+    assert pick(32, 2112, 132, fp8_tiling.WS_BLOCK_NS) == 64
+    assert pick(32, 2112, 132, (192, 96, 64)) == 192
     assert pick(64, 7168, 132, fp8_tiling.PIPELINED_BLOCK_NS) == 128
     assert pick(1, 100, 132, (128, 64)) == 64                      # nothing divides n: every candidate counts
 
