@@ -12,6 +12,8 @@ API (small on purpose; the MLA decode and FP8 GEMM kernels share it):
 - ``kernel_launches(fn, *args, **kwargs) -> list[Launch]``: the CUDA launch of every Mosaic GPU kernel that
   lowering ``fn`` for cuda builds (grid and block as CUDA's (x, y, z), dynamic shared memory bytes), read from the
   kernel modules before Mosaic GPU serializes them, so tests can check grid order and SMEM accounting.
+- ``load(ref, layout)``: ``plgpu.load`` of a whole SMEM ref into a register layout, in the form each jax release
+  wants (0.10 takes the index positionally; 0.11 deprecates passing it).
 - ``kernel_modules(fn, *args, **kwargs) -> list[KernelModule]``: each of those kernel modules as text and as the
   bytecode the custom call carries (what Mosaic GPU compiles at run time; benchmarks/mosaic_offline.py compiles it
   to PTX and runs ptxas on it without a GPU).
@@ -22,6 +24,7 @@ Checked on jax 0.10.2 (CPU); the GPU machines run jax 0.11.
 from __future__ import annotations
 
 import functools
+import inspect
 import io
 import re
 from typing import NamedTuple
@@ -56,6 +59,21 @@ def default_interpret() -> bool:
     except RuntimeError:
         return True
     return not (device.platform == "gpu" and "cuda" in getattr(device.client, "platform_version", "cuda").lower())
+
+
+def load(ref, layout):
+    """The whole of ``ref`` in register ``layout`` (``plgpu.load``; jax 0.11 deprecates the positional index that
+    jax 0.10 requires, so it is passed only where the signature has no default for it)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    if _load_needs_index(plgpu.load):
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)
+
+
+@functools.cache
+def _load_needs_index(load_fn) -> bool:
+    return inspect.signature(load_fn).parameters["idx"].default is inspect.Parameter.empty
 
 
 HOPPER_SMS = 132  # multiprocessors of an H800/H100/H200 SXM: the grids' size when lowering without a GPU

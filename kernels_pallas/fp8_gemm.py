@@ -163,7 +163,7 @@ def _tile_kernel(tile_group_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, o_gmem, o_sm
                                        preferred_element_type=jnp.float32)                          # (bm, bn)
             else:
                 def mma(acc_ref):
-                    plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_smem, (1, 0)))                 # fp8, K-major B
+                    plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))                 # fp8, K-major B
                     return acc_ref[...]
                 part = pl.run_scoped(mma, plgpu.ACC((block_m, block_n), jnp.float32))               # (bm, bn)
             return promote(acc, part, sa, sb, sim=sim)

@@ -12,7 +12,7 @@ scales [kb, rows], B block scales transposed [G, kb, nbw]. Structure, after Deep
   gives the consumers min(256, (512 - 40) / 2) rounded down to 8 = 232).
 - each consumer owns one half (block_m / 2 rows) of the CTA tile and its own fp32 register accumulator, carried
   through the pipeline. Per k-step: read its A-row and the B-column scales, fp8 wgmma into a fresh accumulator
-  (B K-major via ``transpose_ref``), wait, release the stage (manual consumed barriers, arrived right after the last
+  (B K-major via ``ref.transpose``), wait, release the stage (manual consumed barriers, arrived right after the last
   SMEM read, as DeepGEMM's ``empty_barrier_arrive`` after ``warpgroup_wait<0>``), then promote
   ``acc += part * (As x Bs)`` in registers. While one consumer promotes, the other's wgmma keeps the tensor cores
   busy (DeepGEMM's overlap of promotion and MMA).
@@ -89,7 +89,7 @@ def load_scales(as_ref, win_ref, col0, block_n: int, *, sim: bool):
   when the tile lies in one 128-column scale block (block_n divides 128; tiles start at multiples of block_n), so
   ``promote`` is one FMA per element (DeepGEMM multiplies scale_a by one scale_b), else (s0, s1, split): columns
   before ``split`` (tile-relative) take block j0's scale, the rest block j0 + 1's."""
-    sa = as_ref[...] if sim else plgpu.load(as_ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
+    sa = as_ref[...] if sim else _mosaic.load(as_ref, plgpu.Layout.WGMMA.reduce(1))
     j0 = col0 // BLOCK_K
     i = j0 % SCALE_WINDOW_ALIGN                        # j0's place in the window
     if BLOCK_K % block_n == 0:
@@ -170,7 +170,7 @@ def _ws_kernel(tile_rows_gmem, tile_group_gmem, num_active_gmem, a_gmem, as_gmem
                                    preferred_element_type=jnp.float32)                          # (half, bn)
         else:
             def mma(acc_ref):
-                plgpu.wgmma(acc_ref, a_smem.at[mine], plgpu.transpose_ref(b_smem, (1, 0)))       # fp8, K-major B
+                plgpu.wgmma(acc_ref, a_smem.at[mine], b_smem.transpose((1, 0)))       # fp8, K-major B
                 return acc_ref[...]                                                             # waits for it
             part = pl.run_scoped(mma, plgpu.ACC((half, bn), jnp.float32))                      # (half, bn)
         for barrier in consumed:   # every SMEM read of this stage is done: hand it back to the producer

@@ -175,7 +175,7 @@ def _decode_xla(q, kv_cache, block_table, cache_seqlens, *, head_dim_v, scale, c
 
 # ----------------------------------------------------------------------------------------------- kernel
 # The two tensor-core steps. Natively they are wgmmas (sm90). GPU interpret mode on jax 0.10.2 simulates wgmma only
-# with both operands in SMEM and neither transposed (no ``transpose_ref`` B, no register A, no ``pl.run_state``),
+# with both operands in SMEM and neither transposed (no transposed B, no register A, no ``pl.run_state``),
 # so there the same products are taken from the SMEM contents with dot_general: interpret mode checks the data
 # movement, paging, masking and softmax of this kernel; the wgmma calls are checked by lowering for cuda (and on a
 # GPU).
@@ -186,7 +186,7 @@ def _scores(q_smem, k_page, interpret):
                                preferred_element_type=jnp.float32)
 
     def qk(s_ref):
-        plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_page, (1, 0)))
+        plgpu.wgmma(s_ref, q_smem, k_page.transpose((1, 0)))
         return s_ref[...]
 
     return pl.run_scoped(qk, plgpu.ACC((q_smem.shape[0], k_page.shape[0]), jnp.float32))

@@ -45,6 +45,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kernels_pallas import _mosaic
 from kernels_pallas.mla_decode import (_BLOCK_M, _accumulate_pv, _check_smem, _compute_registers, _init_carry,
                                        _launch, _online_softmax, _produce, _program, _rescale, _ring_scratch,
                                        _scores, _score_mask, _smem_bytes, _store_lse, _store_out, _tiled,
@@ -67,7 +68,7 @@ def _load_rows(row_smem, interpret):
     """A [64] f32 per-row vector from SMEM, in the row layout of the WGMMA accumulator."""
     if interpret:
         return row_smem[...]
-    return plgpu.load(row_smem, (), layout=plgpu.Layout.WGMMA.reduce(1))
+    return _mosaic.load(row_smem, plgpu.Layout.WGMMA.reduce(1))
 
 
 def _score_wg(prog, refs, sharing, *, ps, s_q, m, dv, block_dv, num_wg, num_stages, scale, causal, interpret):
