@@ -125,3 +125,23 @@ def test_main_without_gpu_reports_nothing(tmp_path, capsys):
     assert kp.main(["--out", str(out)]) == 0
     text = out.read_text()
     assert text.startswith("# ptxas report") and "no GPU" in text
+
+
+@pytest.mark.timeout(600)
+def test_report_cases_lower_to_mosaic_kernels():
+    """Every configuration the report (and scripts/gpu_check.sh's ptxas and ncu steps) names builds its operands'
+    shapes and lowers for cuda to Mosaic GPU kernel modules, as --offline compiles them: what a GPU run would
+    otherwise find out case by case."""
+    import jax
+
+    from kernels_pallas import _mosaic
+
+    sys.path.insert(0, str(_PATH.parent))   # the report imports its sibling benchmark scripts
+    cases = kp.fp8_cases() + kp.mla_cases()
+    labels = [label for label, _, _ in cases]
+    for wanted in ("(4096, 7168, 16384) [pipelined]", "(4096, 7168, 16384) [warp_specialized]",
+                   "h_q=16 s_q=1 kernel=recompute_scores", "multicast 2"):   # gpu_check.sh's --only choices
+        assert any(wanted in label for label in labels), wanted
+    for label, f, make_ops in cases:
+        modules = _mosaic.kernel_modules(f, *jax.eval_shape(make_ops))
+        assert len(modules) == 1 and modules[0].bytecode, label
