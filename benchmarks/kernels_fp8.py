@@ -10,7 +10,8 @@ with the kernel variant (fp8_gemm ``kernel=``: "pipelined" | "warp_specialized")
 
 --kernel both runs the two variants side by side (adjacent lines per shape); --cases compare restricts the sweep
 to the issue's goal shapes (m = 4096 x DeepGEMM's six (n, k)) plus a decode-sized and one of each grouped layout
-(scripts/gpu_check.sh uses it to keep the device run short). --tilings BMxBNxST[,...] times each of these
+(scripts/gpu_check.sh uses it to keep the device run short); --cases tuning to two dense shapes (m=4096 n=7168
+k=16384, n=2112 k=7168) for a --tilings sweep. --tilings BMxBNxST[,...] times each of these
 explicit tilings (block_m x block_n x stages) per kernel instead of the defaults, for tuning on a GPU; a tiling a
 kernel rejects prints its ValueError. --multicast adds a line with multicast=2 (DeepGEMM's TMA multicast of A over
 CTA pairs) per warp_specialized case. Every line names the tiling that ran (fp8_tiling.py picks the defaults).
@@ -46,6 +47,8 @@ GROUPED_PUBLISHED = "~1200-1350 (DESIGN.md, grouped)"
 # --cases compare: the headline dense shape, a wide-n and a decode-sized one, one of each grouped layout.
 COMPARE = dict(dense=[(4096, n, k) for n, k in NK] + [(64, 7168, 16384)],
                contiguous=[(4, 8192, 4096, 7168)], masked=[(4, 256, 4096, 7168)])
+# --cases tuning: the shapes a tiling sweep (--tilings) runs on: the largest published figure and the odd n.
+TUNING = [(4096, 7168, 16384), (4096, 2112, 7168)]
 KERNELS = ("pipelined", "warp_specialized")
 
 
@@ -85,6 +88,8 @@ def _cases(which: str):
     """(kind, shape) per benchmark case: dense (m, n, k); contiguous / masked (groups, m per group, n, k)."""
     if which == "compare":
         return [(kind, shape) for kind in ("dense", "contiguous", "masked") for shape in COMPARE[kind]]
+    if which == "tuning":
+        return [("dense", shape) for shape in TUNING]
     dense = [(m, n, k) for m in DENSE_M for n, k in NK]
     return ([("dense", x) for x in dense] + [("contiguous", x) for x in CONTIGUOUS]
             + [("masked", x) for x in MASKED])
@@ -178,7 +183,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--implementation", default="pallas", choices=("pallas", "xla"))
     p.add_argument("--kernel", default="pipelined", choices=(*KERNELS, "both"),
                    help="Pallas kernel variant (fp8_gemm kernel=); both: side by side")
-    p.add_argument("--cases", default="all", choices=("all", "compare"), help="compare: a few headline shapes")
+    p.add_argument("--cases", default="all", choices=("all", "compare", "tuning"),
+                   help="compare: a few headline shapes; tuning: two dense shapes for a --tilings sweep")
     p.add_argument("--tilings", default=None, help="BMxBNxST[,...]: time these tilings instead of the defaults")
     p.add_argument("--multicast", action="store_true",
                    help="also time each warp_specialized case with multicast=2 (CTA pairs sharing A by TMA multicast)")

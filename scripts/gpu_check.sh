@@ -10,8 +10,9 @@
 #   5. what this machine's ptxas made of the headline kernel configurations (registers, spills, its warnings, the
 #      SASS mix: benchmarks/kernels_ptxas.py; the full report runs offline on CPU), then Nsight Compute's speed-of-light, warp-stall and occupancy sections for
 #      the headline FP8 GEMM (both variants) and one MLA decode, where ncu runs (it cannot read counters on gVisor);
-#   6. the engine (embedded model through LLM(): Pallas MLA decode over the paged cache, FP8 compute);
-#   7. with what is left of the budget, the full FlashMLA and DeepGEMM sweeps with the default kernels.
+#   6. a tiling sweep of both FP8 kernels on two goal shapes (kernels_fp8.py --cases tuning --tilings ...);
+#   7. the engine (embedded model through LLM(): Pallas MLA decode over the paged cache, FP8 compute);
+#   8. with what is left of the budget, the full FlashMLA and DeepGEMM sweeps with the default kernels.
 # Steps 3-4 skip the new variants when step 2 hung (rc 124).
 # Usage on the GPU machine (offline, preinstalled jax 0.11): OUT=<dir> bash scripts/gpu_check.sh
 # Each step has its own time limit, cut to what is left of the whole run's budget (BUDGET_S, default 470 s: the
@@ -72,6 +73,11 @@ if [ -n "$ncu_bin" ]; then
 else
   echo "no ncu on this machine" >> "$OUT/ncu.txt"
 fi
+# Tilings beside the defaults on two goal shapes (kernels_fp8.py --cases tuning; a tiling a kernel rejects prints
+# its ValueError at once): pipelined with 2 stages (three CTAs per SM), 64-column tiles, 128 rows; warp-specialized
+# with a shallower ring, 64 columns, 256 rows; each warp-specialized one also with multicast=2.
+step bench.log 75 python benchmarks/kernels_fp8.py --kernel "$fp8_kernels" --cases tuning --multicast \
+  --tilings 64x128x2,64x128x3,64x64x6,128x64x8,128x128x5,128x128x4,256x64x4 --out "$OUT/bench_compare.txt"
 step engine.txt 60 python -c "
 import time, jaxinfer
 p = jaxinfer.SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
