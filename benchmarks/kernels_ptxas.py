@@ -1,26 +1,27 @@
-"""What ptxas made of each Mosaic GPU kernel on this GPU: registers, spills, its warnings, and the SASS mix.
+"""What ptxas makes of each Mosaic GPU kernel: registers, spills, its warnings, the SASS mix and the loop's spills.
 
     PYTHONPATH=. python benchmarks/kernels_ptxas.py [--out ptxas.txt] [--cases all|fp8|mla] [--keep DIR]
-        [--only LABEL_PART]... [--no-dump]
+        [--only LABEL_PART]... [--no-dump] [--offline PJRT_WHEEL [--cuda-root DIR]]
 
 Why: the 2026-11-30 FP8 figures (about 10% of DeepGEMM's) were explained from arithmetic alone (a 128 x 128 tile in
-one warpgroup spills). This report shows it: for every kernel configuration the entries ship at the benchmark's
-goal shapes, one line per kernel with its registers per thread, spill stores and loads, stack frame, ptxas's
-warnings (a "wgmma ... serialized" warning means the tensor core waits for every wgmma), and counts of the SASS
-instructions that matter here: HGMMA / QGMMA (bf16 / fp8 wgmma, with their shapes), local memory (LDL/STL: spills), shared memory (LDS/STS),
-TMA (UTMALDG/UTMASTG), barriers (SYNCS, BAR), FFMA/FMUL/FADD (the promotion and softmax arithmetic), and for each
-loop that holds a wgmma (the k-step or page loop) its size and the spill reloads (LDL) and stores (STL) it pays per
-iteration.
+one warpgroup spills); this report shows such things directly. For every kernel configuration the entries ship at
+the benchmarks' goal shapes: one line per kernel with its registers per thread, spill stores and loads, stack
+frame, ptxas's warnings (a "wgmma ... serialized" warning means the tensor core waits for every wgmma); counts of
+the SASS instructions that matter here: HGMMA / QGMMA (bf16 / fp8 wgmma, with their shapes), local memory
+(LDL/STL: spills), shared memory (LDS/STS), TMA (UTMALDG/UTMASTG), barriers (SYNCS, BAR), FFMA/FMUL/FADD (the
+promotion and softmax arithmetic); and for each innermost loop that holds a wgmma (the k-step or page loop) its
+size and the spill reloads (LDL) and stores (STL) it pays per iteration.
 
 How: Mosaic GPU runs ``ptxas -v`` and ``nvdisasm`` on each kernel it compiles when MOSAIC_GPU_DUMP_PTXAS and
 MOSAIC_GPU_DUMP_SASS are set, and prints both (and the PTX, MOSAIC_GPU_DUMP_PTX) to the process's stdout
-(jaxlib/mosaic/gpu/custom_call.cc, ``DumpCompilationOutput``). This script sets them, compiles and runs each
-configuration once with file descriptors 1 and 2 redirected to a file, and parses what was written. Where
-Mosaic GPU's own ptxas call failed (it looks under the CUDA root it found), the dumped PTX is fed to the ptxas on
-PATH or in /usr/local/cuda/bin instead. --keep DIR saves each configuration's raw dump there.
-
-Needs a CUDA GPU (Mosaic GPU compiles for the device it runs on); elsewhere it says so and reports nothing. Each
-configuration is guarded, so one failure does not stop the rest. --only picks configurations by label;
+(jaxlib/mosaic/gpu/custom_call.cc, ``DumpCompilationOutput``).
+- On a CUDA GPU this script sets them, compiles and runs each configuration once with file descriptors 1 and 2
+  redirected to a file, and parses what was written. Where Mosaic GPU's own ptxas call failed (it looks under the
+  CUDA root it found), the dumped PTX is fed to the ptxas on PATH or in /usr/local/cuda/bin instead.
+- --offline needs no GPU: each configuration is lowered for cuda on CPU and its kernel module compiled by the CUDA
+  PJRT plugin of the same jaxlib version with a local CUDA toolkit's ptxas (mosaic_offline.py).
+Elsewhere, without --offline, it says so and reports nothing. Each configuration is guarded, so one failure does
+not stop the rest. --keep DIR saves each configuration's raw dump there; --only picks configurations by label;
 --no-dump runs each picked one once with nothing dumped, for a profiler (scripts/gpu_check.sh runs ncu on it).
 """
 
@@ -44,8 +45,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling be
 
 DUMP_ENV = ("MOSAIC_GPU_DUMP_PTX", "MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_SASS")
 # SASS opcode families reported (first dot-separated part of the opcode), in this order.
-FAMILIES = ("HGMMA", "QGMMA", "WARPGROUP", "LDL", "STL", "LDS", "STS", "LDSM", "STSM", "LDG", "STG", "UTMALDG", "UTMASTG",
-            "SYNCS", "BAR", "FFMA", "FMUL", "FADD", "MUFU", "F2FP", "SHFL")
+FAMILIES = ("HGMMA", "QGMMA", "WARPGROUP", "LDL", "STL", "LDS", "STS", "LDSM", "STSM", "LDG", "STG", "UTMALDG",
+            "UTMASTG", "SYNCS", "BAR", "FFMA", "FMUL", "FADD", "MUFU", "F2FP", "SHFL")
 
 
 # ----------------------------------------------------------------------------------------------- parsing
@@ -317,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--offline", metavar="PJRT_WHEEL_OR_SO", default=None,
                    help="no GPU: compile with this jax-cuda12/13-pjrt wheel's plugin (same version as jaxlib) and "
                         "a local CUDA toolkit's ptxas (mosaic_offline.py)")
-    p.add_argument("--cuda-root", default=None, help="--offline: the CUDA toolkit (default $CUDA_HOME, /usr/local/cuda)")
+    p.add_argument("--cuda-root", default=None,
+                   help="--offline: the CUDA toolkit (default $CUDA_HOME, /usr/local/cuda)")
     args = p.parse_args(argv)
     if not args.no_dump and not args.offline:
         for name in DUMP_ENV:   # read by Mosaic GPU at each kernel compile (getenv), so setting them here suffices

@@ -1,4 +1,4 @@
-"""Compile a Mosaic GPU kernel module for sm_90a without a GPU, and return what Mosaic GPU's dumps print (PTX, ptxas -v).
+"""Compile a Mosaic GPU kernel module for sm_90a without a GPU; return what Mosaic GPU's dumps print (PTX, ptxas -v).
 
 Why: registers, spills and ptxas's warnings decide much of a Hopper kernel's speed (the 2026-11-30 FP8 figures
 came from a tiling that spills), and GPU time is scarce here. Mosaic GPU compiles a kernel at run time, inside the

@@ -16,7 +16,7 @@ scale per column): an fp8 wgmma into a fresh fp32 accumulator, then promotion in
 with the outer product of the A-row and B-column scales (DeepGEMM's two-level accumulation: the tensor cores'
 fp8 accumulation only ever sums 128 products). K-steps are TMA-pipelined ``stages`` deep (``plgpu.emit_pipeline``).
 B's block scales stay blocks: ``prepare_b`` only transposes and pads them ([G, kb, nbw], about 1/16384 byte per
-weight), and each k-step copies a 32-scale window of them (fp8_gemm_ws.py ``SCALE_WINDOW``). A tile inside one
+weight), and each k-step copies a 32-scale window of them (fp8_tiling.py ``SCALE_WINDOW``). A tile inside one
 128-block of n reads its single scale as one scalar; a tile that spans two (block_n 96, 160) selects per column
 (``load_scales``, ``promote``).
 
@@ -233,7 +233,7 @@ def run_tiles(tile_group, a, a_scale_t, b, b_scale_t, *, kernel, tiling: Tiling,
 
 def prepare_b(b, b_scale, block_n):
     """b [G, n, k], b_scale [G, nb, kb] -> padded b [G, np, kp] and the block scales transposed [G, kb, nbw],
-  zero-padded so that every tile's window (fp8_gemm_ws.py ``SCALE_WINDOW``) lies inside."""
+  zero-padded so that every tile's window (fp8_tiling.py ``SCALE_WINDOW``) lies inside."""
     _, n, k = b.shape
     kb, nb = _cdiv(k, BLOCK_K), b_scale.shape[1]
     n_pad = _round_up(n, block_n)

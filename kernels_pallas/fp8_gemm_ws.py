@@ -2,8 +2,8 @@
 
 Same contract and operand preparation as the pipelined kernel of fp8_gemm.py (which selects this one with
 ``kernel="warp_specialized"``): row tiles of A tagged with a group (-1: skip), padded B [G, np, kp], transposed A
-scales [kb, rows], B block scales transposed [G, kb, nbw]. Structure, after DeepGEMM's fp8_gemm.cuh and JAX's Hopper matmul
-(jax/experimental/pallas/ops/gpu/hopper_matmul_mgpu.py):
+scales [kb, rows], B block scales transposed [G, kb, nbw]. Structure, after DeepGEMM's fp8_gemm.cuh and JAX's
+Hopper matmul (jax/experimental/pallas/ops/gpu/hopper_matmul_mgpu.py):
 
 - three warpgroups per CTA (``num_threads=3``): one TMA producer and two consumers (DeepGEMM:
   ``get_num_math_warpgroups(128) = 2``, 128 TMA threads + 2 x 128 math threads). The producer streams the A, B, A-scale
