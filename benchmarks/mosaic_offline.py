@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import glob
+import hashlib
 import os
 import re
 import shutil
@@ -85,8 +86,9 @@ def default_cuda_root() -> str | None:
 
 
 def plugin_path(path: str) -> str:
-    """xla_cuda_plugin.so from a jax-cuda*-pjrt wheel (extracted once into a cache) or given directly. A wheel's
-    version must equal the installed jaxlib's (OfflineError otherwise)."""
+    """xla_cuda_plugin.so from a jax-cuda*-pjrt wheel (extracted once into ~/.cache/jaxinfer/mosaic_offline, about
+    0.5 GB per wheel) or given directly. A wheel's version must equal the installed jaxlib's (OfflineError
+    otherwise)."""
     if not os.path.exists(path):
         raise OfflineError(f"no such plugin or wheel: {path}")
     if not path.endswith(".whl"):
@@ -114,15 +116,20 @@ def plugin_path(path: str) -> str:
 
 @functools.cache
 def fake_libcuda_dir() -> str:
-    """A directory holding the stand-in libcuda.so.1, built with the system's C compiler."""
+    """A directory holding the stand-in libcuda.so.1, built once (per source) with the system's C compiler."""
+    d = os.path.join(_CACHE, f"fake_libcuda-{hashlib.sha256(FAKE_LIBCUDA_C.encode()).hexdigest()[:12]}")
+    if os.path.exists(os.path.join(d, "libcuda.so.1")):
+        return d
     cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         raise OfflineError("a C compiler (cc, gcc or clang) is needed to build the stand-in libcuda.so.1")
-    d = tempfile.mkdtemp(prefix="fake_libcuda_")
+    os.makedirs(d, exist_ok=True)
     src = os.path.join(d, "fake_libcuda.c")
     with open(src, "w") as f:
         f.write(FAKE_LIBCUDA_C)
-    subprocess.run([cc, "-shared", "-fPIC", "-o", os.path.join(d, "libcuda.so.1"), src], check=True)
+    tmp = os.path.join(d, f"libcuda.so.1.{os.getpid()}")
+    subprocess.run([cc, "-shared", "-fPIC", "-o", tmp, src], check=True)
+    os.replace(tmp, os.path.join(d, "libcuda.so.1"))   # atomic: a concurrent run sees all of it or nothing
     return d
 
 
