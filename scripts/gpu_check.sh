@@ -9,11 +9,12 @@
 #      schedule and one split per sequence, each with its stages timed alone (schedule, kernel, combine);
 #   5. what this machine's ptxas made of the headline kernel configurations (registers, spills, its warnings, the
 #      SASS mix: benchmarks/kernels_ptxas.py; the full report runs offline on CPU), then Nsight Compute's speed-of-light, warp-stall and occupancy sections for
-#      the headline FP8 GEMM (both variants) and one MLA decode, where ncu runs (it cannot read counters on gVisor);
+#      the headline FP8 GEMM and one MLA decode (both variants of each), where ncu runs (it cannot read counters on
+#      gVisor);
 #   6. a tiling sweep of both FP8 kernels on two goal shapes (kernels_fp8.py --cases tuning --tilings ...);
 #   7. the engine (embedded model through LLM(): Pallas MLA decode over the paged cache, FP8 compute);
 #   8. with what is left of the budget, the full FlashMLA and DeepGEMM sweeps with the default kernels.
-# Steps 3-4 skip the new variants when step 2 hung (rc 124).
+# Steps 3-6 skip the new variants when step 2 hung (rc 124).
 # Usage on the GPU machine (offline, preinstalled jax 0.11): OUT=<dir> bash scripts/gpu_check.sh
 # Each step has its own time limit, cut to what is left of the whole run's budget (BUDGET_S, default 470 s: the
 # issue's "under 8 minutes", with room for the machine's start inside one 600 s device call); a step with under
@@ -58,18 +59,21 @@ step bench.log 120 python benchmarks/kernels_mla.py --kernel "$mla_kernels" --ca
   --out "$OUT/bench_compare.txt"
 # The full report runs offline on CPU (docs/benchmarks.md); here the headline configurations, to see what this
 # machine's jax and ptxas make of them.
-step bench.log 45 python benchmarks/kernels_ptxas.py --out "$OUT/ptxas.txt" --only "(4096, 7168, 16384)" \
-  --only "h_q=16 s_q=1"
+# (Only the measured variants if the new ones hung in step 2: the report and ncu run each kernel once.)
+picks=(--only "(4096, 7168, 16384) [pipelined]" --only "h_q=16 s_q=1 kernel=recompute_scores")
+if [ "$new_rc" -ne 124 ]; then
+  picks+=(--only "(4096, 7168, 16384) [warp_specialized]" --only "h_q=16 s_q=1 kernel=shared_scores")
+fi
+step bench.log 45 python benchmarks/kernels_ptxas.py --out "$OUT/ptxas.txt" "${picks[@]}"
 # Kernel names for ncu's filter: the entry functions ptxas reported (Mosaic GPU outlines each kernel as one).
 knames=$(sed -n 's/^[^:]*: \([A-Za-z_][A-Za-z0-9_]*\): [0-9]* registers.*/\1/p' "$OUT/ptxas.txt" 2>/dev/null \
   | sort -u | paste -sd'|')
 ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
 if [ -n "$ncu_bin" ]; then
   XLA_PYTHON_CLIENT_PREALLOCATE=false step ncu.txt 90 "$ncu_bin" --clock-control none \
-    --kernel-name "regex:^(${knames:-main_kernel})\$" --launch-count 3 \
+    --kernel-name "regex:^(${knames:-main_kernel})\$" --launch-count 4 \
     --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
-    python benchmarks/kernels_ptxas.py --no-dump --only "(4096, 7168, 16384) [pipelined]" \
-    --only "(4096, 7168, 16384) [warp_specialized]" --only "h_q=16 s_q=1 kernel=recompute_scores"
+    python benchmarks/kernels_ptxas.py --no-dump "${picks[@]}"
 else
   echo "no ncu on this machine" >> "$OUT/ncu.txt"
 fi

@@ -140,7 +140,8 @@ def test_report_cases_lower_to_mosaic_kernels():
     cases = kp.fp8_cases() + kp.mla_cases()
     labels = [label for label, _, _ in cases]
     for wanted in ("(4096, 7168, 16384) [pipelined]", "(4096, 7168, 16384) [warp_specialized]",
-                   "h_q=16 s_q=1 kernel=recompute_scores", "multicast 2"):   # gpu_check.sh's --only choices
+                   "h_q=16 s_q=1 kernel=recompute_scores", "h_q=16 s_q=1 kernel=shared_scores",
+                   "multicast 2"):   # gpu_check.sh's --only choices, and the multicast case
         assert any(wanted in label for label in labels), wanted
     for label, f, make_ops in cases:
         modules = _mosaic.kernel_modules(f, *jax.eval_shape(make_ops))
