@@ -168,7 +168,8 @@ def extract_ptx(text: str) -> list[str]:
 
 def system_ptxas() -> str | None:
     """A ptxas to run ourselves: on PATH, else under /usr/local/cuda."""
-    return shutil.which("ptxas") or next((p for p in ("/usr/local/cuda/bin/ptxas",) if os.path.exists(p)), None)
+    fallback = "/usr/local/cuda/bin/ptxas"
+    return shutil.which("ptxas") or (fallback if os.path.exists(fallback) else None)
 
 
 def run_ptxas(ptx: str, ptxas: str, arch: str = "sm_90a") -> str:
