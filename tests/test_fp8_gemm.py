@@ -428,3 +428,16 @@ def test_default_tiling_launch(kernel, grid, threads):
     assert estimate - fp8_tiling.SMEM_SLACK <= launch.smem_bytes <= estimate
     if kernel == "pipelined":
         assert 2 * launch.smem_bytes <= fp8_tiling.SMEM_BYTES
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@INTERPRET_TIMEOUT
+def test_grouped_masked_wide_n_interpret(kernel):
+    """Column tiles past the 16th 128-column scale block: their B-scale windows start at block 16, per group."""
+    g, m_max, n, k = 2, 40, 2200, 130
+    masked_m = np.array([40, 17], np.int32)
+    _, _, a, a_s, b, b_s = make_masked(g, m_max, n, k)
+    out = fp8_grouped_gemm_masked(a, a_s, b, b_s, jnp.asarray(masked_m), out_dtype=F32, implementation="pallas",
+                                  interpret=True, kernel=kernel, block_m=_rows(kernel, 64), block_n=128, stages=2)
+    exact = np_masked(a, a_s, b, b_s, masked_m)
+    assert rel_err(out, exact) < 1e-5
