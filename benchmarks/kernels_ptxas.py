@@ -281,15 +281,17 @@ def mla_cases():
     return out
 
 
-def dump_on_gpu(f, make_ops, path: str) -> str:
-    """Compile (with the dumps) and run f once on this GPU, fds 1 and 2 captured into path; returns the dump."""
+def dump_on_gpu(f, make_ops) -> str:
+    """Compile (with the dumps) and run f once on this GPU, fds 1 and 2 captured into a file; returns the dump."""
     import jax
 
     ops = make_ops()
-    with captured_fds(path):
-        jax.block_until_ready(f(*ops))
-    with open(path, errors="replace") as fh:
-        return fh.read()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "kernel.dump")
+        with captured_fds(path):
+            jax.block_until_ready(f(*ops))
+        with open(path, errors="replace") as fh:
+            return fh.read()
 
 
 def dump_offline(f, make_ops, plugin: str, cuda_root: str | None) -> str:
@@ -363,8 +365,6 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(args.keep, exist_ok=True)
     failed = 0
     for i, (label, f, make_ops) in enumerate(cases):
-        with tempfile.NamedTemporaryFile(suffix=".dump", delete=False) as tmp:
-            path = tmp.name
         try:
             if args.no_dump:
                 jax.block_until_ready(f(*make_ops()))
@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.offline:
                 dump = dump_offline(f, make_ops, args.offline, args.cuda_root)
             else:
-                dump = dump_on_gpu(f, make_ops, path)
+                dump = dump_on_gpu(f, make_ops)
             if args.keep:
                 with open(os.path.join(args.keep, f"case{i:02d}.dump"), "w") as fh:
                     fh.write(dump)
@@ -382,8 +382,6 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 - one failing configuration must not stop the rest
             failed += 1
             emit(f"{label}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
-        finally:
-            os.unlink(path)
     if out is not None:
         out.close()
     return 1 if failed else 0
