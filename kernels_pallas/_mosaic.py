@@ -4,6 +4,9 @@ API (small on purpose; the MLA decode and FP8 GEMM kernels share it):
 - ``interpret_params()``: the GPU interpret-mode parameters to pass as ``interpret=`` to ``plgpu.kernel`` /
   ``pl.pallas_call`` so a Mosaic GPU kernel runs on CPU (simulated SMEM, barriers, TMA, wgmma).
 - ``default_interpret() -> bool``: True when the default backend is not a CUDA GPU (the kernel must be interpreted).
+- ``interpreter_runs_native() -> bool``: whether this jax's GPU interpret mode runs the kernels' own SMEM-operand
+  wgmmas, layout-pinned loads and cluster barriers (jax >= 0.11.2); ``substitute_wgmma(interpret) -> bool``: whether
+  an interpreted kernel must take value-level stand-ins for those wgmmas and loads instead (older releases).
 - ``device_sm_count() -> int``: the default GPU's multiprocessors, ``HOPPER_SMS`` (132) where there is no GPU.
 - ``lower_for_cuda(fn, *args, **kwargs) -> str``: the text of ``fn`` lowered for the ``cuda`` platform
   (cross-lowering works without a GPU); ``args`` may be arrays or ``jax.ShapeDtypeStruct``.
@@ -18,7 +21,7 @@ API (small on purpose; the MLA decode and FP8 GEMM kernels share it):
   bytecode the custom call carries (what Mosaic GPU compiles at run time; benchmarks/mosaic_offline.py compiles it
   to PTX and runs ptxas on it without a GPU).
 
-Checked on jax 0.10.2 (CPU); the GPU machines run jax 0.11.
+Checked on jax 0.10.2 and 0.11.2 (CPU); the GPU machines run jax 0.11.2.
 """
 
 from __future__ import annotations
@@ -59,6 +62,28 @@ def default_interpret() -> bool:
     except RuntimeError:
         return True
     return not (device.platform == "gpu" and "cuda" in getattr(device.client, "platform_version", "cuda").lower())
+
+
+# GPU interpret mode runs a kernel's own wgmma with both operands in SMEM (B transposed too: the FP8 GEMMs' K-major
+# B, MLA's K^T), ``plgpu.load`` into a register layout (layouts are no-ops there) and cluster barriers from jax 0.11.2
+# on (jax/_src/pallas/mosaic_gpu/interpret/jaxpr_interpret.py: wgmma_ref_p, layout_cast_p; gpu_callbacks.py: cluster
+# barriers; checked on 0.11.2, the GPU machine's release). 0.10.2's interpreter rejects all three, so there the
+# kernels take the same products from the same SMEM tiles with dot_general, and TMA multicast cannot be
+# interpreted. Neither release runs a wgmma whose A operand is a register value, nor ``pl.run_state`` (MLA's P V
+# products stay value-level in interpret mode).
+INTERPRETER_RUNS_NATIVE = (0, 11, 2)
+
+
+def interpreter_runs_native() -> bool:
+    """Whether this jax's GPU interpret mode runs the kernels' SMEM-operand wgmmas, layout-pinned loads and cluster
+    barriers themselves (from ``INTERPRETER_RUNS_NATIVE`` on)."""
+    return jax.__version_info__ >= INTERPRETER_RUNS_NATIVE
+
+
+def substitute_wgmma(interpret: bool) -> bool:
+    """True when the kernel is interpreted by a jax whose GPU interpret mode cannot run its SMEM-operand wgmmas and
+    layout-pinned loads: the kernel then takes value-level stand-ins for them."""
+    return bool(interpret) and not interpreter_runs_native()
 
 
 def load(ref, layout):

@@ -29,10 +29,11 @@ Two kernel variants, chosen with the static knob ``kernel=`` of every entry (fp8
   overlapped with the next tile). Same operands, tile -> group table and skipped tiles; not yet measured on a GPU,
   hence not the default.
 
-GPU interpret mode (jax 0.10.2) cannot run ``wgmma`` on a transposed (K-major) B ref, nor ``plgpu.load`` with a
-layout or ``plgpu.layout_cast``; when interpreting, the k-step product is a value-level ``dot_general`` of the
-same two SMEM tiles and layouts are left implicit. Everything else (grid, tile->group lookup, skipped tiles, TMA
-pipeline, scale vectors, promotion, epilogue copies) is the same code in both modes.
+GPU interpret mode runs the native code path itself from jax 0.11.2 on (the wgmma on the K-major B ref,
+``plgpu.load`` with a layout; layouts are no-ops there). Before 0.11.2 (``_mosaic.substitute_wgmma``) it cannot run
+either: the k-step product is then a value-level ``dot_general`` of the same two SMEM tiles and layouts are left
+implicit. Everything else (grid, tile->group lookup, skipped tiles, TMA pipeline, scale vectors, promotion,
+epilogue copies) is the same code in every mode.
 """
 
 from __future__ import annotations
@@ -201,7 +202,7 @@ def tiled_fp8_gemm_pallas(tile_group, a, a_scale_t, b, b_scale_t, *, block_m, bl
     _, n_pad, _ = b.shape
     kernel = plgpu.kernel(
         functools.partial(_tile_kernel, block_m=block_m, block_n=block_n, num_k=kp // BLOCK_K, stages=stages,
-                          sim=bool(interpret)),
+                          sim=_mosaic.substitute_wgmma(interpret)),
         out_type=jax.ShapeDtypeStruct((rows, n_pad), out_dtype),
         scratch_types=[epilogue_smem((block_m, block_n), out_dtype)],
         grid=(t, n_pad // block_n),

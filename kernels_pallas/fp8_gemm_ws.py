@@ -24,7 +24,8 @@ Hopper matmul (jax/experimental/pallas/ops/gpu/hopper_matmul_mgpu.py):
 - ``multicast=2`` (opt-in, DeepGEMM's TMA multicast for m >= 512): clusters of two CTAs take column tiles 2j and
   2j + 1 of the same row tile, and the A tile they share is loaded half by each and multicast to both (the A
   BlockSpec's ``collective_axes``; the pipeline's consumed barriers become cluster barriers), halving A's L2 traffic.
-  GPU interpret mode (jax 0.10) has no cluster barriers, so this path is checked by cross-lowering and natively.
+  GPU interpret mode has cluster barriers from jax 0.11.2 on (it copies the whole shared A tile into each CTA, which
+  is what a multicast copy means); before, this path is checked by cross-lowering and natively only.
 - epilogue: each consumer casts its half to out_dtype into its own SMEM slot and TMA-stores it; the store runs
   while the next tile's main loop does, and is awaited only before that slot is rewritten (the JAX matmul's
   ``wait_smem_to_gmem(0, wait_read_only=True)`` pattern).
@@ -33,10 +34,10 @@ Lowering semantics: Lane, as the pipelined kernel (explicit WGMMA layouts for th
 warp-specialized pipeline, ``nd_loop`` with a data-dependent trip count and ``num_threads=3`` lower under it for
 cuda on jax 0.10.2 (tests/test_fp8_gemm.py). Not yet compiled or run on a GPU.
 
-GPU interpret mode (jax 0.10.2) runs this kernel (three threads per CTA, barriers, TMA, the persistent loop over
-several tiles per CTA) except the wgmma on a K-major B and ``plgpu.load`` with a layout: when interpreting, as in
-fp8_gemm.py, the k-step product is a value-level ``dot_general`` of the same SMEM tiles and the scale vectors are
-plain reads. Its race detector (``detect_races=True``) reports nothing here, but it also reports nothing when the
+GPU interpret mode runs this kernel (three threads per CTA, barriers, TMA, the persistent loop over several tiles
+per CTA); from jax 0.11.2 on the native code path itself, wgmma on the K-major B and ``plgpu.load`` of the scales
+included. Before 0.11.2 (``_mosaic.substitute_wgmma``), as in fp8_gemm.py, the k-step product is a value-level
+``dot_general`` of the same SMEM tiles and the scale vectors are plain reads. Its race detector (``detect_races=True``) reports nothing here, but it also reports nothing when the
 epilogue's ``wait_smem_to_gmem`` is removed, so it is no evidence for the SMEM-slot ordering.
 """
 
@@ -220,13 +221,13 @@ def ws_fp8_gemm_pallas(tile_group, a, a_scale_t, b, b_scale_t, *, cfg: Tiling, o
     _, n_pad, _ = b.shape
     tile_rows, groups, num_active = active_first(tile_group)
     n_tiles = n_pad // cfg.block_n
-    if cfg.multicast == 2 and interpret:
-        raise ValueError("multicast=2 cannot run in GPU interpret mode (jax 0.10's interpreter has no cluster "
-                         "barriers); it is checked by cross-lowering and natively on a GPU")
+    if cfg.multicast == 2 and interpret and not _mosaic.interpreter_runs_native():
+        raise ValueError(f"multicast=2 cannot run in GPU interpret mode on jax {jax.__version__} (its interpreter has "
+                         f"no cluster barriers; 0.11.2's has); it is checked by cross-lowering and natively on a GPU")
     clusters = max(1, min(num_sms(interpret) // cfg.multicast, t * n_tiles // cfg.multicast))
     cluster = dict(cluster=(2,), cluster_names=("cluster",)) if cfg.multicast == 2 else {}
     kernel = plgpu.kernel(
-        functools.partial(_ws_kernel, cfg=cfg, num_k=kp // BLOCK_K, sim=bool(interpret)),
+        functools.partial(_ws_kernel, cfg=cfg, num_k=kp // BLOCK_K, sim=_mosaic.substitute_wgmma(interpret)),
         out_type=jax.ShapeDtypeStruct((rows, n_pad), out_dtype),
         scratch_types=[epilogue_smem((NUM_CONSUMERS, cfg.block_m // NUM_CONSUMERS, cfg.block_n), out_dtype)],
         grid=(clusters,),

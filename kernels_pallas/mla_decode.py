@@ -174,14 +174,15 @@ def _decode_xla(q, kv_cache, block_table, cache_seqlens, *, head_dim_v, scale, c
 
 
 # ----------------------------------------------------------------------------------------------- kernel
-# The two tensor-core steps. Natively they are wgmmas (sm90). GPU interpret mode on jax 0.10.2 simulates wgmma only
-# with both operands in SMEM and neither transposed (no transposed B, no register A, no ``pl.run_state``),
-# so there the same products are taken from the SMEM contents with dot_general: interpret mode checks the data
-# movement, paging, masking and softmax of this kernel; the wgmma calls are checked by lowering for cuda (and on a
-# GPU).
+# The two tensor-core steps. Natively they are wgmmas (sm90). GPU interpret mode runs the QK^T wgmma itself (both
+# operands in SMEM, K transposed) from jax 0.11.2 on; on older releases (``_mosaic.substitute_wgmma``) its product is
+# taken from the same SMEM tiles with dot_general. No release interprets the P V wgmma (A in registers, through
+# ``pl.run_state``), which stays value-level when interpreting: interpret mode checks the data movement, paging,
+# masking and softmax of this kernel (and on 0.11.2 the score wgmma); the P V wgmma is checked by lowering for cuda
+# (and on a GPU).
 def _scores(q_smem, k_page, interpret):
     """S = Q K^T: q_smem [64, D], k_page [S, D] (both SMEM) -> [64, S] f32."""
-    if interpret:
+    if _mosaic.substitute_wgmma(interpret):
         return lax.dot_general(q_smem[...], k_page[...], (((1,), (1,)), ((), ())),
                                preferred_element_type=jnp.float32)
 

@@ -29,10 +29,11 @@ Shared memory for V3 (d = 576 bf16, num_stages = 2), each buffer at Pallas' 1024
 147456 + P 8192 + alpha 1024 + l 1024 + 8 barriers x 8 = 231488 of the 232448 bytes a CTA may use; hence no
 reduction scratch (``_REDUCTION_SCRATCH``) and num_stages = 3 does not fit (FlashMLA: q + 2 K pages + sP + sScale_o).
 
-GPU interpret mode (jax 0.10.2) cannot run a wgmma with a register A or a transposed B, ``pl.run_state`` nor
-``plgpu.load`` with a layout: there the products are ``dot_general`` of the same SMEM contents (the P V of warpgroups
-1.. reads ``p_smem[...]``) and alpha / l are plain reads; barriers, SMEM traffic, masking and the P hand-off are the
-same code in both modes.
+GPU interpret mode cannot run a wgmma with a register A nor ``pl.run_state``, so there the P V products are
+``dot_general`` of the same SMEM contents (the P V of warpgroups 1.. reads ``p_smem[...]``). Before jax 0.11.2
+(``_mosaic.substitute_wgmma``) it cannot run the transposed-B score wgmma nor ``plgpu.load`` with a layout either:
+there the scores are a ``dot_general`` too and alpha / l plain reads. Barriers, SMEM traffic, masking and the P
+hand-off are the same code in every mode.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def _accumulate_pv_smem(acc, p_smem, v_page, interpret):
 
 def _load_rows(row_smem, interpret):
     """A [64] f32 per-row vector from SMEM, in the row layout of the WGMMA accumulator."""
-    if interpret:
+    if _mosaic.substitute_wgmma(interpret):
         return row_smem[...]
     return _mosaic.load(row_smem, plgpu.Layout.WGMMA.reduce(1))
 

@@ -22,6 +22,7 @@ from kernels_pallas.fp8_grouped_gemm import (fp8_grouped_gemm_contiguous, fp8_gr
 from kernels_pallas.quant import per_block_cast_to_fp8, per_token_cast_to_fp8
 
 F32 = jnp.float32
+NATIVE_INTERPRETER = jax.__version_info__ >= (0, 11, 2)   # runs wgmma, layout loads, cluster barriers (_mosaic.py)
 
 
 def calc_diff(x, y):
@@ -286,9 +287,6 @@ def test_bad_input_raises_value_error_with_numbers():
         fp8_gemm(a, a_s, b, b_s, implementation="pallas", multicast=2)
     with pytest.raises(ValueError, match="n=16 with block_n=32 gives 1 tiles, an odd number"):
         fp8_gemm(a, a_s, b, b_s, multicast=2, **ws)
-    _, _, a2, a2_s, b2, b2_s = make_dense(8, 64, 200)                          # two column tiles of 32
-    with pytest.raises(ValueError, match="multicast=2 cannot run in GPU interpret mode"):
-        fp8_gemm(a2, a2_s, b2, b2_s, multicast=2, block_n=32, interpret=True, **ws)
     with pytest.raises(ValueError, match="stages=9 .* shared memory"):
         fp8_gemm(a, a_s, b, b_s, implementation="pallas", block_n=128, stages=9)
     with pytest.raises(ValueError, match="stages must be >= 1"):
@@ -326,6 +324,30 @@ def test_fp8_gemm_pallas_interpret(kernel, m, n, k, block_m, block_n):
     out = fp8_gemm(a, a_s, b, b_s, out_dtype=F32, implementation="pallas", interpret=True, kernel=kernel,
                    block_m=_rows(kernel, block_m), block_n=block_n, stages=2)
     assert rel_err(out, fp8_gemm_reference(a, a_s, b, b_s, out_dtype=F32)) < 1e-5
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_interpreted_kernel_runs_its_own_wgmma_from_jax_0_11_2(kernel):
+    """From jax 0.11.2 on, interpret mode runs the native code path (the kernel's jaxpr holds its wgmma), so the
+    interpret tests here check the instructions a GPU runs; before, value-level stand-ins take the wgmma's place."""
+    S = jax.ShapeDtypeStruct
+    args = (S((64, 256), jnp.float8_e4m3fn), S((64, 2), F32), S((64, 256), jnp.float8_e4m3fn), S((1, 2), F32))
+    text = str(jax.make_jaxpr(lambda *x: fp8_gemm(*x, implementation="pallas", interpret=True, kernel=kernel))(*args))
+    assert ("wgmma" in text) == NATIVE_INTERPRETER
+
+
+@INTERPRET_TIMEOUT
+def test_warp_specialized_multicast_interpret():
+    """multicast=2 (CTA pairs share their A tile): 2 row tiles x 4 column tiles of 64 = 4 pairs on the interpret
+    grid's one cluster of 2 CTAs. Interpret mode has cluster barriers from jax 0.11.2 on; before, it refuses."""
+    _, _, a, a_s, b, b_s = make_dense(256, 256, 384)
+    kw = dict(out_dtype=F32, implementation="pallas", interpret=True, kernel="warp_specialized", block_m=128,
+              block_n=64, stages=2, multicast=2)
+    if not NATIVE_INTERPRETER:
+        with pytest.raises(ValueError, match="multicast=2 cannot run in GPU interpret mode on jax"):
+            fp8_gemm(a, a_s, b, b_s, **kw)
+        return
+    assert rel_err(fp8_gemm(a, a_s, b, b_s, **kw), fp8_gemm_reference(a, a_s, b, b_s, out_dtype=F32)) < 1e-5
 
 
 @INTERPRET_TIMEOUT
@@ -376,6 +398,26 @@ def _shipped():
 
 
 SHIPPED = _shipped() + [dict(kernel="warp_specialized", block_m=128, block_n=128, stages=5, multicast=2)]
+
+
+def within_bf16_rounding(out, exact):
+    """Every element of a bf16 result within bf16's rounding of the exact fp32 sum (2^-9 relative; 2^-8 leaves room
+    for the summation order), plus 1e-6 of the largest magnitude."""
+    out, exact = np.asarray(out.astype(F32), np.float64), np.asarray(exact, np.float64)
+    return bool(np.all(np.abs(out - exact) <= 2.0 ** -8 * np.abs(exact) + 1e-6 * np.abs(exact).max()))
+
+
+@pytest.mark.parametrize("cfg", SHIPPED, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+@INTERPRET_TIMEOUT
+def test_shipped_tilings_interpret(cfg):
+    """Every default tiling (SHIPPED) on 2 row tiles x 4 column tiles, both ragged, and a k that wraps the
+    stage ring (stages + 2 k-steps, the last partial), bf16 out as the entries default to."""
+    if cfg.get("multicast") == 2 and not NATIVE_INTERPRETER:
+        pytest.skip("multicast=2 needs the cluster barriers of jax >= 0.11.2's interpreter (the refusal is tested)")
+    m, n, k = 2 * cfg["block_m"] - 6, 4 * cfg["block_n"] - 8, (cfg["stages"] + 2) * 128 - 40
+    _, _, a, a_s, b, b_s = make_dense(m, n, k, seed=6)
+    out = fp8_gemm(a, a_s, b, b_s, implementation="pallas", interpret=True, **cfg)
+    assert out.dtype == jnp.bfloat16 and within_bf16_rounding(out, fp8_gemm_reference(a, a_s, b, b_s, out_dtype=F32))
 
 
 def test_default_block_n_follows_deepgemm_wave_rule():

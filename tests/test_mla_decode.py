@@ -132,6 +132,33 @@ def test_pallas_interpret_matches_reference(seqlens, s_q, h_q, causal, num_split
     check(out, lse, *ref, (len(seqlens), s_q, h_q, 128))
 
 
+# DeepSeek-V3's configuration as the entry ships it (d = 576, dv = 512, default block_dv = 256: two compute warpgroups
+# whose V zeroing runs over 4 x 64 columns each, 2-stage ring of full pages), against float64 math: FlashMLA's MTP
+# step (s_q = 2, causal) with h_q = 32 (one 64-row block) on a varlen batch under the balanced schedule with 6 SMs:
+# 5 + 1 + 2 pages in items of at most cdiv(8 + 5 * 3, 6) = 4 (mla_schedule.py), so sequence 0 spans two items, and
+# 5 of the 9 items are empty; a length of 2 and partial pages. ~10 s per call in jax 0.10.2's interpreter, ~1.5 s
+# in 0.11.2's (which runs the score wgmma itself).
+@pytest.mark.parametrize("kernel", KERNELS)
+@INTERPRET_TIMEOUT
+def test_pallas_interpret_v3_configuration(kernel):
+    seqlens, s_q, h_q = (300, 2, 70), 2, 32
+    args, (q, kv, table) = make_case(5, seqlens, s_q, h_q, 576)
+    out, lse = mla_decode(*args, causal=True, implementation="pallas", interpret=True, kernel=kernel, num_sms=6)
+    check(out, lse, *numpy_mla(q, kv, table, seqlens, 512, True), (len(seqlens), s_q, h_q, 512))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_interpreted_kernel_runs_its_own_score_wgmma_from_jax_0_11_2(kernel):
+    """From jax 0.11.2 on, interpret mode runs the QK^T wgmma itself (the kernel's jaxpr holds it), so the interpret
+    tests above check that instruction's operands as a GPU runs it; before, a value-level stand-in takes its place.
+    (The P V wgmma, A in registers, is value-level in interpret mode on every release.)"""
+    S = jax.ShapeDtypeStruct
+    args = (S((2, 1, 16, 576), jnp.bfloat16), S((6, PAGE, 1, 576), jnp.bfloat16), S((2, 3), jnp.int32),
+            S((2,), jnp.int32))
+    text = str(jax.make_jaxpr(lambda *x: mla_decode(*x, implementation="pallas", interpret=True, kernel=kernel))(*args))
+    assert ("wgmma" in text) == (jax.__version_info__ >= (0, 11, 2))
+
+
 # Every configuration the entry ships for V3 shapes (block_dv=256 -> 2 compute warpgroups; num_stages=2; the
 # balanced schedule and even splits; s_q 1 and 2 causal; h_q 16 and 128), in both kernel variants, lowers for cuda
 # to a Mosaic GPU kernel (Mosaic GPU also refuses a kernel over 227 KB of shared memory here).
