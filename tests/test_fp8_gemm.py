@@ -336,18 +336,29 @@ def test_interpreted_kernel_runs_its_own_wgmma_from_jax_0_11_2(kernel):
     assert ("wgmma" in text) == NATIVE_INTERPRETER
 
 
+@pytest.mark.parametrize("entry", ["dense", "contiguous"])
 @INTERPRET_TIMEOUT
-def test_warp_specialized_multicast_interpret():
-    """multicast=2 (CTA pairs share their A tile): 2 row tiles x 4 column tiles of 64 = 4 pairs on the interpret
-    grid's one cluster of 2 CTAs. Interpret mode has cluster barriers from jax 0.11.2 on; before, it refuses."""
-    _, _, a, a_s, b, b_s = make_dense(256, 256, 384)
+def test_warp_specialized_multicast_interpret(entry):
+    """multicast=2 (CTA pairs share their A tile): 4 column tiles of 64 = 2 pairs per row tile, on the interpret
+    grid's one cluster of 2 CTAs; dense: 2 row tiles; contiguous: 3 groups (one empty) over unaligned segments and
+    -1 rows: 2 active row tiles of the plan's 7, the rest skipped. Interpret mode has cluster barriers from jax
+    0.11.2 on; before, it refuses."""
     kw = dict(out_dtype=F32, implementation="pallas", interpret=True, kernel="warp_specialized", block_m=128,
               block_n=64, stages=2, multicast=2)
+    if entry == "dense":
+        _, _, a, a_s, b, b_s = make_dense(256, 256, 384)
+        run = lambda: fp8_gemm(a, a_s, b, b_s, **kw)                                          # noqa: E731
+        exact = np.asarray(fp8_gemm_reference(a, a_s, b, b_s, out_dtype=F32))
+    else:
+        _, _, a, a_s, b, b_s = make_grouped(3, 400, 256, 300, seed=7)
+        gid = np.concatenate([np.full(70, 0), np.full(150, -1), np.full(100, 2), np.full(80, -1)]).astype(np.int32)
+        run = lambda: fp8_grouped_gemm_contiguous(a, a_s, b, b_s, jnp.asarray(gid), **kw)     # noqa: E731
+        exact = np_contiguous(a, a_s, b, b_s, gid)
     if not NATIVE_INTERPRETER:
         with pytest.raises(ValueError, match="multicast=2 cannot run in GPU interpret mode on jax"):
-            fp8_gemm(a, a_s, b, b_s, **kw)
+            run()
         return
-    assert rel_err(fp8_gemm(a, a_s, b, b_s, **kw), fp8_gemm_reference(a, a_s, b, b_s, out_dtype=F32)) < 1e-5
+    assert rel_err(run(), exact) < 1e-5
 
 
 @INTERPRET_TIMEOUT
