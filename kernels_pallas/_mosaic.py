@@ -41,12 +41,17 @@ _MOSAIC_GPU_TARGETS = ("mosaic_gpu_v2", "mosaic_gpu")
 
 @functools.cache
 def interpret_params():
-    """GPU interpret-mode parameters (``InterpretGPUParams()``, a frozen, hashable dataclass).
+    """GPU interpret-mode parameters (``InterpretGPUParams()``, a frozen, hashable dataclass; public as
+    ``plgpu.InterpretGPUParams`` from jax 0.11 on).
 
-    Also registers an identity CPU lowering for ``plgpu.layout_cast`` (a register-layout hint that GPU interpret
-    mode on jax 0.10.2 cannot execute), so kernels that pin layouts (``layout_cast``, ``broadcasted_iota(...,
-    layout=)``) run unchanged in interpret mode.
+    Where the interpreter cannot run layout-pinned code itself (before ``INTERPRETER_RUNS_NATIVE``), also registers
+    an identity CPU lowering for ``plgpu.layout_cast`` (a register-layout hint), so kernels that pin layouts
+    (``layout_cast``, ``broadcasted_iota(..., layout=)``) run unchanged in interpret mode.
     """
+    if interpreter_runs_native():
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        return plgpu.InterpretGPUParams()
     from jax._src.interpreters import mlir  # private: kept here only
     from jax._src.pallas.mosaic_gpu import core as gpu_core
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
