@@ -100,7 +100,8 @@ def test_fp8_grouped_native_warp_specialized():
     _check_grouped(kernel="warp_specialized")
 
 
-# multicast=2 (CTA pairs sharing their A tile): GPU interpret mode has no cluster barriers, so only here.
+# multicast=2 (CTA pairs sharing their A tile): interpret mode runs it only from jax 0.11.2 on, and even there each
+# CTA copies the whole A tile (the copy's meaning); here the hardware splits the load and multicasts it.
 def test_fp8_gemm_native_warp_specialized_multicast():
     _check_dense(4096, 7168, 2048, kernel="warp_specialized", multicast=2)
     _check_grouped(kernel="warp_specialized", multicast=2)
