@@ -37,8 +37,10 @@ cuda on jax 0.10.2 (tests/test_fp8_gemm.py). Not yet compiled or run on a GPU.
 GPU interpret mode runs this kernel (three threads per CTA, barriers, TMA, the persistent loop over several tiles
 per CTA); from jax 0.11.2 on the native code path itself, wgmma on the K-major B and ``plgpu.load`` of the scales
 included. Before 0.11.2 (``_mosaic.substitute_wgmma``), as in fp8_gemm.py, the k-step product is a value-level
-``dot_general`` of the same SMEM tiles and the scale vectors are plain reads. Its race detector (``detect_races=True``) reports nothing here, but it also reports nothing when the
-epilogue's ``wait_smem_to_gmem`` is removed, so it is no evidence for the SMEM-slot ordering.
+``dot_general`` of the same SMEM tiles and the scale vectors are plain reads. The race detector
+(``detect_races=True``) is no evidence for the SMEM-slot ordering: on 0.10.2 it reports nothing here, also when the
+epilogue's ``wait_smem_to_gmem`` is removed; on 0.11.2 it reports races even in a trivial ``emit_pipeline`` kernel
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
