@@ -167,6 +167,10 @@ def _tile_kernel(tile_group_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, o_gmem, o_sm
                     plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))                 # fp8, K-major B
                     return acc_ref[...]
                 part = pl.run_scoped(mma, plgpu.ACC((block_m, block_n), jnp.float32))               # (bm, bn)
+            # The step's one barrier: every thread's reads of this ring slot (scales, wgmma operands) are done
+            # before emit_pipeline refills it right after this body. It stands in for the four barriers Pallas
+            # would put before the four refill copies (CompilerParams(unsafe_no_auto_barriers=True) below).
+            plgpu.commit_smem()
             return promote(acc, part, sa, sb, sim=sim)
 
         acc0 = jnp.zeros((block_m, block_n), jnp.float32)
@@ -207,7 +211,13 @@ def tiled_fp8_gemm_pallas(tile_group, a, a_scale_t, b, b_scale_t, *, block_m, bl
         scratch_types=[epilogue_smem((block_m, block_n), out_dtype)],
         grid=(t, n_pad // block_n),
         grid_names=("m", "n"),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        # No automatic barriers: Pallas puts a warpgroup barrier before each of a k-step's four refill copies (A, B
+        # and both scale windows: jax/_src/pallas/mosaic_gpu/primitives.py, copy_gmem_to_smem); the kernel places
+        # the one it needs per k-step itself (k_step), and its epilogue's commit_smem orders the output tile's
+        # writes before the TMA store. Safe by CompilerParams' two conditions: no thread reads and writes the same
+        # SMEM, and no committed SMEM is read and then overwritten by an async copy.
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
+                                             unsafe_no_auto_barriers=True),
         interpret=_mosaic.interpret_params() if interpret else False,
     )
     return kernel(tile_group, a, a_scale_t, b, b_scale_t)
