@@ -246,12 +246,14 @@ def _produce(prog, table_ref, q_ref, kv_ref, q_smem, k_smem, q_bar, k_bars, cons
     @pl.loop(0, prog.n_steps)
     def _(t):
         slot = lax.rem(t, num_stages)
+        # The page id first: its global load is in flight while the producer waits for the slot, instead of
+        # delaying every refill's TMA by a load's latency after the wait (SASS: LDG after the wait, 2026-12-02).
+        page = table_ref[prog.bi, prog.start + t]
 
         @pl.when(t >= num_stages)
         def _():
             plgpu.barrier_wait(consumed_bars.at[slot])  # every compute warpgroup is done with this slot
 
-        page = table_ref[prog.bi, prog.start + t]
         plgpu.copy_gmem_to_smem(kv_ref.at[page, :, prog.kvh], k_smem.at[slot], k_bars.at[slot])
 
     @pl.loop(jnp.maximum(prog.n_steps - num_stages, 0), prog.n_steps)
