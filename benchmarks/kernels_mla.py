@@ -9,7 +9,11 @@ dv 512; page 64; every sequence at full length s_k. --cases compare: b=128, s_k=
 --varlen: lengths drawn from normal(s_k, s_k / 2), at least s_q) at s_k=4096, h_q=64 under the balanced schedule
 and under one split per sequence (num_splits=1). --kernel (pallas only): mla_decode's kernel= variant;
 "both" prints the two variants' lines of each case next to each other. --breakdown: each stage of the Pallas path
-jitted and timed on its own (the work-item schedule, the kernel, the split combine). Calls are timed back to back.
+jitted and timed on its own (the work-item schedule, the kernel, the split combine), and for kernel=recompute_scores
+the kernel's two probes (mla_decode.py ``_decode_kernel`` probe=): "stream" (its page ring alone: the producer
+streams every page, the compute warpgroups only release them; GB/s of the pages) and "compute" (every step on the
+ring's first fill, no wait for memory). The kernel's time against the larger of the two shows how well it overlaps
+them. Calls are timed back to back.
 Metrics (FlashMLA's formulas, DESIGN.md):
   bytes = (sum(seqlen) * h_kv * 576 + b * s_q * h_q * 576 + b * s_q * h_q * 512) * 2  -> GB/s
   FLOPs = 2 * s_q * sum(seqlen) * h_q * (576 + 512)                                  -> TFLOPS
@@ -91,14 +95,16 @@ def run_case(b, s_k, h_q, s_q, varlen, num_splits, implementation, kernel, iters
 
 def breakdown_case(b, s_k, h_q, s_q, varlen, num_splits, kernel, iters, interpret=None):
     """Median seconds of the Pallas path's stages, each jitted on its own (mla_decode.py ``_decode_pallas``):
-    the schedule, the kernel alone (on that schedule), the combine (on its outputs). interpret: for a CPU check."""
+    the schedule, the kernel alone (on that schedule), the combine (on its outputs); for recompute_scores also its
+    probes "stream" and "compute" (the kernel with its compute or its memory traffic taken out), and "page_bytes",
+    the bytes of the pages the items stream. interpret: for a CPU check."""
     import functools
 
     import jax
     import jax.numpy as jnp
 
     from kernels_pallas import _mosaic
-    from kernels_pallas.mla_decode import _pack_rows, _run_items, _schedule
+    from kernels_pallas.mla_decode import _pack_rows, _recompute_scores_pallas, _run_items, _schedule
     from kernels_pallas.mla_schedule import combine
 
     (q, kv, table, seqlens), _ = make_inputs(b, s_k, h_q, s_q, varlen)
@@ -106,15 +112,24 @@ def breakdown_case(b, s_k, h_q, s_q, varlen, num_splits, kernel, iters, interpre
     sched_f = jax.jit(functools.partial(_schedule, page_size=PAGE, max_pages=table.shape[1],
                                         num_splits=num_splits, num_sms=_mosaic.device_sm_count()))
     sched = sched_f(seqlens, q_rows)
-    run = jax.jit(functools.partial(
-        _run_items, kernel=kernel, s_q=s_q, m=h_q // H_KV, head_dim_v=DV, scale=D ** -0.5, causal=s_q > 1,
-        block_dv=256, num_stages=2, interpret=_mosaic.interpret_params() if interpret else None))
-    o_part, lse_part = run(q_rows, kv, seqlens, sched.items, table)
+    kw = dict(s_q=s_q, m=h_q // H_KV, head_dim_v=DV, scale=D ** -0.5, causal=s_q > 1, block_dv=256, num_stages=2,
+              interpret=_mosaic.interpret_params() if interpret else None)
+    run = jax.jit(functools.partial(_run_items, kernel=kernel, **kw))
+    kernel_args = (q_rows, kv, seqlens, sched.items, table)
+    o_part, lse_part = run(*kernel_args)
     comb = jax.jit(functools.partial(combine, batch=b, rows=s_q * (h_q // H_KV)))
-    return {"schedule": median_time(sched_f, (seqlens, q_rows), iters),
-            "kernel": median_time(run, (q_rows, kv, seqlens, sched.items, table), iters),
-            "combine": median_time(comb, (o_part, lse_part, sched.row_seq), iters),
-            "items": int(sched.items.shape[1]), "nonempty": int(jnp.sum(sched.items[2] > 0))}
+    stages = {"schedule": median_time(sched_f, (seqlens, q_rows), iters),
+              "kernel": median_time(run, kernel_args, iters),
+              "combine": median_time(comb, (o_part, lse_part, sched.row_seq), iters),
+              "items": int(sched.items.shape[1]), "nonempty": int(jnp.sum(sched.items[2] > 0)),
+              # every program streams its item's pages: row blocks * pages * page bytes
+              "page_bytes": int(q_rows.shape[1] * (q_rows.shape[2] // 64) * jnp.sum(sched.items[2]))
+              * PAGE * D * kv.dtype.itemsize}
+    if kernel == "recompute_scores":
+        for probe in ("stream", "compute"):
+            f = jax.jit(functools.partial(_recompute_scores_pallas, probe=probe, **kw))
+            stages[probe] = median_time(f, kernel_args, iters)
+    return stages
 
 
 def copy_ceiling(gib: float = 2.0, iters: int = 20) -> str:
@@ -191,6 +206,11 @@ def main(argv: list[str] | None = None) -> None:
                     emit(f"  stages: schedule {st['schedule'] * 1e6:.1f} us, kernel {st['kernel'] * 1e6:.1f} us, "
                          f"combine {st['combine'] * 1e6:.1f} us ({st['nonempty']} of {st['items']} items hold "
                          f"pages)")
+                    if "stream" in st:
+                        gbs = {k: st["page_bytes"] / st[k] / 1e9 for k in ("stream", "kernel")}
+                        emit(f"  probes: stream {st['stream'] * 1e6:.1f} us ({gbs['stream']:.0f} GB/s of pages), "
+                             f"compute {st['compute'] * 1e6:.1f} us, kernel {st['kernel'] * 1e6:.1f} us "
+                             f"({gbs['kernel']:.0f} GB/s of pages)")
                 except Exception as e:  # noqa: BLE001 - the breakdown is context, not a case
                     emit(f"  stages: FAILED {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
     if out is not None:

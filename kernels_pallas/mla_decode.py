@@ -233,17 +233,20 @@ def _compute_registers(num_wg):
     return min(240, (65536 - 40 * 128) // (128 * num_wg) // 8 * 8)
 
 
-def _produce(prog, table_ref, q_ref, kv_ref, q_smem, k_smem, q_bar, k_bars, consumed_bars, num_stages):
+def _produce(prog, table_ref, q_ref, kv_ref, q_smem, k_smem, q_bar, k_bars, consumed_bars, num_stages,
+             probe=None):
     """Producer warpgroup: TMA q once (q_bar; not for an empty item, whose compute warpgroups skip ``_wait_q``), then
     the item's pages, looked up in the block table, into the ring of ``num_stages`` SMEM slots (k_bars[slot]: page
-    landed); a slot is refilled only after every compute warpgroup released it (consumed_bars[slot])."""
+    landed); a slot is refilled only after every compute warpgroup released it (consumed_bars[slot]).
+    probe="compute" (``_decode_kernel``'s probes): only the first ``num_stages`` pages, each slot filled once."""
     plgpu.set_max_registers(40, action="decrease")
+    n_fetch = prog.n_steps if probe != "compute" else jnp.minimum(prog.n_steps, num_stages)
 
     @pl.when(prog.n_steps > 0)
     def _():
         plgpu.copy_gmem_to_smem(q_ref.at[prog.bi, prog.kvh, pl.ds(prog.rb * _BLOCK_M, _BLOCK_M)], q_smem, q_bar)
 
-    @pl.loop(0, prog.n_steps)
+    @pl.loop(0, n_fetch)
     def _(t):
         slot = lax.rem(t, num_stages)
         # The page id first: its global load is in flight while the producer waits for the slot, instead of
@@ -256,6 +259,9 @@ def _produce(prog, table_ref, q_ref, kv_ref, q_smem, k_smem, q_bar, k_bars, cons
 
         plgpu.copy_gmem_to_smem(kv_ref.at[page, :, prog.kvh], k_smem.at[slot], k_bars.at[slot])
 
+    if probe == "compute":  # its compute warpgroups release no slot
+        return
+
     @pl.loop(jnp.maximum(prog.n_steps - num_stages, 0), prog.n_steps)
     def _(t):  # observe the last releases too, so every phase of consumed_bars is seen by its waiter
         plgpu.barrier_wait(consumed_bars.at[lax.rem(t, num_stages)])
@@ -266,12 +272,16 @@ def _wait_q(prog, q_bar):
     pl.when(prog.n_steps > 0)(lambda: plgpu.barrier_wait(q_bar))
 
 
-def _wait_page(prog, k_smem, k_bars, t, num_stages, ps):
-    """The item's t-th page, once it has landed: (ring slot, position of its first key, its SMEM ref [S, D])."""
+def _wait_page(prog, k_smem, k_bars, t, num_stages, ps, *, first_fill_only=False):
+    """The item's t-th page, once it has landed: (ring slot, position of its first key, its SMEM ref [S, D]).
+    first_fill_only (probe="compute"): wait only for each slot's first landing; later steps reuse its page."""
     slot = lax.rem(t, num_stages)
     page_start = (prog.start + t) * ps
     k_page = k_smem.at[slot]
-    plgpu.barrier_wait(k_bars.at[slot])
+    if first_fill_only:
+        pl.when(t < num_stages)(lambda: plgpu.barrier_wait(k_bars.at[slot]))
+    else:
+        plgpu.barrier_wait(k_bars.at[slot])
     return slot, page_start, k_page
 
 
@@ -341,7 +351,7 @@ def _store_lse(lse_ref, prog, m_i, l_i):
 
 def _decode_kernel(seqlens_ref, items_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref, q_smem, k_smem, q_bar,
                    k_bars, consumed_bars, sync_bar, *, s_q, m, block_dv, num_wg, num_stages, scale, causal,
-                   interpret):
+                   interpret, probe=None):
     """kernel="recompute_scores": one program = one (64-row block of one kv head's R = Q * M query rows, work item:
     a page range of one sequence).
 
@@ -352,6 +362,12 @@ def _decode_kernel(seqlens_ref, items_ref, table_ref, q_ref, kv_ref, o_ref, lse_
     seqlens_ref [B] i32, items_ref [4, N] i32 (mla_schedule.py), table_ref [B, P] i32, q_ref [B, G, R_pad, D],
     kv_ref [pages, 64, G, D] (all GMEM); o_ref [N, G, R_pad, V] f32 and lse_ref [N, G, R_pad] f32 (log2 units)
     receive this item's partial (normalised) output and log-sum-exp in its output row.
+
+    probe (benchmarks/kernels_mla.py --breakdown; None in mla_decode): the kernel with half of its work taken out,
+    to show which half bounds its time on a GPU. "stream": the producer streams every page as usual and the compute
+    warpgroups only wait for each and release it (the page ring's own rate; out 0, lse -inf). "compute": the
+    producer fills each ring slot once and the compute warpgroups run every step on those pages (step t reads the
+    item's page t % num_stages) without waiting for memory.
     """
     ps = kv_ref.shape[1]
     prog = _program(seqlens_ref, items_ref, q_ref)
@@ -360,7 +376,7 @@ def _decode_kernel(seqlens_ref, items_ref, table_ref, q_ref, kv_ref, o_ref, lse_
 
     @pl.when(wg == num_wg)
     def _producer():
-        _produce(prog, table_ref, q_ref, kv_ref, q_smem, k_smem, q_bar, k_bars, consumed_bars, num_stages)
+        _produce(prog, table_ref, q_ref, kv_ref, q_smem, k_smem, q_bar, k_bars, consumed_bars, num_stages, probe)
 
     # One code path for every compute warpgroup, its V columns offset by its (traced) index: written as a static
     # branch per warpgroup, LLVM hoisted both branches' wgmma descriptors above the split and ptxas spilled them
@@ -376,7 +392,11 @@ def _decode_kernel(seqlens_ref, items_ref, table_ref, q_ref, kv_ref, o_ref, lse_
 
         def step(t, carry):
             acc, m_i, l_i = carry
-            slot, page_start, k_page = _wait_page(prog, k_smem, k_bars, t, num_stages, ps)
+            slot, page_start, k_page = _wait_page(prog, k_smem, k_bars, t, num_stages, ps,
+                                                  first_fill_only=probe == "compute")
+            if probe == "stream":
+                plgpu.barrier_arrive(consumed_bars.at[slot])
+                return carry
             s = _scores(q_smem, k_page, interpret)  # [64, S] f32
 
             @pl.when(prog.seqlen - page_start < ps)  # the sequence's last, partial page: zero V rows past seqlen
@@ -392,7 +412,8 @@ def _decode_kernel(seqlens_ref, items_ref, table_ref, q_ref, kv_ref, o_ref, lse_
             p16 = p.astype(k_smem.dtype)
             v_page = k_page.at[:, vcols]
             acc = _accumulate_pv(acc, p16, v_page, interpret)
-            plgpu.barrier_arrive(consumed_bars.at[slot])
+            if probe != "compute":
+                plgpu.barrier_arrive(consumed_bars.at[slot])
             return acc, m_new, l_i
 
         acc, m_i, l_i = lax.fori_loop(0, prog.n_steps, step, carry)
@@ -466,9 +487,11 @@ def _launch(body, q_rows, kv_cache, seqlens, items, table, *, head_dim_v, num_wg
 
 
 def _recompute_scores_pallas(q_rows, kv_cache, seqlens, items, table, *, s_q, m, head_dim_v, scale, causal,
-                             block_dv, num_stages, interpret):
+                             block_dv, num_stages, interpret, probe=None):
     """``plgpu.kernel`` wrapper of ``_decode_kernel``: q_rows [B, G, R_pad, D], items [4, N] -> (o_part
-    [N, G, R_pad, V] f32, lse_part [N, G, R_pad] f32 log2)."""
+    [N, G, R_pad, V] f32, lse_part [N, G, R_pad] f32 log2). probe: see ``_decode_kernel`` (None: the kernel)."""
+    if probe not in (None, "stream", "compute"):
+        raise ValueError(f"probe must be None, 'stream' or 'compute', got {probe!r}")
     num_wg = head_dim_v // block_dv
     buffers, barriers = _ring_scratch(q_rows, kv_cache, num_stages, num_wg)
     sync_bar = plgpu.Barrier(num_arrivals=num_wg)  # before zeroing a partial page's V rows
@@ -477,7 +500,8 @@ def _recompute_scores_pallas(q_rows, kv_cache, seqlens, items, table, *, s_q, m,
     _check_smem(_smem_bytes(buffers, n_barriers, params.reduction_scratch_bytes), "recompute_scores", num_stages,
                 q_rows.shape[-1])
     kernel = functools.partial(_decode_kernel, s_q=s_q, m=m, block_dv=block_dv, num_wg=num_wg,
-                               num_stages=num_stages, scale=scale, causal=causal, interpret=interpret is not None)
+                               num_stages=num_stages, scale=scale, causal=causal, interpret=interpret is not None,
+                               probe=probe)
     return _launch(kernel, q_rows, kv_cache, seqlens, items, table, head_dim_v=head_dim_v, num_wg=num_wg,
                    scratch=buffers + barriers + (sync_bar,), params=params, interpret=interpret)
 

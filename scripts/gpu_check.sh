@@ -6,7 +6,8 @@
 #   3. both FP8 variants (and the warp-specialized one with multicast=2) side by side on the goal shapes
 #      (m = 4096 x DeepGEMM's six (n, k)) + decode/grouped ones, then XLA/cuBLAS ceilings;
 #   4. both MLA variants side by side on a short FlashMLA subset, and on FlashMLA's varlen batch under the balanced
-#      schedule and one split per sequence, each with its stages timed alone (schedule, kernel, combine);
+#      schedule and one split per sequence, each with its stages timed alone (schedule, kernel, combine), and the
+#      default kernel's probes (its page ring alone, its compute alone: which of them bounds it);
 #   5. what this machine's ptxas made of the headline kernel configurations (registers, spills, its warnings, the
 #      SASS mix: benchmarks/kernels_ptxas.py; the full report runs offline on CPU), then Nsight Compute's speed-of-light, warp-stall and occupancy sections for
 #      the headline FP8 GEMM and one MLA decode (both variants of each), where ncu runs (it cannot read counters on
@@ -55,7 +56,7 @@ fp8_kernels=both; mla_kernels=both
 if [ "$new_rc" -eq 124 ]; then fp8_kernels=pipelined; mla_kernels=recompute_scores; fi
 step bench.log 180 python benchmarks/kernels_fp8.py --kernel "$fp8_kernels" --cases compare --multicast \
   --out "$OUT/bench_compare.txt"
-step bench.log 120 python benchmarks/kernels_mla.py --kernel "$mla_kernels" --cases compare --breakdown \
+step bench.log 150 python benchmarks/kernels_mla.py --kernel "$mla_kernels" --cases compare --breakdown \
   --out "$OUT/bench_compare.txt"
 # The full report runs offline on CPU (docs/benchmarks.md); here the headline configurations, to see what this
 # machine's jax and ptxas make of them.

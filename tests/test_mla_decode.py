@@ -147,6 +147,35 @@ def test_pallas_interpret_v3_configuration(kernel):
     check(out, lse, *numpy_mla(q, kv, table, seqlens, 512, True), (len(seqlens), s_q, h_q, 512))
 
 
+@INTERPRET_TIMEOUT
+def test_kernel_probes_interpret():
+    """The recompute_scores kernel's benchmark probes (``_decode_kernel`` probe=, benchmarks/kernels_mla.py
+    --breakdown). "compute" runs every step on the ring's first fill: it must equal attention over a block table
+    whose page t is the item's page t % num_stages (float64 numpy). "stream" visits every page of every item (no
+    barrier left waiting) and computes nothing: each item's rows come out 0 with lse -inf."""
+    from kernels_pallas.mla_decode import _pack_rows, _recompute_scores_pallas, _unpack_rows
+    from kernels_pallas.mla_schedule import combine, even_schedule
+
+    seqlens, h_q, d, dv, stages = (300, 70), 16, 128, 128, 2          # 5 and 2 pages, both last ones partial
+    (qj, kvj, tablej, lensj), (q, kv, table) = make_case(11, seqlens, 1, h_q, d)
+    sched = even_schedule(lensj, page_size=PAGE, num_splits=1)           # one item per sequence
+    q_rows = _pack_rows(qj, 1, kvj.dtype)
+    kw = dict(s_q=1, m=h_q, head_dim_v=dv, scale=d ** -0.5, causal=False, block_dv=64, num_stages=stages,
+              interpret=_mosaic.interpret_params())
+    o_part, lse_part = _recompute_scores_pallas(q_rows, kvj, lensj, sched.items, tablej, probe="compute", **kw)
+    out, lse = _unpack_rows(*combine(o_part, lse_part, sched.row_seq, batch=len(seqlens), rows=h_q), 1)
+    reused = table.copy()
+    for i, s in enumerate(seqlens):
+        reused[i, : -(-s // PAGE)] = table[i, np.arange(-(-s // PAGE)) % stages]
+    check(out.astype(jnp.bfloat16), lse, *numpy_mla(q, kv, reused, seqlens, dv, False), (len(seqlens), 1, h_q, dv))
+
+    o_part, lse_part = _recompute_scores_pallas(q_rows, kvj, lensj, sched.items, tablej, probe="stream", **kw)
+    np.testing.assert_array_equal(np.asarray(o_part)[:, :, :h_q], 0.0)
+    assert np.isneginf(np.asarray(lse_part)[:, :, :h_q]).all()
+    with pytest.raises(ValueError, match="probe must be"):
+        _recompute_scores_pallas(q_rows, kvj, lensj, sched.items, tablej, probe="memory", **kw)
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_interpreted_kernel_runs_its_own_score_wgmma_from_jax_0_11_2(kernel):
     """From jax 0.11.2 on, interpret mode runs the QK^T wgmma itself (the kernel's jaxpr holds it), so the interpret
