@@ -20,6 +20,8 @@ API (small on purpose; the MLA decode and FP8 GEMM kernels share it):
 - ``kernel_modules(fn, *args, **kwargs) -> list[KernelModule]``: each of those kernel modules as text and as the
   bytecode the custom call carries (what Mosaic GPU compiles at run time; benchmarks/mosaic_offline.py compiles it
   to PTX and runs ptxas on it without a GPU).
+- ``loop_bodies(text) -> list[list[str]]``: the lines of each ``scf.for`` loop's body in a kernel module's text,
+  so tests can check what a kernel does per iteration (its barriers, the order of its loads and waits).
 
 Checked on jax 0.10.2 and 0.11.2 (CPU); the GPU machines run jax 0.11.2.
 """
@@ -189,3 +191,16 @@ def kernel_launches(fn, *args, **kwargs) -> list[Launch]:
             v = [int(x) if x is not None else 0 for x in m.groups()]
             launches.append(Launch(tuple(v[0:3]), tuple(v[3:6]), v[6]))
     return launches
+
+
+def loop_bodies(text: str) -> list[list[str]]:
+    """The lines of each ``scf.for`` loop's body in a kernel module's text (outer loops include their inner ones),
+    found by the indentation of the loop's closing brace."""
+    lines, bodies = text.splitlines(), []
+    for i, line in enumerate(lines):
+        if "scf.for" in line:
+            indent = len(line) - len(line.lstrip())
+            end = next(j for j in range(i + 1, len(lines))
+                       if lines[j].strip().startswith("}") and len(lines[j]) - len(lines[j].lstrip()) == indent)
+            bodies.append(lines[i + 1:end])
+    return bodies

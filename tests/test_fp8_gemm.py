@@ -483,18 +483,6 @@ def test_default_tiling_launch(kernel, grid, threads):
         assert 2 * launch.smem_bytes <= fp8_tiling.SMEM_BYTES
 
 
-def _loop_bodies(text):
-    """The bodies (lines) of the scf.for loops in a kernel module's text, by the indentation of its closing brace."""
-    lines, bodies = text.splitlines(), []
-    for i, line in enumerate(lines):
-        if "scf.for" in line:
-            indent = len(line) - len(line.lstrip())
-            end = next(j for j in range(i + 1, len(lines))
-                       if lines[j].strip().startswith("}") and len(lines[j]) - len(lines[j].lstrip()) == indent)
-            bodies.append(lines[i + 1:end])
-    return bodies
-
-
 def test_pipelined_k_step_has_one_fenced_barrier():
     """The pipelined kernel runs without Pallas's automatic barriers (one before each of a k-step's four refill
     copies) and places its own: each k-step's body holds exactly one warpgroup barrier, after an async-proxy
@@ -506,7 +494,7 @@ def test_pipelined_k_step_has_one_fenced_barrier():
             S((n // 128, k // 128), F32))
     (module,) = _mosaic.kernel_modules(fp8_gemm, *args, implementation="pallas", interpret=False,
                                        kernel="pipelined")
-    (body,) = _loop_bodies(module.text)                                   # the k-loop: emit_pipeline's scf.for
+    (body,) = _mosaic.loop_bodies(module.text)                                   # the k-loop: emit_pipeline's scf.for
     barriers = [i for i, line in enumerate(body) if "bar.sync" in line]
     fences = [i for i, line in enumerate(body) if "fence.proxy" in line and "async" in line]
     assert len(barriers) == 1 and fences and fences[-1] < barriers[0]

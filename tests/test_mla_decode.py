@@ -177,6 +177,23 @@ def test_kernel_probes_interpret():
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
+def test_producer_reads_page_id_before_waiting_for_its_slot(kernel):
+    """In the producer's page loop (the loop that issues the page TMA), the block-table load comes before the wait
+    for the ring slot, so its latency hides under the wait instead of delaying the refill (a SASS finding,
+    docs/benchmarks.md). The kernel module a GPU compiles is read; the loads of mbarrier phases (allocas) aside."""
+    S = jax.ShapeDtypeStruct
+    args = (S((2, 1, 16, 576), jnp.bfloat16), S((16, PAGE, 1, 576), jnp.bfloat16), S((2, 8), jnp.int32),
+            S((2,), jnp.int32))
+    (module,) = _mosaic.kernel_modules(mla_decode, *args, head_dim_v=512, implementation="pallas",
+                                       interpret=False, kernel=kernel)
+    (body,) = [b for b in _mosaic.loop_bodies(module.text)
+               if any("cp.async.bulk.tensor" in line for line in b)]
+    table_loads = [i for i, line in enumerate(body) if "memref.load" in line and "%alloca" not in line]
+    waits = [i for i, line in enumerate(body) if "mbarrier.try_wait" in line]
+    assert table_loads and waits and table_loads[0] < waits[0]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_interpreted_kernel_runs_its_own_score_wgmma_from_jax_0_11_2(kernel):
     """From jax 0.11.2 on, interpret mode runs the QK^T wgmma itself (the kernel's jaxpr holds it), so the interpret
     tests above check that instruction's operands as a GPU runs it; before, a value-level stand-in takes its place.
