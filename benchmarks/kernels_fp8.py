@@ -100,9 +100,13 @@ def _tiling_label(kind: str, shape, kernel: str | None, knobs: dict) -> str:
     if kernel is None:
         return ""
     rows, n = (shape[0], shape[1]) if kind == "dense" else (shape[0] * shape[1], shape[2])
+    k_steps = -(-shape[-1] // 128)
     t = fp8_tiling.resolve(kernel, knobs.get("block_m"), knobs.get("block_n"), 128, knobs.get("stages"), rows=rows,
-                           n=n, num_sms=num_sms(False), out_itemsize=2, multicast=knobs.get("multicast", 1))
-    return f" tiling {t.block_m}x{t.block_n}x{t.stages}" + (" multicast 2" if t.multicast == 2 else "")
+                           n=n, num_sms=num_sms(False), out_itemsize=2, multicast=knobs.get("multicast", 1),
+                           k_steps=k_steps)
+    chained = kernel == "warp_specialized" and fp8_tiling.chains_tiles(k_steps, t.stages)
+    return (f" tiling {t.block_m}x{t.block_n}x{t.stages}" + (" multicast 2" if t.multicast == 2 else "")
+            + (" chained" if chained else ""))
 
 
 def _case(kind: str, shape, implementation: str, kernel: str | None, tiling: dict):

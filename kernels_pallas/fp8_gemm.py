@@ -223,13 +223,13 @@ def tiled_fp8_gemm_pallas(tile_group, a, a_scale_t, b, b_scale_t, *, block_m, bl
     return kernel(tile_group, a, a_scale_t, b, b_scale_t)
 
 
-def resolve_tiling(kernel: str, block_m, block_n, block_k: int, stages, *, rows: int, n: int, out_dtype,
+def resolve_tiling(kernel: str, block_m, block_n, block_k: int, stages, *, rows: int, n: int, k: int, out_dtype,
                    interpret: bool, multicast: int = 1) -> Tiling:
     """The static knobs of a Pallas entry, None filled by fp8_tiling's DeepGEMM-style defaults and all checked
   (ValueError naming the knob). rows: rows whose tiles may run (dense m, contiguous m, masked G * m_max)."""
     return fp8_tiling.resolve(kernel, block_m, block_n, block_k, stages, rows=rows, n=n,
                               num_sms=num_sms(interpret), out_itemsize=jnp.dtype(out_dtype).itemsize,
-                              multicast=multicast)
+                              multicast=multicast, k_steps=_cdiv(k, BLOCK_K))
 
 
 def run_tiles(tile_group, a, a_scale_t, b, b_scale_t, *, kernel, tiling: Tiling, out_dtype, interpret):
@@ -282,7 +282,7 @@ def fp8_gemm(a, a_scale, b, b_scale, *, out_dtype=jnp.bfloat16, implementation=N
     implementation, interpret = resolve(implementation, interpret)
     if implementation == "xla":
         return _fp8_gemm_xla(a, a_scale, b, b_scale, out_dtype)
-    tiling = resolve_tiling(kernel, block_m, block_n, block_k, stages, rows=m, n=n, out_dtype=out_dtype,
+    tiling = resolve_tiling(kernel, block_m, block_n, block_k, stages, rows=m, n=n, k=k, out_dtype=out_dtype,
                             interpret=interpret, multicast=multicast)
     rows = _round_up(m, tiling.block_m)
     a_p, as_t = prepare_a(a, a_scale, rows)

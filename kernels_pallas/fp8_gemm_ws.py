@@ -29,6 +29,12 @@ Hopper matmul (jax/experimental/pallas/ops/gpu/hopper_matmul_mgpu.py):
 - epilogue: each consumer casts its half to out_dtype into its own SMEM slot and TMA-stores it; the store runs
   while the next tile's main loop does, and is awaited only before that slot is rewritten (the JAX matmul's
   ``wait_smem_to_gmem(0, wait_read_only=True)`` pattern).
+- tiles chained (``fp8_tiling.chains_tiles``: the ring depth divides the k-steps, which the default ring depth
+  seeks): each tile's pipeline runs with ``pipeline_state`` START (the CTA's first tile: fill the ring), STEADY,
+  or STOP (its last: await the final releases), so the producer never drains the ring between tiles; it refills
+  each slot for the next tile as soon as the consumers release it, while they finish this tile and store it (as
+  DeepGEMM's TMA warp runs ahead across blocks). Otherwise every tile fills and drains the ring itself: the
+  consumers wait a load's latency at each tile's start.
 
 Lowering semantics: Lane, as the pipelined kernel (explicit WGMMA layouts for the scale vectors); the
 warp-specialized pipeline, ``nd_loop`` with a data-dependent trip count and ``num_threads=3`` lower under it for
@@ -54,7 +60,8 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from kernels_pallas import _mosaic
-from kernels_pallas.fp8_tiling import BLOCK_K, NUM_CONSUMERS, SCALE_WINDOW, SCALE_WINDOW_ALIGN, Tiling, check_knobs
+from kernels_pallas.fp8_tiling import (BLOCK_K, NUM_CONSUMERS, SCALE_WINDOW, SCALE_WINDOW_ALIGN, Tiling, chains_tiles,
+                                       check_knobs)
 
 TMA_REGISTERS = 40        # DeepGEMM kNumTMARegisters; JAX matmul memory_registers=40
 TILE_BAND = 16            # DeepGEMM Scheduler kNumNBlocksPerGroup: column tiles per L2 band
@@ -142,7 +149,9 @@ def _ws_kernel(tile_rows_gmem, tile_group_gmem, num_active_gmem, a_gmem, as_gmem
     swizzle = 128  # 128 fp8 = 128 bytes per k-row of a tile
     tiles = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
 
-    def pipeline(body, context):
+    chained = chains_tiles(num_k, cfg.stages)
+
+    def pipeline(body, context, state=None):
         return plgpu.emit_pipeline_warp_specialized(
             body,
             grid=(num_k,),
@@ -159,6 +168,7 @@ def _ws_kernel(tile_rows_gmem, tile_group_gmem, num_active_gmem, a_gmem, as_gmem
             max_concurrent_steps=cfg.stages,
             manual_consumed_barriers=True,
             compute_context=context,
+            pipeline_state=state,
         )
 
     # Scale blocks are (1, n) rather than squeezed (None, n): older warp-specialized pipelines allocate SMEM from
@@ -205,8 +215,13 @@ def _ws_kernel(tile_rows_gmem, tile_group_gmem, num_active_gmem, a_gmem, as_gmem
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[pl.ds(ti * bm + wg * half, half), cols])
 
+            state = None
+            if chained:   # START fills the ring, STOP awaits its last releases (one tile: START, nothing to await)
+                last = info.local_index == info.num_local_steps - 1
+                state = jnp.where(info.local_index == 0, plgpu.PipelinePipeline.START,
+                                  jnp.where(last, plgpu.PipelinePipeline.STOP, plgpu.PipelinePipeline.STEADY))
             window = pl.ds(scale_window_start(ni * bn), SCALE_WINDOW)
-            pipeline(functools.partial(k_step, ni * bn), context)(
+            pipeline(functools.partial(k_step, ni * bn), context, state)(
                 a_gmem.at[rows], b_gmem.at[g, cols], as_gmem.at[:, rows], bs_gmem.at[g, :, window],
                 allocations=allocs)
 

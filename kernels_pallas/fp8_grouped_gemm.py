@@ -175,12 +175,12 @@ def fp8_grouped_gemm_contiguous(a, a_scale, b, b_scale, group_ids, *, out_dtype=
     """a [m, k] e4m3 (+ [m, ceil(k/128)] scales), b [G, n, k] e4m3 (+ [G, ceil(n/128), ceil(k/128)]),
   group_ids [m] int (-1 = padding, anywhere; segments need not be aligned) -> [m, n], padding rows zero.
   Knobs as fp8_gemm's."""
-    m, n, _, g = _check_contiguous(a, a_scale, b, b_scale, group_ids)
+    m, n, k, g = _check_contiguous(a, a_scale, b, b_scale, group_ids)
     check_kernel(kernel)
     implementation, interpret = resolve(implementation, interpret)
     if implementation == "xla":
         return _contiguous_xla(a, a_scale, b, b_scale, group_ids, out_dtype)
-    tiling = resolve_tiling(kernel, block_m, block_n, block_k, stages, rows=m, n=n, out_dtype=out_dtype,
+    tiling = resolve_tiling(kernel, block_m, block_n, block_k, stages, rows=m, n=n, k=k, out_dtype=out_dtype,
                             interpret=interpret, multicast=multicast)
     return _contiguous_pallas(a, a_scale, b, b_scale, group_ids, out_dtype=out_dtype, kernel=kernel,
                               tiling=tiling, interpret=interpret)
@@ -192,12 +192,12 @@ def fp8_grouped_gemm_masked(a, a_scale, b, b_scale, masked_m, *, out_dtype=jnp.b
                             kernel="pipelined", multicast=1):
     """a [G, m_max, k] e4m3 (+ [G, m_max, ceil(k/128)]), b [G, n, k] (+ [G, ceil(n/128), ceil(k/128)]),
   masked_m [G] int -> [G, m_max, n]; rows at or past masked_m[g] are zero. Knobs as fp8_gemm's."""
-    g, m_max, n, _ = _check_masked(a, a_scale, b, b_scale, masked_m)
+    g, m_max, n, k = _check_masked(a, a_scale, b, b_scale, masked_m)
     check_kernel(kernel)
     implementation, interpret = resolve(implementation, interpret)
     if implementation == "xla":
         return _masked_xla(a, a_scale, b, b_scale, masked_m, out_dtype)
-    tiling = resolve_tiling(kernel, block_m, block_n, block_k, stages, rows=g * m_max, n=n, out_dtype=out_dtype,
-                            interpret=interpret, multicast=multicast)
+    tiling = resolve_tiling(kernel, block_m, block_n, block_k, stages, rows=g * m_max, n=n, k=k,
+                            out_dtype=out_dtype, interpret=interpret, multicast=multicast)
     return _masked_pallas(a, a_scale, b, b_scale, masked_m, out_dtype=out_dtype, kernel=kernel, tiling=tiling,
                           interpret=interpret)

@@ -9,7 +9,12 @@ do:
 - the pipelined kernel (one warpgroup per CTA, not persistent) always takes 64-row tiles and asks for a pipeline
   shallow enough that two CTAs share an SM, so one CTA's promotion overlaps the other's wgmma (what DeepGEMM gets
   from its two math warpgroups);
-- every config must keep its accumulators in registers (``check_registers``).
+- every config must keep its accumulators in registers (``check_registers``);
+- the warp-specialized kernel takes the deepest ring that divides the k-steps (at least MIN_CHAINED_STAGES deep)
+  when one fits: its pipelines then chain from one output tile to the next (``chains_tiles``, fp8_gemm_ws.py), so
+  the producer loads the next tile while the consumers finish this one, as DeepGEMM's TMA warp does. DeepGEMM
+  keeps its stage count and pads a tile's last round of stages with empty ones instead; emit_pipeline has no
+  empty steps, hence the divisor.
 
 Register rule: per k-step a warpgroup holds the wgmma's fresh fp32 accumulator and the promoted fp32 sum, each
 rows x block_n / 128 registers per thread (128 threads). A thread has at most 255 registers (sm90; 232 in the
@@ -39,6 +44,7 @@ PIPELINED_BLOCK_NS = (128, 64, 32)
 WS_BLOCK_NS = (128, 64, 32)
 PIPELINED_MAX_STAGES = 6
 WS_STAGES = (8, 7, 6, 5, 4, 3, 2)                 # DeepGEMM's candidates (8 .. 3), deepest that fits first
+MIN_CHAINED_STAGES = 3    # a chained ring shallower than this is not worth the depth it gives up (judgement, unmeasured)
 KERNELS = ("pipelined", "warp_specialized")
 # B's block scales per k-step copy (fp8_gemm_ws.py load_scales): 32 floats = 128 bytes, from a multiple of 16, so the
 # window holds the one or two 128-column blocks a tile spans. Mosaic GPU (Lane semantics) splits a copy's bytes over
@@ -135,15 +141,22 @@ def _pipelined_stages(t: Tiling, out_itemsize: int) -> int:
     return 1
 
 
+def chains_tiles(k_steps: int, stages: int) -> bool:
+    """Whether the warp-specialized kernel chains its per-tile pipelines (emit_pipeline_warp_specialized's
+    ``pipeline_state``): every tile must start at ring slot 0, so the ring depth must divide the k-steps."""
+    return stages > 1 and k_steps % stages == 0
+
+
 def check_kernel(kernel: str):
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel=}")
 
 
 def resolve(kernel: str, block_m, block_n, block_k: int, stages, *, rows: int, n: int, num_sms: int,
-            out_itemsize: int, multicast: int = 1) -> Tiling:
+            out_itemsize: int, multicast: int = 1, k_steps: int | None = None) -> Tiling:
     """Fill the knobs left None (module docstring) and check all of them. rows: rows whose tiles may run (dense
-  m, contiguous m, masked G * m_max); num_sms: the persistent grid / wave size."""
+  m, contiguous m, masked G * m_max); num_sms: the persistent grid / wave size; k_steps: ceil(k / 128) (None:
+  unknown, the deepest ring)."""
     check_kernel(kernel)
     if block_k != BLOCK_K:
         raise ValueError(f"block_k must be {BLOCK_K} (one scale per k-step), got {block_k=}")
@@ -160,7 +173,8 @@ def resolve(kernel: str, block_m, block_n, block_k: int, stages, *, rows: int, n
         if ws:
             fits = [s for s in WS_STAGES
                     if dataclasses.replace(t, stages=s).smem_bytes(out_itemsize) <= SMEM_BYTES]
-            stages = fits[0] if fits else 1
+            chained = [s for s in fits if s >= MIN_CHAINED_STAGES and k_steps and chains_tiles(k_steps, s)]
+            stages = (chained or fits or [1])[0]
         else:
             stages = _pipelined_stages(t, out_itemsize)
     t = check_knobs(kernel, Tiling(block_m, block_n, stages, multicast), out_itemsize)

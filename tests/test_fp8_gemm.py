@@ -345,8 +345,8 @@ def test_warp_specialized_multicast_interpret(entry):
     0.11.2 on; before, it refuses."""
     kw = dict(out_dtype=F32, implementation="pallas", interpret=True, kernel="warp_specialized", block_m=128,
               block_n=64, stages=2, multicast=2)
-    if entry == "dense":
-        _, _, a, a_s, b, b_s = make_dense(256, 256, 384)
+    if entry == "dense":   # 4 k-steps over the 2-deep ring: the tiles' pipelines chain (fp8_tiling.chains_tiles)
+        _, _, a, a_s, b, b_s = make_dense(256, 256, 512)
         run = lambda: fp8_gemm(a, a_s, b, b_s, **kw)                                          # noqa: E731
         exact = np.asarray(fp8_gemm_reference(a, a_s, b, b_s, out_dtype=F32))
     else:
@@ -359,6 +359,28 @@ def test_warp_specialized_multicast_interpret(entry):
             run()
         return
     assert rel_err(run(), exact) < 1e-5
+
+
+@pytest.mark.parametrize("entry", ["dense", "contiguous"])
+@INTERPRET_TIMEOUT
+def test_warp_specialized_chained_tiles_interpret(entry):
+    """Tiles whose pipelines chain (the ring depth divides the k-steps): each of the interpret grid's 2 CTAs runs
+    several tiles, the first with pipeline_state START, the last STOP, STEADY between, and the producer refills each
+    slot for the next tile while the consumers finish the current one. Contiguous: a data-dependent tile count (3
+    active row tiles of 5, one CTA gets an odd share of the 6 active tiles x 2 column tiles)."""
+    stages, k = 3, 6 * 128 - 40                                                  # 6 k-steps: two rounds of the ring
+    assert fp8_tiling.chains_tiles(-(-k // 128), stages) and not fp8_tiling.chains_tiles(-(-k // 128), 4)
+    kw = dict(out_dtype=F32, implementation="pallas", interpret=True, kernel="warp_specialized", block_m=128,
+              block_n=64, stages=stages)
+    if entry == "dense":
+        _, _, a, a_s, b, b_s = make_dense(3 * 128 - 9, 4 * 64 - 5, k, seed=3)     # 12 tiles: 6 per CTA
+        out, exact = fp8_gemm(a, a_s, b, b_s, **kw), fp8_gemm_reference(a, a_s, b, b_s, out_dtype=F32)
+    else:
+        _, _, a, a_s, b, b_s = make_grouped(3, 330, 128, k, seed=8)
+        gid = np.concatenate([np.full(100, 1), np.full(60, -1), np.full(130, 0), np.full(40, 2)]).astype(np.int32)
+        out = fp8_grouped_gemm_contiguous(a, a_s, b, b_s, jnp.asarray(gid), **kw)
+        exact = np_contiguous(a, a_s, b, b_s, gid)
+    assert rel_err(out, exact) < 1e-5
 
 
 @INTERPRET_TIMEOUT
@@ -395,15 +417,18 @@ def test_grouped_masked_pallas_interpret(kernel):
 
 # ------------------------------------------------------------------------------------------------- cross-lowering
 # The shipped configurations: every tiling the entries choose by default (fp8_tiling.resolve, 132 SMs) on
-# DeepGEMM's shapes (dense m in 64, 128, 4096 x its six (n, k); grouped contiguous and masked rows), both kernels.
+# DeepGEMM's shapes (dense m in 64, 128, 4096 x its six (n, k); grouped contiguous and masked rows with its grouped
+# (n, k) pairs: (4096, 7168) and (7168, 2048)), both kernels.
 DEEPGEMM_NK = [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048)]
-DEEPGEMM_ROWS = [(m, n) for m in (64, 128, 4096) for n, _ in DEEPGEMM_NK] + [
-    (g * m, n) for g, m in ((4, 8192), (8, 4096), (1, 1024), (2, 512), (4, 256)) for n in (4096, 7168)]
+DEEPGEMM_ROWS = [(m, n, k) for m in (64, 128, 4096) for n, k in DEEPGEMM_NK] + [
+    (g * m, n, k) for g, m in ((4, 8192), (8, 4096), (1, 1024), (2, 512), (4, 256)) for n, k in ((4096, 7168),
+                                                                                               (7168, 2048))]
 
 
 def _shipped():
-    picked = {(kernel, fp8_tiling.resolve(kernel, None, None, 128, None, rows=m, n=n, num_sms=132, out_itemsize=2))
-              for kernel in KERNELS for m, n in DEEPGEMM_ROWS}
+    picked = {(kernel, fp8_tiling.resolve(kernel, None, None, 128, None, rows=m, n=n, num_sms=132, out_itemsize=2,
+                                          k_steps=k // 128))
+              for kernel in KERNELS for m, n, k in DEEPGEMM_ROWS}
     return [dict(kernel=kernel, block_m=t.block_m, block_n=t.block_n, stages=t.stages)
             for kernel, t in sorted(picked, key=lambda x: (x[0], x[1].block_m, x[1].block_n, x[1].stages))]
 
@@ -422,10 +447,12 @@ def within_bf16_rounding(out, exact):
 @INTERPRET_TIMEOUT
 def test_shipped_tilings_interpret(cfg):
     """Every default tiling (SHIPPED) on 2 row tiles x 4 column tiles, both ragged, and a k that wraps the
-    stage ring (stages + 2 k-steps, the last partial), bf16 out as the entries default to."""
+    stage ring, the last k-step partial: stages + 2 k-steps, or for the warp-specialized kernel, whose default
+    ring divides the k-steps (its tiles' pipelines chain), 2 x stages; bf16 out as the entries default to."""
     if cfg.get("multicast") == 2 and not NATIVE_INTERPRETER:
         pytest.skip("multicast=2 needs the cluster barriers of jax >= 0.11.2's interpreter (the refusal is tested)")
-    m, n, k = 2 * cfg["block_m"] - 6, 4 * cfg["block_n"] - 8, (cfg["stages"] + 2) * 128 - 40
+    steps = 2 * cfg["stages"] if cfg["kernel"] == "warp_specialized" else cfg["stages"] + 2
+    m, n, k = 2 * cfg["block_m"] - 6, 4 * cfg["block_n"] - 8, steps * 128 - 40
     _, _, a, a_s, b, b_s = make_dense(m, n, k, seed=6)
     out = fp8_gemm(a, a_s, b, b_s, implementation="pallas", interpret=True, **cfg)
     assert out.dtype == jnp.bfloat16 and within_bf16_rounding(out, fp8_gemm_reference(a, a_s, b, b_s, out_dtype=F32))
@@ -444,6 +471,22 @@ def test_default_block_n_follows_deepgemm_wave_rule():
     assert pick(32, 2112, 132, (192, 96, 64)) == 192
     assert pick(64, 7168, 132, fp8_tiling.PIPELINED_BLOCK_NS) == 128
     assert pick(1, 100, 132, (128, 64)) == 64                      # nothing divides n: every candidate counts
+
+
+@pytest.mark.parametrize("block_n,k_steps,stages", [(128, None, 5), (128, 56, 4), (128, 128, 4), (128, 12, 4),
+                                                    (128, 4, 4), (128, 15, 5), (128, 7, 5), (64, 56, 8),
+                                                    (64, 12, 6), (64, 4, 4), (64, 9, 3)])
+def test_warp_specialized_default_ring_divides_k_steps(block_n, k_steps, stages):
+    """The deepest ring that fits SMEM and divides the k-steps (so the tiles' pipelines chain), at least 3 deep,
+    else the deepest that fits. Worked by hand, bf16 out: a stage of 128 x 128 takes (128 + 128) * 128 + 4 * (128 +
+    32) = 33408 bytes, the epilogue tile 32768, the slack 2048, so 5 stages fit 227 KB (6 need 235264 bytes); at
+    128 x 64, 25216 per stage, 16384 + 2048 besides: 8 fit. k = 7168 is 56 k-steps: 4 at 128 x 128, 8 at 128 x 64;
+    7 k-steps: no fitting divisor of at least 3, so 5, unchained."""
+    t = fp8_tiling.resolve("warp_specialized", 128, block_n, 128, None, rows=4096, n=7168, num_sms=132,
+                           out_itemsize=2, k_steps=k_steps)
+    assert t.stages == stages
+    if k_steps is not None:
+        assert fp8_tiling.chains_tiles(k_steps, stages) == (k_steps % stages == 0)
 
 
 @pytest.mark.parametrize("cfg", SHIPPED, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
@@ -475,7 +518,8 @@ def test_default_tiling_launch(kernel, grid, threads):
     args = (S((m, k), jnp.float8_e4m3fn), S((m, k // 128), jnp.float32), S((n, k), jnp.float8_e4m3fn),
             S((n // 128, k // 128), jnp.float32))
     (launch,) = _mosaic.kernel_launches(fp8_gemm, *args, implementation="pallas", interpret=False, kernel=kernel)
-    tiling = fp8_tiling.resolve(kernel, None, None, 128, None, rows=m, n=n, num_sms=132, out_itemsize=2)
+    tiling = fp8_tiling.resolve(kernel, None, None, 128, None, rows=m, n=n, num_sms=132, out_itemsize=2,
+                                k_steps=k // 128)
     assert launch.grid == grid and launch.block == (threads, 1, 1)
     estimate = tiling.smem_bytes(2)
     assert estimate - fp8_tiling.SMEM_SLACK <= launch.smem_bytes <= estimate

@@ -91,9 +91,12 @@ def test_fp8_grouped_native():
 
 # The warp-specialized variant (kernel="warp_specialized", fp8_gemm_ws.py), same oracles. Kept last and selected by
 # name (-k warp_specialized) so that scripts/gpu_check.sh runs it in its own step after everything else.
-@pytest.mark.parametrize("m, n, k", [(64, 2112, 7168), (4096, 7168, 2048), (70, 200, 300)])
-def test_fp8_gemm_native_warp_specialized(m, n, k):
-    _check_dense(m, n, k, kernel="warp_specialized")
+# The defaults chain the tiles' pipelines (fp8_tiling.chains_tiles: a 4-deep ring over 16 k-steps at
+# (4096, 7168, 2048), ~14 tiles per CTA); stages=5 does not divide 16, so each tile fills and drains its own ring.
+@pytest.mark.parametrize("m, n, k, stages", [(64, 2112, 7168, None), (4096, 7168, 2048, None), (70, 200, 300, None),
+                                             (4096, 7168, 2048, 5)])
+def test_fp8_gemm_native_warp_specialized(m, n, k, stages):
+    _check_dense(m, n, k, kernel="warp_specialized", stages=stages)
 
 
 def test_fp8_grouped_native_warp_specialized():
