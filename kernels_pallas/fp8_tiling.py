@@ -44,7 +44,7 @@ PIPELINED_BLOCK_NS = (128, 64, 32)
 WS_BLOCK_NS = (128, 64, 32)
 PIPELINED_MAX_STAGES = 6
 WS_STAGES = (8, 7, 6, 5, 4, 3, 2)                 # DeepGEMM's candidates (8 .. 3), deepest that fits first
-MIN_CHAINED_STAGES = 3    # a chained ring shallower than this is not worth the depth it gives up (judgement, unmeasured)
+MIN_CHAINED_STAGES = 3    # a shallower chained ring is not worth the depth it gives up (a judgement, unmeasured)
 KERNELS = ("pipelined", "warp_specialized")
 # B's block scales per k-step copy (fp8_gemm_ws.py load_scales): 32 floats = 128 bytes, from a multiple of 16, so the
 # window holds the one or two 128-column blocks a tile spans. Mosaic GPU (Lane semantics) splits a copy's bytes over
