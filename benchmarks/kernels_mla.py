@@ -132,6 +132,18 @@ def breakdown_case(b, s_k, h_q, s_q, varlen, num_splits, kernel, iters, interpre
     return stages
 
 
+def breakdown_lines(st: dict) -> list[str]:
+    """The --breakdown lines of one case from ``breakdown_case``'s result (seconds, counts, page bytes)."""
+    lines = [f"  stages: schedule {st['schedule'] * 1e6:.1f} us, kernel {st['kernel'] * 1e6:.1f} us, "
+             f"combine {st['combine'] * 1e6:.1f} us ({st['nonempty']} of {st['items']} items hold pages)"]
+    if "stream" in st:
+        gbs = {k: st["page_bytes"] / st[k] / 1e9 for k in ("stream", "kernel")}
+        lines.append(f"  probes: stream {st['stream'] * 1e6:.1f} us ({gbs['stream']:.0f} GB/s of pages), "
+                     f"compute {st['compute'] * 1e6:.1f} us, kernel {st['kernel'] * 1e6:.1f} us "
+                     f"({gbs['kernel']:.0f} GB/s of pages)")
+    return lines
+
+
 def copy_ceiling(gib: float = 2.0, iters: int = 20) -> str:
     """The device's read+write bandwidth on a bf16 array of ``gib`` GiB (x * 2: one read, one write per element),
     the memory ceiling the MLA GB/s compare with (KINDS.md measured about 4.3 TB/s on an H200 through PyTorch)."""
@@ -202,15 +214,9 @@ def main(argv: list[str] | None = None) -> None:
             emit(line)
             if args.breakdown and kernel is not None:
                 try:
-                    st = breakdown_case(b, s_k, h_q, s_q, varlen, num_splits, kernel, args.iters)
-                    emit(f"  stages: schedule {st['schedule'] * 1e6:.1f} us, kernel {st['kernel'] * 1e6:.1f} us, "
-                         f"combine {st['combine'] * 1e6:.1f} us ({st['nonempty']} of {st['items']} items hold "
-                         f"pages)")
-                    if "stream" in st:
-                        gbs = {k: st["page_bytes"] / st[k] / 1e9 for k in ("stream", "kernel")}
-                        emit(f"  probes: stream {st['stream'] * 1e6:.1f} us ({gbs['stream']:.0f} GB/s of pages), "
-                             f"compute {st['compute'] * 1e6:.1f} us, kernel {st['kernel'] * 1e6:.1f} us "
-                             f"({gbs['kernel']:.0f} GB/s of pages)")
+                    for line in breakdown_lines(breakdown_case(b, s_k, h_q, s_q, varlen, num_splits, kernel,
+                                                               args.iters)):
+                        emit(line)
                 except Exception as e:  # noqa: BLE001 - the breakdown is context, not a case
                     emit(f"  stages: FAILED {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
     if out is not None:

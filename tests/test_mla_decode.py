@@ -176,6 +176,25 @@ def test_kernel_probes_interpret():
         _recompute_scores_pallas(q_rows, kvj, lensj, sched.items, tablej, probe="memory", **kw)
 
 
+def test_benchmark_breakdown_lines():
+    """benchmarks/kernels_mla.py --breakdown's lines from one ``breakdown_case`` result, worked by hand: 10^6 bytes
+    of pages in 500 us is 2 GB/s, in 1 ms 1 GB/s; the shared_scores kernel (no probes) gets the stages line only."""
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location(
+        "kernels_mla", pathlib.Path(__file__).parent.parent / "benchmarks" / "kernels_mla.py")
+    km = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(km)
+    st = dict(schedule=1e-5, kernel=1e-3, combine=2e-5, items=8, nonempty=7, page_bytes=10**6, stream=5e-4,
+              compute=2.5e-4)
+    assert km.breakdown_lines(st) == [
+        "  stages: schedule 10.0 us, kernel 1000.0 us, combine 20.0 us (7 of 8 items hold pages)",
+        "  probes: stream 500.0 us (2 GB/s of pages), compute 250.0 us, kernel 1000.0 us (1 GB/s of pages)"]
+    del st["stream"], st["compute"]
+    assert len(km.breakdown_lines(st)) == 1
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_producer_reads_page_id_before_waiting_for_its_slot(kernel):
     """In the producer's page loop (the loop that issues the page TMA), the block-table load comes before the wait
