@@ -1,14 +1,14 @@
 """MLA decode benchmark on FlashMLA's sweep, in FlashMLA's units (tests/test_flash_mla.py, README).
 
     PYTHONPATH=. python benchmarks/kernels_mla.py [--out results.txt] [--implementation pallas|xla] [--iters 20]
-        [--kernel recompute_scores|shared_scores|both] [--cases all|compare] [--breakdown]
+        [--kernel recompute_scores|shared_scores|pingpong|all] [--cases all|compare] [--breakdown]
 
 Sweep (--cases all): b=128; s_k 4096, 8192; h_q 16, 32, 64, 128; s_q 1, 2 (causal for s_q=2); h_kv 1; d 576;
 dv 512; page 64; every sequence at full length s_k. --cases compare: b=128, s_k=8192, (h_q, s_q) in (16, 1), (64, 1),
 (128, 2), a short subset to compare the kernel variants, then FlashMLA's varlen batch (tests/test_flash_mla.py
 --varlen: lengths drawn from normal(s_k, s_k / 2), at least s_q) at s_k=4096, h_q=64 under the balanced schedule
 and under one split per sequence (num_splits=1). --kernel (pallas only): mla_decode's kernel= variant;
-"both" prints the two variants' lines of each case next to each other. --breakdown: each stage of the Pallas path
+"all" prints every variant's line of each case next to each other. --breakdown: each stage of the Pallas path
 jitted and timed on its own (the work-item schedule, the kernel, the split combine), and for kernel=recompute_scores
 the kernel's two probes (mla_decode.py ``_decode_kernel`` probe=): "stream" (its page ring alone: the producer
 streams every page, the compute warpgroups only release them; GB/s of the pages) and "compute" (every step on the
@@ -166,15 +166,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=None, help="append result lines to this file")
     p.add_argument("--implementation", default="pallas", choices=("pallas", "xla"))
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--kernel", default="recompute_scores", choices=KERNELS + ("both",),
-                   help="mla_decode kernel= variant (pallas only); both: adjacent lines per case")
+    p.add_argument("--kernel", default="recompute_scores", choices=KERNELS + ("all",),
+                   help="mla_decode kernel= variant (pallas only); all: every variant, adjacent lines per case")
     p.add_argument("--cases", default="all", choices=("all", "compare"),
                    help="all: FlashMLA's sweep; compare: b=128 s_k=8192 (h_q, s_q) (16,1) (64,1) (128,2) + varlen")
     p.add_argument("--breakdown", action="store_true",
                    help="pallas only: after each case's line, the stages timed on their own (schedule, kernel, "
                         "combine), to show where the time goes")
     args = p.parse_args(argv)
-    kernels = KERNELS if args.kernel == "both" else (args.kernel,)
+    kernels = KERNELS if args.kernel == "all" else (args.kernel,)
     if args.implementation == "xla":
         kernels = (None,)
 

@@ -5,8 +5,8 @@ schedule and the split combine (``_decode_pallas``, mla_schedule.py) -> ``mla_de
 ``implementation="pallas" | "xla"``, tuning knobs) -> ``mla_decode_reference`` (plain jnp, fp32). ``_decode_xla`` is
 the XLA path the engine uses on CPU.
 
-Two kernel bodies, chosen with the static knob ``kernel=`` of ``mla_decode``; both run on grid (work items,
-G * row blocks), a work item being a page range of one sequence (mla_schedule.py: balanced over the batch's
+Two kernel bodies in three variants, chosen with the static knob ``kernel=`` of ``mla_decode``; all run on grid (work
+items, G * row blocks), a work item being a page range of one sequence (mla_schedule.py: balanced over the batch's
 lengths, launched longest first), with one producer warpgroup streaming q and the item's pages through an SMEM
 ring (``_produce``), and write the same per-item outputs that ``mla_schedule.combine`` merges:
 - ``"recompute_scores"`` (default): this file's ``_decode_kernel`` (``_recompute_scores_pallas``). Each compute
@@ -17,6 +17,9 @@ ring (``_produce``), and write the same per-item outputs that ``mla_schedule.com
   (csrc/flash_fwd_mla_kernel.h): warpgroup 0 computes S once per page, runs the online softmax and hands P and the
   rescale factor to the other compute warpgroups through SMEM; each does O += P V for its own columns. It lowers
   for cuda and passes in GPU interpret mode; not yet compiled, run or measured on a GPU, hence not the default.
+- ``"pingpong"``: ``_decode_kernel`` with FlashAttention-3's warpgroup ping-pong (``turn_bars``): the compute
+  warpgroups take turns at the tensor cores, so one's softmax runs while the other's wgmma does. Not yet run on a
+  GPU either.
 
 Shapes (letters used throughout): B batch, Q query tokens per sequence (s_q), N query heads (h_q), G kv heads
 (h_kv), M = N // G query heads per kv head, D = q/k head dim (576 for V3: 512 latent + 64 rope), V = head_dim_v
@@ -52,7 +55,7 @@ _MAX_GRID_Y = 65535  # gridDim.y limit (CUDA C Programming Guide, "Technical Spe
 # Dynamic shared memory one CTA may opt into on sm_90 (CUDA C Programming Guide, "Technical Specifications per
 # Compute Capability": 227 KB); Mosaic GPU refuses kernels above it (jax/experimental/mosaic/gpu/core.py).
 SMEM_BYTES = 227 * 1024
-KERNELS = ("recompute_scores", "shared_scores")
+KERNELS = ("recompute_scores", "shared_scores", "pingpong")
 
 
 # ----------------------------------------------------------------------------------------------- validation
@@ -180,25 +183,37 @@ def _decode_xla(q, kv_cache, block_table, cache_seqlens, *, head_dim_v, scale, c
 # ``pl.run_state``), which stays value-level when interpreting: interpret mode checks the data movement, paging,
 # masking and softmax of this kernel (and on 0.11.2 the score wgmma); the P V wgmma is checked by lowering for cuda
 # (and on a GPU).
-def _scores(q_smem, k_page, interpret):
-    """S = Q K^T: q_smem [64, D], k_page [S, D] (both SMEM) -> [64, S] f32."""
+def _scores(q_smem, k_page, interpret, after_issue=None):
+    """S = Q K^T: q_smem [64, D], k_page [S, D] (both SMEM) -> [64, S] f32. after_issue(): runs once the wgmma is
+    issued, before it is awaited (kernel="pingpong" passes the tensor cores to the other warpgroup there)."""
+    after_issue = after_issue or (lambda: None)
     if _mosaic.substitute_wgmma(interpret):
-        return lax.dot_general(q_smem[...], k_page[...], (((1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32)
+        s = lax.dot_general(q_smem[...], k_page[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        after_issue()
+        return s
 
     def qk(s_ref):
         plgpu.wgmma(s_ref, q_smem, k_page.transpose((1, 0)))
+        after_issue()
         return s_ref[...]
 
     return pl.run_scoped(qk, plgpu.ACC((q_smem.shape[0], k_page.shape[0]), jnp.float32))
 
 
-def _accumulate_pv(acc, p16, v_page, interpret):
-    """acc + P V: acc [64, Vb] f32, p16 [64, S] (registers), v_page [S, Vb] (SMEM) -> [64, Vb] f32."""
+def _accumulate_pv(acc, p16, v_page, interpret, after_issue=None):
+    """acc + P V: acc [64, Vb] f32, p16 [64, S] (registers), v_page [S, Vb] (SMEM) -> [64, Vb] f32. after_issue: as
+    ``_scores``'."""
+    after_issue = after_issue or (lambda: None)
     if interpret:
-        return acc + lax.dot_general(p16, v_page[...], (((1,), (0,)), ((), ())),
-                                     preferred_element_type=jnp.float32)
-    return pl.run_state(lambda o_ref: plgpu.wgmma(o_ref, p16, v_page))(plgpu.ACC.init(acc))
+        acc = acc + lax.dot_general(p16, v_page[...], (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        after_issue()
+        return acc
+
+    def pv(o_ref):
+        plgpu.wgmma(o_ref, p16, v_page)
+        after_issue()
+
+    return pl.run_state(pv)(plgpu.ACC.init(acc))
 
 
 # Pieces both kernel variants share (this file's ``_decode_kernel`` and mla_decode_shared.py's): the program's
@@ -350,14 +365,21 @@ def _store_lse(lse_ref, prog, m_i, l_i):
 
 
 def _decode_kernel(seqlens_ref, items_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref, q_smem, k_smem, q_bar,
-                   k_bars, consumed_bars, sync_bar, *, s_q, m, block_dv, num_wg, num_stages, scale, causal,
-                   interpret, probe=None):
+                   k_bars, consumed_bars, sync_bar, turn_bars=None, *, s_q, m, block_dv, num_wg, num_stages, scale,
+                   causal, interpret, probe=None):
     """kernel="recompute_scores": one program = one (64-row block of one kv head's R = Q * M query rows, work item:
     a page range of one sequence).
 
     Warpgroups 0..num_wg-1 compute (each owns V columns [w * block_dv, (w + 1) * block_dv) of the output and
     recomputes the 64 x 64 scores of each page); warpgroup num_wg is the producer (``_produce``). sync_bar: every
     compute warpgroup's QK read of the sequence's partial last page is done before any of them zeroes its V rows.
+
+    turn_bars (kernel="pingpong"; None otherwise): FlashAttention-3's warpgroup ping-pong (Shah et al. 2024, section
+    3.1, "pingpong scheduling"). The compute warpgroups take turns at the tensor cores, one wgmma phase each: QK^T
+    of warpgroup 0, QK^T of warpgroup 1, ..., then P V of 0, P V of 1, ..., page after page; a warpgroup waits for
+    its turn (turn_bars[w]) before it issues a phase and hands the turn on (turn_bars[w + 1]) as soon as the phase is
+    issued, so the next one's wgmma queues behind it while this one runs its softmax. Without it, the warpgroups
+    issue the same phase together and the tensor cores idle through their softmax.
 
     seqlens_ref [B] i32, items_ref [4, N] i32 (mla_schedule.py), table_ref [B, P] i32, q_ref [B, G, R_pad, D],
     kv_ref [pages, 64, G, D] (all GMEM); o_ref [N, G, R_pad, V] f32 and lse_ref [N, G, R_pad] f32 (log2 units)
@@ -386,6 +408,17 @@ def _decode_kernel(seqlens_ref, items_ref, table_ref, q_ref, kv_ref, o_ref, lse_
         col0 = pl.multiple_of(w * block_dv, 64)
         vcols = pl.ds(col0, block_dv)
         plgpu.set_max_registers(compute_regs, action="increase")
+        if turn_bars is not None:   # the last warpgroup gives warpgroup 0 the first turn
+            pl.when(w == num_wg - 1)(lambda: plgpu.barrier_arrive(turn_bars.at[0]))
+
+        def my_turn():
+            if turn_bars is not None:
+                plgpu.barrier_wait(turn_bars.at[w])
+
+        def pass_turn():
+            if turn_bars is not None:
+                plgpu.barrier_arrive(turn_bars.at[lax.rem(w + 1, num_wg)])
+
         _wait_q(prog, q_bar)
         cols, limit = _score_mask(prog, ps, s_q, m, causal)
         carry = _init_carry(block_dv)
@@ -397,7 +430,8 @@ def _decode_kernel(seqlens_ref, items_ref, table_ref, q_ref, kv_ref, o_ref, lse_
             if probe == "stream":
                 plgpu.barrier_arrive(consumed_bars.at[slot])
                 return carry
-            s = _scores(q_smem, k_page, interpret)  # [64, S] f32
+            my_turn()
+            s = _scores(q_smem, k_page, interpret, pass_turn)  # [64, S] f32
 
             @pl.when(prog.seqlen - page_start < ps)  # the sequence's last, partial page: zero V rows past seqlen
             def _():
@@ -411,12 +445,15 @@ def _decode_kernel(seqlens_ref, items_ref, table_ref, q_ref, kv_ref, o_ref, lse_
             acc = _rescale(acc, alpha)
             p16 = p.astype(k_smem.dtype)
             v_page = k_page.at[:, vcols]
-            acc = _accumulate_pv(acc, p16, v_page, interpret)
+            my_turn()
+            acc = _accumulate_pv(acc, p16, v_page, interpret, pass_turn)
             if probe != "compute":
                 plgpu.barrier_arrive(consumed_bars.at[slot])
             return acc, m_new, l_i
 
         acc, m_i, l_i = lax.fori_loop(0, prog.n_steps, step, carry)
+        if turn_bars is not None:   # warpgroup 0 observes the last turn handed to it (the first one, for no page)
+            pl.when(w == 0)(lambda: plgpu.barrier_wait(turn_bars.at[0]))
         _store_out(o_ref, prog, vcols, acc, l_i)
         pl.when(w == 0)(lambda: _store_lse(lse_ref, prog, m_i, l_i))
 
@@ -487,23 +524,25 @@ def _launch(body, q_rows, kv_cache, seqlens, items, table, *, head_dim_v, num_wg
 
 
 def _recompute_scores_pallas(q_rows, kv_cache, seqlens, items, table, *, s_q, m, head_dim_v, scale, causal,
-                             block_dv, num_stages, interpret, probe=None):
+                             block_dv, num_stages, interpret, probe=None, pingpong=False):
     """``plgpu.kernel`` wrapper of ``_decode_kernel``: q_rows [B, G, R_pad, D], items [4, N] -> (o_part
-    [N, G, R_pad, V] f32, lse_part [N, G, R_pad] f32 log2). probe: see ``_decode_kernel`` (None: the kernel)."""
-    if probe not in (None, "stream", "compute"):
-        raise ValueError(f"probe must be None, 'stream' or 'compute', got {probe!r}")
+    [N, G, R_pad, V] f32, lse_part [N, G, R_pad] f32 log2). probe: see ``_decode_kernel`` (None: the kernel);
+    pingpong: the compute warpgroups take turns at the tensor cores (kernel="pingpong")."""
+    if probe not in (None, "stream", "compute") or (probe is not None and pingpong):
+        raise ValueError(f"probe must be None, 'stream' or 'compute' (without pingpong), got {probe!r}")
     num_wg = head_dim_v // block_dv
     buffers, barriers = _ring_scratch(q_rows, kv_cache, num_stages, num_wg)
     sync_bar = plgpu.Barrier(num_arrivals=num_wg)  # before zeroing a partial page's V rows
+    turn = (plgpu.Barrier(num_arrivals=1, num_barriers=num_wg),) if pingpong else ()  # turn_bars: one per warpgroup
     params = plgpu.CompilerParams(approx_math=True)
-    n_barriers = 2 + 2 * num_stages  # q_bar, sync_bar, k_bars and consumed_bars per slot
-    _check_smem(_smem_bytes(buffers, n_barriers, params.reduction_scratch_bytes), "recompute_scores", num_stages,
-                q_rows.shape[-1])
+    n_barriers = 2 + 2 * num_stages + len(turn) * num_wg  # q_bar, sync_bar, k_bars and consumed_bars per slot, turns
+    kind = "pingpong" if pingpong else "recompute_scores"
+    _check_smem(_smem_bytes(buffers, n_barriers, params.reduction_scratch_bytes), kind, num_stages, q_rows.shape[-1])
     kernel = functools.partial(_decode_kernel, s_q=s_q, m=m, block_dv=block_dv, num_wg=num_wg,
                                num_stages=num_stages, scale=scale, causal=causal, interpret=interpret is not None,
                                probe=probe)
     return _launch(kernel, q_rows, kv_cache, seqlens, items, table, head_dim_v=head_dim_v, num_wg=num_wg,
-                   scratch=buffers + barriers + (sync_bar,), params=params, interpret=interpret)
+                   scratch=buffers + barriers + (sync_bar,) + turn, params=params, interpret=interpret)
 
 
 # The Pallas path in stages: ``_decode_pallas`` chains them; benchmarks/kernels_mla.py --breakdown times each.
@@ -542,8 +581,9 @@ def _run_items(q_rows, kv_cache, seqlens, items, table, *, kernel, **kw):
     # Imported here: mla_decode_shared builds on this module's kernel pieces (_scores, _produce, ...).
     from kernels_pallas.mla_decode_shared import shared_scores_pallas
 
-    call = _recompute_scores_pallas if kernel == "recompute_scores" else shared_scores_pallas
-    return call(q_rows, kv_cache, seqlens, items, table, **kw)
+    if kernel == "shared_scores":
+        return shared_scores_pallas(q_rows, kv_cache, seqlens, items, table, **kw)
+    return _recompute_scores_pallas(q_rows, kv_cache, seqlens, items, table, pingpong=kernel == "pingpong", **kw)
 
 
 def _decode_pallas(q, kv_cache, block_table, cache_seqlens, *, head_dim_v, scale, causal, num_splits, num_sms,
@@ -631,7 +671,8 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, *, head_dim_v=512, softm
     count, 132 where it has none), block_dv (output columns per compute warpgroup; None = min(256, head_dim_v)),
     num_stages (pages in flight; 2 fits D = 576 in SMEM; a configuration over the 227 KB per CTA raises
     ValueError), kernel ("recompute_scores": every compute
-    warpgroup computes the page's scores itself; "shared_scores": warpgroup 0 computes them once and hands P to the
+    warpgroup computes the page's scores itself; "pingpong": the same, the compute warpgroups taking turns at the
+    tensor cores (FlashAttention-3's ping-pong); "shared_scores": warpgroup 0 computes them once and hands P to the
     others through SMEM, FlashMLA's structure, not yet measured on a GPU; see the module docstring).
     xla: block_pages (pages per online-softmax step).
     """

@@ -2,16 +2,16 @@
 # The one prepared device run (issue 4's kernels first, then the engine on the GPU):
 #   1. native tests of the measured kernels (pipelined FP8 GEMMs with their tilings, MLA decode "recompute_scores");
 #   2. native tests of the variants never run on a GPU yet (FP8 kernel="warp_specialized", MLA
-#      kernel="shared_scores"), in a step of their own so a hang costs only that step;
+#      kernel="shared_scores" and "pingpong"), in a step of their own so a hang costs only that step;
 #   3. both FP8 variants (and the warp-specialized one with multicast=2) side by side on the goal shapes
 #      (m = 4096 x DeepGEMM's six (n, k)) + decode/grouped ones, then XLA/cuBLAS ceilings;
-#   4. both MLA variants side by side on a short FlashMLA subset, and on FlashMLA's varlen batch under the balanced
+#   4. every MLA variant side by side on a short FlashMLA subset, and on FlashMLA's varlen batch under the balanced
 #      schedule and one split per sequence, each with its stages timed alone (schedule, kernel, combine), and the
 #      default kernel's probes (its page ring alone, its compute alone: which of them bounds it);
 #   5. what this machine's ptxas made of the headline kernel configurations (registers, spills, its warnings, the
-#      SASS mix: benchmarks/kernels_ptxas.py; the full report runs offline on CPU), then Nsight Compute's speed-of-light, warp-stall and occupancy sections for
-#      the headline FP8 GEMM and one MLA decode (both variants of each), where ncu runs (it cannot read counters on
-#      gVisor);
+#      SASS mix: benchmarks/kernels_ptxas.py; the full report runs offline on CPU), then Nsight Compute's
+#      speed-of-light, warp-stall and occupancy sections for the headline FP8 GEMM and one MLA decode (every variant
+#      of each), where ncu runs (it cannot read counters on gVisor);
 #   6. a tiling sweep of both FP8 kernels on two goal shapes (kernels_fp8.py --cases tuning --tilings ...);
 #   7. the engine (embedded model through LLM(): Pallas MLA decode over the paged cache, FP8 compute);
 #   8. with what is left of the budget, the full FlashMLA and DeepGEMM sweeps with the default kernels.
@@ -43,7 +43,7 @@ step() {
   return $rc
 }
 
-NEW="warp_specialized or shared_scores"
+NEW="warp_specialized or shared_scores or pingpong"
 { date -u; nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>&1;
   python -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1; } > "$OUT/env.txt"
 # tests/conftest.py defaults JAX_PLATFORMS to cpu (8 simulated devices): the native tests need the GPU.
@@ -52,7 +52,7 @@ JAX_PLATFORMS=cuda,cpu step kernel_tests.txt 150 python -m pytest -q -x --durati
 JAX_PLATFORMS=cuda,cpu step kernel_tests.txt 90 python -m pytest -q --durations=5 -k "$NEW" \
   tests/test_kernels_gpu.py
 new_rc=$?
-fp8_kernels=both; mla_kernels=both
+fp8_kernels=both; mla_kernels=all
 if [ "$new_rc" -eq 124 ]; then fp8_kernels=pipelined; mla_kernels=recompute_scores; fi
 step bench.log 180 python benchmarks/kernels_fp8.py --kernel "$fp8_kernels" --cases compare --multicast \
   --out "$OUT/bench_compare.txt"
@@ -63,7 +63,8 @@ step bench.log 150 python benchmarks/kernels_mla.py --kernel "$mla_kernels" --ca
 # (Only the measured variants if the new ones hung in step 2: the report and ncu run each kernel once.)
 picks=(--only "(4096, 7168, 16384) [pipelined]" --only "h_q=16 s_q=1 kernel=recompute_scores")
 if [ "$new_rc" -ne 124 ]; then
-  picks+=(--only "(4096, 7168, 16384) [warp_specialized]" --only "h_q=16 s_q=1 kernel=shared_scores")
+  picks+=(--only "(4096, 7168, 16384) [warp_specialized]" --only "h_q=16 s_q=1 kernel=shared_scores"
+          --only "h_q=16 s_q=1 kernel=pingpong")
 fi
 step bench.log 45 python benchmarks/kernels_ptxas.py --out "$OUT/ptxas.txt" "${picks[@]}"
 # Kernel names for ncu's filter: the entry functions ptxas reported (Mosaic GPU outlines each kernel as one).
@@ -72,7 +73,7 @@ knames=$(sed -n 's/^[^:]*: \([A-Za-z_][A-Za-z0-9_]*\): [0-9]* registers.*/\1/p' 
 ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
 if [ -n "$ncu_bin" ]; then
   XLA_PYTHON_CLIENT_PREALLOCATE=false step ncu.txt 90 "$ncu_bin" --clock-control none \
-    --kernel-name "regex:^(${knames:-main_kernel})\$" --launch-count 4 \
+    --kernel-name "regex:^(${knames:-main_kernel})\$" --launch-count 5 \
     --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
     python benchmarks/kernels_ptxas.py --no-dump "${picks[@]}"
 else

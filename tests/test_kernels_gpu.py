@@ -25,7 +25,7 @@ def diff(x, y):
     return 1.0 - 2.0 * (x * y).sum() / (x * x + y * y).sum()
 
 
-@pytest.mark.parametrize("kernel", ["recompute_scores", "shared_scores"])
+@pytest.mark.parametrize("kernel", ["recompute_scores", "shared_scores", "pingpong"])
 @pytest.mark.parametrize("b, s_k, h_q, s_q", [(4, 130, 16, 1), (4, 4096, 128, 1), (2, 1, 16, 1),
                                               (4, 2000, 128, 2), (1, 8192, 16, 2)])
 def test_mla_decode_native(b, s_k, h_q, s_q, kernel):

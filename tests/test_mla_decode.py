@@ -250,6 +250,7 @@ def test_shipped_configs_lower_to_mosaic_gpu(s_q, h_q, causal, num_splits, dtype
 # reduction scratch 2048 + 6 barriers; shared_scores: P [64, 64] bf16 8192 + alpha and l (1024 each, aligned) +
 # 8 barriers, no reduction scratch.
 @pytest.mark.parametrize("kernel,smem", [("recompute_scores", 73728 + 147456 + 2048 + 6 * 8),
+                                         ("pingpong", 73728 + 147456 + 2048 + 8 * 8),  # + a turn per warpgroup
                                          ("shared_scores", 73728 + 147456 + 8192 + 2 * 1024 + 8 * 8)])
 @pytest.mark.parametrize("num_splits,items", [(3, 4 * 3), (None, min(132 // 4 + 4, 4 * 16))])
 def test_kernel_launch_grid_and_smem(kernel, smem, num_splits, items):
