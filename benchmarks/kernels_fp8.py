@@ -100,7 +100,7 @@ def _tiling_label(kind: str, shape, kernel: str | None, knobs: dict) -> str:
     if kernel is None:
         return ""
     rows, n = (shape[0], shape[1]) if kind == "dense" else (shape[0] * shape[1], shape[2])
-    k_steps = -(-shape[-1] // 128)
+    k_steps = fp8_tiling._cdiv(shape[-1], fp8_tiling.BLOCK_K)
     t = fp8_tiling.resolve(kernel, knobs.get("block_m"), knobs.get("block_n"), 128, knobs.get("stages"), rows=rows,
                            n=n, num_sms=num_sms(False), out_itemsize=2, multicast=knobs.get("multicast", 1),
                            k_steps=k_steps)

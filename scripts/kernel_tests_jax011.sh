@@ -23,14 +23,15 @@ VENV=${VENV:-.venv-jax011}
 if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
-"$VENV/bin/pip" install -q "jax==0.11.2" "jaxlib==0.11.2" numpy ml_dtypes hypothesis pytest pytest-xdist \
-  pytest-timeout
 all=0
+extra=()
 if [ "${1:-}" = "--all" ]; then
   all=1
   shift
-  "$VENV/bin/pip" install -q "jax==0.11.2" "jaxlib==0.11.2" -e . nbclient nbformat ipykernel
+  extra=(-e . nbclient nbformat ipykernel)
 fi
+"$VENV/bin/pip" install -q "jax==0.11.2" "jaxlib==0.11.2" numpy ml_dtypes hypothesis pytest pytest-xdist \
+  pytest-timeout "${extra[@]}"
 "$VENV/bin/python" -c "import jax; assert jax.__version_info__ == (0, 11, 2), jax.__version__"
 # A compilation cache of its own: entries written by another jax release are not this one's.
 export JAXINFER_TEST_CACHE=${JAXINFER_TEST_CACHE:-$PWD/.jax_cache_jax011}
