@@ -17,11 +17,17 @@ kernel rejects prints its ValueError. --multicast adds a line with multicast=2 (
 CTA pairs) per warp_specialized case. Every line names the tiling that ran (fp8_tiling.py picks the defaults).
 Timing: the median over 5 repeats of (20 back-to-back calls, one sync) / 20, so the host's dispatch overlaps the
 device's work (the 2026-11-30 figures synced every call; same for kernels of milliseconds, lower for microseconds).
+--breakdown (after the cases) times each kernel's two probes beside it on the headline shape (``breakdown_case``;
+fp8_gemm_ws.py ``PROBES``): "mma" (DeepGEMM's promotion taken out: a plain FP8 GEMM with the same producer, ring
+and tiles) and "stream" (all compute taken out: the TMA feed alone). Kernel near mma: the promotion is hidden; mma
+near stream: the feed bounds it; both far above the kernel: their overlap does not happen.
 --cases compare then times XLA's own GEMMs (cuBLAS: bf16, and e4m3 without block scales) on the goal shapes, as the
-ceiling this GPU gives (``ceilings``).
+ceiling this GPU gives, and JAX's own Pallas Hopper matmul in bf16, as the ceiling a Pallas kernel reaches here
+(``ceilings``).
 
   PYTHONPATH=. python benchmarks/kernels_fp8.py --out bench_fp8.txt [--implementation pallas|xla]
       [--kernel pipelined|warp_specialized|both] [--cases all|compare] [--tilings 64x128x3,128x128x5] [--multicast]
+      [--breakdown]
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels_pallas import fp8_gemm, fp8_grouped_gemm_contiguous, fp8_grouped_gemm_masked, fp8_tiling
-from kernels_pallas.fp8_gemm_ws import num_sms
+from kernels_pallas.fp8_gemm_ws import TILE_BAND, num_sms
 
 NK = [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048)]
 PUBLISHED_M4096 = dict(zip(NK, [1058, 990, 590, 1358, 1304, 1025]))  # H800 TFLOPS, DESIGN.md
@@ -49,6 +55,8 @@ COMPARE = dict(dense=[(4096, n, k) for n, k in NK] + [(64, 7168, 16384)],
                contiguous=[(4, 8192, 4096, 7168)], masked=[(4, 256, 4096, 7168)])
 # --cases tuning: the shapes a tiling sweep (--tilings) runs on: the largest published figure and the odd n.
 TUNING = [(4096, 7168, 16384), (4096, 2112, 7168)]
+# --breakdown: the shape whose kernels and probes it times (the largest published figure, 1358 TFLOPS).
+BREAKDOWN_SHAPE = (4096, 7168, 16384)
 KERNELS = ("pipelined", "warp_specialized")
 
 
@@ -147,7 +155,8 @@ def parse_tilings(text: str | None) -> list[dict]:
 
 def ceilings(emit) -> None:
     """The device's XLA (cuBLAS) GEMMs on the goal shapes, as context for the kernels' figures: bf16 x bf16 and
-  e4m3 x e4m3 with no block scales (both -> bf16). Not the contract, only what the library gives on this GPU."""
+  e4m3 x e4m3 with no block scales (both -> bf16), then JAX's Pallas Hopper matmul in bf16
+  (``pallas_matmul_ceiling``). Not the contract, only what the library gives on this GPU."""
     for n, k in NK:
         m = 4096
         for dtype in (jnp.bfloat16, jnp.float8_e4m3fn):
@@ -161,6 +170,67 @@ def ceilings(emit) -> None:
                 emit(f"{name}: {t * 1e6:9.1f} us {2 * m * n * k / t / 1e12:7.1f} TFLOPS")
             except Exception as e:  # noqa: BLE001 - one failing case must not stop the sweep
                 emit(f"{name}: FAILED {type(e).__name__}: {str(e)[:200]}")
+        name = f"ceiling dense m={m} n={n} k={k} JAX Pallas Hopper matmul bfloat16"
+        try:
+            f, label = pallas_matmul_ceiling(m, n, k)
+            a, _, b, _ = _operands((m,), (), n, k)
+            t = time_per_call(f, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16).T)          # a (m, k), b (k, n)
+            emit(f"{name} ({label}): {t * 1e6:9.1f} us {2 * m * n * k / t / 1e12:7.1f} TFLOPS")
+        except Exception as e:  # noqa: BLE001 - one failing case must not stop the sweep
+            emit(f"{name}: FAILED {type(e).__name__}: {str(e)[:200]}")
+
+
+def pallas_matmul_ceiling(m: int, n: int, k: int):
+    """-> (jitted bf16 a [m, k] @ b [k, n], its tiling in words): JAX's own warp-specialized Pallas Mosaic GPU matmul
+  (jax/experimental/pallas/ops/gpu/hopper_matmul_mgpu.py, by JAX's authors), in the tiling its module's tuning loop
+  tries first (two consumer warpgroups of 128 x 128, k-steps of 64, 4 stages, 229440 bytes of SMEM when lowered for
+  cuda), a CTA of 128 x 256 where n allows (else 256 x 128 or 256 x 64). What a Pallas kernel reaches on this GPU
+  and jax, without FP8 or block scales: if ours stay far below it, the gap is in our kernels; if it is low too, in
+  what Pallas makes of a Hopper GEMM. Its module imports absl (jax's test_util); the GPU machine has it with optax."""
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+
+    wg, tile_n = hm.MatmulDimension.N, 128
+    if n % 256:
+        wg, tile_n = hm.MatmulDimension.M, (128 if n % 128 == 0 else 64)
+    cfg = hm.TuningConfig(tile_m=128, tile_n=tile_n, tile_k=64, max_concurrent_steps=4,
+                          grid_minor_dim=hm.MatmulDimension.N, grid_tile_width=TILE_BAND, wg_dimension=wg)
+    cta = f"{128 * (1 + (wg == hm.MatmulDimension.M))}x{tile_n * (1 + (wg == hm.MatmulDimension.N))}"
+    return jax.jit(lambda a, b: hm.matmul(a, b, None, cfg)), f"CTA {cta}, k-step 64, 4 stages"
+
+
+def breakdown_case(m: int, n: int, k: int, kernel: str, *, interpret: bool = False, iters: int = 20,
+                   repeats: int = 5) -> dict:
+    """Seconds per call of one dense shape's Pallas kernel (its default tiling, fp8_gemm.py ``dense_pallas``) and of
+  its two probes (fp8_gemm_ws.py ``PROBES``: "mma", the promotion taken out; "stream", all compute taken out), with
+  the tiling, the GEMM's flops and "tile_bytes", the bytes the kernel's copies bring into SMEM (per output tile and
+  k-step: the A and B tiles, bm x 128 + bn x 128 e4m3, and their scales, bm + SCALE_WINDOW float32). interpret:
+  for a CPU check."""
+    import functools
+
+    from kernels_pallas.fp8_gemm import dense_pallas, resolve_tiling
+
+    tiling = resolve_tiling(kernel, None, None, fp8_tiling.BLOCK_K, None, rows=m, n=n, k=k, out_dtype=jnp.bfloat16,
+                            interpret=interpret)
+    tiles = fp8_tiling._cdiv(m, tiling.block_m) * fp8_tiling._cdiv(n, tiling.block_n)
+    k_steps = fp8_tiling._cdiv(k, fp8_tiling.BLOCK_K)
+    per_step = (tiling.block_m + tiling.block_n) * fp8_tiling.BLOCK_K + 4 * (tiling.block_m + fp8_tiling.SCALE_WINDOW)
+    out = dict(tiling=tiling, flops=2 * m * n * k, tile_bytes=tiles * k_steps * per_step)
+    ops = _operands((m,), (), n, k)
+    for probe in (None, "mma", "stream"):
+        f = jax.jit(functools.partial(dense_pallas, kernel=kernel, tiling=tiling, out_dtype=jnp.bfloat16,
+                                      interpret=interpret, probe=probe))
+        out[probe or "kernel"] = time_per_call(f, *ops, iters=iters, repeats=repeats)
+    return out
+
+
+def breakdown_line(name: str, st: dict) -> str:
+    """The --breakdown line of one ``breakdown_case`` result: each probe's time, stream in TB/s of tiles into SMEM,
+  mma and the kernel in TFLOPS."""
+    t = st["tiling"]
+    return (f"  probes {name} [{t.block_m}x{t.block_n}x{t.stages}]: stream {st['stream'] * 1e6:.1f} us "
+            f"({st['tile_bytes'] / st['stream'] / 1e12:.2f} TB/s of tiles into SMEM), mma {st['mma'] * 1e6:.1f} us "
+            f"({st['flops'] / st['mma'] / 1e12:.1f} TFLOPS), kernel {st['kernel'] * 1e6:.1f} us "
+            f"({st['flops'] / st['kernel'] / 1e12:.1f} TFLOPS)")
 
 
 def run(implementation: str, kernels, cases: str, tilings: list[dict], emit, multicast: bool = False) -> None:
@@ -192,6 +262,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tilings", default=None, help="BMxBNxST[,...]: time these tilings instead of the defaults")
     p.add_argument("--multicast", action="store_true",
                    help="also time each warp_specialized case with multicast=2 (CTA pairs sharing A by TMA multicast)")
+    p.add_argument("--breakdown", action="store_true",
+                   help=f"also time each kernel's probes on dense m, n, k = {BREAKDOWN_SHAPE} (breakdown_case)")
     args = p.parse_args(argv)
     tilings = parse_tilings(args.tilings)
     if args.implementation == "xla":
@@ -213,6 +285,13 @@ def main(argv: list[str] | None = None) -> None:
             emit("no GPU: the FP8 kernel benchmarks need a CUDA (Hopper) GPU; nothing was measured")
             return
         run(args.implementation, kernels, args.cases, tilings, emit, multicast=args.multicast)
+        if args.breakdown and args.implementation == "pallas":
+            for kernel in kernels:
+                name = f"dense m={BREAKDOWN_SHAPE[0]} n={BREAKDOWN_SHAPE[1]} k={BREAKDOWN_SHAPE[2]} [{kernel}]"
+                try:
+                    emit(breakdown_line(name, breakdown_case(*BREAKDOWN_SHAPE, kernel)))
+                except Exception as e:  # noqa: BLE001 - the breakdown is context, not a case
+                    emit(f"  probes {name}: FAILED {type(e).__name__}: {str(e)[:200]}")
         if args.cases == "compare":
             ceilings(emit)
 

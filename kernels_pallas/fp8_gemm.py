@@ -47,8 +47,8 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from kernels_pallas import _mosaic, fp8_tiling
-from kernels_pallas.fp8_gemm_ws import (epilogue_smem, load_scales, num_sms, promote, scale_window_start,
-                                        ws_fp8_gemm_pallas)
+from kernels_pallas.fp8_gemm_ws import (check_probe, epilogue_smem, load_scales, num_sms, promote,
+                                        scale_window_start, ws_fp8_gemm_pallas)
 from kernels_pallas.fp8_tiling import (BLOCK_K, KERNELS, SCALE_WINDOW, Tiling, _cdiv,  # noqa: F401 (re-exported)
                                        check_kernel)
 
@@ -141,11 +141,12 @@ def _fp8_gemm_xla(a, a_scale, b, b_scale, out_dtype):
 
 # ----------------------------------------------------------------------------------------------- kernel
 def _tile_kernel(tile_group_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, o_gmem, o_smem, *,
-                 block_m, block_n, num_k, stages, sim):
+                 block_m, block_n, num_k, stages, sim, probe=None):
     """One (block_m, block_n) output tile of row tile ti, group tile_group[ti] (-1: skip).
 
   a_gmem [T*bm, kp] e4m3, as_gmem [kb, T*bm] f32 (A scales, transposed), b_gmem [G, np, kp] e4m3,
   bs_gmem [G, kb, nbw] f32 (B block scales, transposed: prepare_b), o_gmem [T*bm, np]; o_smem (bm, bn) scratch.
+  probe: fp8_gemm_ws.py ``PROBES`` (None: the kernel).
   """
     ti, ni = lax.axis_index("m"), lax.axis_index("n")
     g = tile_group_gmem[ti]
@@ -173,23 +174,41 @@ def _tile_kernel(tile_group_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, o_gmem, o_sm
             plgpu.commit_smem()
             return promote(acc, part, sa, sb, sim=sim)
 
-        acc0 = jnp.zeros((block_m, block_n), jnp.float32)
-        if not sim:
-            acc0 = plgpu.layout_cast(acc0, plgpu.Layout.WGMMA)
+        def probe_step(_, a_smem, b_smem, as_smem, bs_smem, acc):
+            if probe == "mma":   # acc: the wgmma's own accumulator (a ref; a value in the value-level stand-in)
+                if sim:
+                    acc = acc + lax.dot_general(a_smem[...], b_smem[...], (((1,), (1,)), ((), ())),
+                                                preferred_element_type=jnp.float32)                 # (bm, bn)
+                else:
+                    plgpu.wgmma(acc, a_smem, b_smem.transpose((1, 0)))
+                    plgpu.wgmma_wait(0)
+            plgpu.commit_smem()   # the k-step's one barrier, as in k_step
+            return acc
+
         rows, cols = pl.ds(ti * block_m, block_m), pl.ds(ni * block_n, block_n)
-        acc = plgpu.emit_pipeline(
-            k_step,
-            grid=(num_k,),
-            in_specs=[
-                plgpu.BlockSpec((block_m, BLOCK_K), lambda k: (0, k), transforms=tiles),
-                plgpu.BlockSpec((block_n, BLOCK_K), lambda k: (0, k), transforms=tiles),
-                plgpu.BlockSpec((None, block_m), lambda k: (k, 0)),
-                plgpu.BlockSpec((None, SCALE_WINDOW), lambda k: (k, 0)),
-            ],
-            max_concurrent_steps=stages,
-            init_carry=acc0,
-        )(a_gmem.at[rows], b_gmem.at[gg, cols], as_gmem.at[:, rows],
-          bs_gmem.at[gg, :, pl.ds(scale_window_start(ni * block_n), SCALE_WINDOW)])
+
+        def run(acc0):
+            return plgpu.emit_pipeline(
+                k_step if probe is None else probe_step,
+                grid=(num_k,),
+                in_specs=[
+                    plgpu.BlockSpec((block_m, BLOCK_K), lambda k: (0, k), transforms=tiles),
+                    plgpu.BlockSpec((block_n, BLOCK_K), lambda k: (0, k), transforms=tiles),
+                    plgpu.BlockSpec((None, block_m), lambda k: (k, 0)),
+                    plgpu.BlockSpec((None, SCALE_WINDOW), lambda k: (k, 0)),
+                ],
+                max_concurrent_steps=stages,
+                init_carry=acc0,
+            )(a_gmem.at[rows], b_gmem.at[gg, cols], as_gmem.at[:, rows],
+              bs_gmem.at[gg, :, pl.ds(scale_window_start(ni * block_n), SCALE_WINDOW)])
+
+        if probe == "mma" and not sim:   # one accumulator for the whole tile, as a plain GEMM's
+            acc = pl.run_scoped(lambda acc_ref: run(acc_ref)[...], plgpu.ACC((block_m, block_n), jnp.float32))
+        else:
+            acc0 = jnp.zeros((block_m, block_n), jnp.float32)
+            if not sim:
+                acc0 = plgpu.layout_cast(acc0, plgpu.Layout.WGMMA)
+            acc = run(acc0)                                                                         # (bm, bn)
         o_smem[...] = acc.astype(o_smem.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[rows, cols])
@@ -197,16 +216,17 @@ def _tile_kernel(tile_group_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, o_gmem, o_sm
 
 
 def tiled_fp8_gemm_pallas(tile_group, a, a_scale_t, b, b_scale_t, *, block_m, block_n, stages, out_dtype,
-                          interpret):
+                          interpret, probe=None):
     """Pallas wrapper. tile_group [T] int32; a [T*bm, kp]; a_scale_t [kb, T*bm]; b [G, np, kp];
   b_scale_t [G, kb, nbw] (prepare_b) -> [T*bm, np] out_dtype (rows of skipped tiles unwritten). kp = kb*128,
-  np % bn = 0."""
+  np % bn = 0. probe: fp8_gemm_ws.py ``PROBES`` (None: the kernel)."""
+    check_probe(probe)
     (t,) = tile_group.shape
     rows, kp = a.shape
     _, n_pad, _ = b.shape
     kernel = plgpu.kernel(
         functools.partial(_tile_kernel, block_m=block_m, block_n=block_n, num_k=kp // BLOCK_K, stages=stages,
-                          sim=_mosaic.substitute_wgmma(interpret)),
+                          sim=_mosaic.substitute_wgmma(interpret), probe=probe),
         out_type=jax.ShapeDtypeStruct((rows, n_pad), out_dtype),
         scratch_types=[epilogue_smem((block_m, block_n), out_dtype)],
         grid=(t, n_pad // block_n),
@@ -232,14 +252,14 @@ def resolve_tiling(kernel: str, block_m, block_n, block_k: int, stages, *, rows:
                               multicast=multicast, k_steps=_cdiv(k, BLOCK_K))
 
 
-def run_tiles(tile_group, a, a_scale_t, b, b_scale_t, *, kernel, tiling: Tiling, out_dtype, interpret):
+def run_tiles(tile_group, a, a_scale_t, b, b_scale_t, *, kernel, tiling: Tiling, out_dtype, interpret, probe=None):
     """Dispatch to the chosen kernel variant (same operands, same result; see the module docstring)."""
     if kernel == "warp_specialized":
         return ws_fp8_gemm_pallas(tile_group, a, a_scale_t, b, b_scale_t, cfg=tiling, out_dtype=out_dtype,
-                                  interpret=interpret)
+                                  interpret=interpret, probe=probe)
     return tiled_fp8_gemm_pallas(tile_group, a, a_scale_t, b, b_scale_t, block_m=tiling.block_m,
                                  block_n=tiling.block_n, stages=tiling.stages, out_dtype=out_dtype,
-                                 interpret=interpret)
+                                 interpret=interpret, probe=probe)
 
 
 def prepare_b(b, b_scale, block_n):
@@ -284,10 +304,18 @@ def fp8_gemm(a, a_scale, b, b_scale, *, out_dtype=jnp.bfloat16, implementation=N
         return _fp8_gemm_xla(a, a_scale, b, b_scale, out_dtype)
     tiling = resolve_tiling(kernel, block_m, block_n, block_k, stages, rows=m, n=n, k=k, out_dtype=out_dtype,
                             interpret=interpret, multicast=multicast)
+    return dense_pallas(a, a_scale, b, b_scale, kernel=kernel, tiling=tiling, out_dtype=out_dtype,
+                        interpret=interpret)
+
+
+def dense_pallas(a, a_scale, b, b_scale, *, kernel, tiling: Tiling, out_dtype, interpret, probe=None):
+    """fp8_gemm's Pallas path for a resolved tiling (checked operands): pad, run the kernel, crop -> [m, n].
+  probe (benchmarks/kernels_fp8.py --breakdown only): fp8_gemm_ws.py ``PROBES``."""
+    m, n = a.shape[0], b.shape[0]
     rows = _round_up(m, tiling.block_m)
     a_p, as_t = prepare_a(a, a_scale, rows)
     b_p, bs_t = prepare_b(b[None], b_scale[None], tiling.block_n)
     tile_group = jnp.zeros((rows // tiling.block_m,), jnp.int32)
     out = run_tiles(tile_group, a_p, as_t, b_p, bs_t, kernel=kernel, tiling=tiling, out_dtype=out_dtype,
-                    interpret=interpret)                                                           # (rows, np)
+                    interpret=interpret, probe=probe)                                              # (rows, np)
     return out[:m, :n]

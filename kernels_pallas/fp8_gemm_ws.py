@@ -123,6 +123,22 @@ def promote(acc, part, sa, sb, *, sim: bool):
     return acc + part * scale
 
 
+# Benchmark probes (benchmarks/kernels_fp8.py --breakdown; never used by the entries): both FP8 kernels with part of
+# their work taken out, so that a GPU run can tell what bounds a kernel without a profiler's counters (which gVisor
+# does not give: kernels_mla.py's probes do the same for MLA decode).
+# - "mma": DeepGEMM's promotion taken out. The wgmma accumulates the unscaled product into one accumulator over all
+#   k-steps (D = A @ B^T, no scales read, no per-step wait for a fresh accumulator or register FMA): the kernel as
+#   a plain FP8 GEMM with the same producer, ring and tiles. Kernel near it: the promotion is hidden.
+# - "stream": every k-step's compute taken out. The consumers release each stage as soon as it lands (D = 0): the
+#   producer and the ring alone, i.e. how fast TMA fills SMEM with this tiling. mma near it: the feed bounds it.
+PROBES = ("mma", "stream")
+
+
+def check_probe(probe) -> None:
+    if probe is not None and probe not in PROBES:
+        raise ValueError(f"probe must be None or one of {PROBES}, got {probe!r}")
+
+
 def active_first(tile_group):
     """tile_group [T] -> (tile_rows [T]: row tiles, active ones first (stable); their groups [T]; active count [1])."""
     skip = tile_group < 0                                                                      # (T,)
@@ -133,13 +149,13 @@ def active_first(tile_group):
 
 # ----------------------------------------------------------------------------------------------- kernel
 def _ws_kernel(tile_rows_gmem, tile_group_gmem, num_active_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, o_gmem, o_smem,
-               *, cfg: Tiling, num_k: int, sim: bool):
+               *, cfg: Tiling, num_k: int, sim: bool, probe: str | None = None):
     """Persistent loop over (active row tile, column tile); per tile a warp-specialized k pipeline.
 
   tile_rows_gmem [T] i32 (row tiles, the num_active_gmem[0] active ones first), tile_group_gmem [T] i32 (their
   groups), a_gmem [T*bm, kp] e4m3, as_gmem [kb, T*bm] f32, b_gmem [G, np, kp] e4m3, bs_gmem [G, kb, nbw] f32,
   o_gmem [T*bm, np]; o_smem (2, bm/2, bn) out_dtype: one epilogue slot per consumer. Skipped row tiles are never
-  visited (DeepGEMM's masked scheduler likewise stops at the last valid block)."""
+  visited (DeepGEMM's masked scheduler likewise stops at the last valid block). probe: ``PROBES``."""
     bm, bn = cfg.block_m, cfg.block_n
     half = bm // NUM_CONSUMERS
     num_active = num_active_gmem[0]
@@ -176,6 +192,17 @@ def _ws_kernel(tile_rows_gmem, tile_group_gmem, num_active_gmem, a_gmem, as_gmem
     def k_step(col0, _, a_smem, b_smem, as_smem, bs_smem, *barriers_and_acc):
         *consumed, acc = barriers_and_acc
         mine = pl.ds(wg * half, half)                     # this consumer's rows of the CTA tile
+        if probe is not None:
+            if probe == "mma":   # acc: the wgmma's own accumulator (a ref; a value in the value-level stand-in)
+                if sim:
+                    acc = acc + lax.dot_general(a_smem.at[mine][...], b_smem[...], (((1,), (1,)), ((), ())),
+                                                preferred_element_type=jnp.float32)             # (half, bn)
+                else:
+                    plgpu.wgmma(acc, a_smem.at[mine], b_smem.transpose((1, 0)))
+                    plgpu.wgmma_wait(0)
+            for barrier in consumed:
+                plgpu.barrier_arrive(barrier)
+            return acc
         # scales first, so their SMEM latency hides under the wgmma (DeepGEMM reads them before it)
         sa, sb = load_scales(as_smem.at[0, mine], bs_smem.at[0], col0, bn, sim=sim)             # (half,), scalar(s)
         if sim:   # interpret mode: same tiles, value-level product (module docstring)
@@ -206,10 +233,13 @@ def _ws_kernel(tile_rows_gmem, tile_group_gmem, num_active_gmem, a_gmem, as_gmem
             rows, cols = pl.ds(ti * bm, bm), pl.ds(ni * bn, bn)
 
             def context(run):
-                acc0 = jnp.zeros((half, bn), jnp.float32)
-                if not sim:
-                    acc0 = plgpu.layout_cast(acc0, plgpu.Layout.WGMMA)
-                acc = run(acc0)                                                                 # (half, bn)
+                if probe == "mma" and not sim:   # one accumulator for the whole tile, as a plain GEMM's
+                    acc = pl.run_scoped(lambda acc_ref: run(acc_ref)[...], plgpu.ACC((half, bn), jnp.float32))
+                else:
+                    acc0 = jnp.zeros((half, bn), jnp.float32)
+                    if not sim:
+                        acc0 = plgpu.layout_cast(acc0, plgpu.Layout.WGMMA)
+                    acc = run(acc0)                                                             # (half, bn)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # this slot's previous store has read it
                 o_smem[wg] = acc.astype(o_smem.dtype)
                 plgpu.commit_smem()
@@ -228,11 +258,13 @@ def _ws_kernel(tile_rows_gmem, tile_group_gmem, num_active_gmem, a_gmem, as_gmem
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # all stores issued by this warpgroup are out
 
 
-def ws_fp8_gemm_pallas(tile_group, a, a_scale_t, b, b_scale_t, *, cfg: Tiling, out_dtype, interpret: bool):
+def ws_fp8_gemm_pallas(tile_group, a, a_scale_t, b, b_scale_t, *, cfg: Tiling, out_dtype, interpret: bool,
+                       probe: str | None = None):
     """Pallas wrapper, same operands as fp8_gemm.tiled_fp8_gemm_pallas: tile_group [T] int32; a [T*bm, kp];
   a_scale_t [kb, T*bm]; b [G, np, kp]; b_scale_t [G, kb, nbw] (block scales, ``fp8_gemm.prepare_b``) ->
-  [T*bm, np] out_dtype (skipped rows unwritten)."""
+  [T*bm, np] out_dtype (skipped rows unwritten). probe: ``PROBES`` (None: the kernel)."""
     check_knobs("warp_specialized", cfg, jnp.dtype(out_dtype).itemsize)
+    check_probe(probe)
     (t,) = tile_group.shape
     rows, kp = a.shape
     _, n_pad, _ = b.shape
@@ -244,7 +276,8 @@ def ws_fp8_gemm_pallas(tile_group, a, a_scale_t, b, b_scale_t, *, cfg: Tiling, o
     clusters = max(1, min(num_sms(interpret) // cfg.multicast, t * n_tiles // cfg.multicast))
     cluster = dict(cluster=(2,), cluster_names=("cluster",)) if cfg.multicast == 2 else {}
     kernel = plgpu.kernel(
-        functools.partial(_ws_kernel, cfg=cfg, num_k=kp // BLOCK_K, sim=_mosaic.substitute_wgmma(interpret)),
+        functools.partial(_ws_kernel, cfg=cfg, num_k=kp // BLOCK_K, sim=_mosaic.substitute_wgmma(interpret),
+                          probe=probe),
         out_type=jax.ShapeDtypeStruct((rows, n_pad), out_dtype),
         scratch_types=[epilogue_smem((NUM_CONSUMERS, cfg.block_m // NUM_CONSUMERS, cfg.block_n), out_dtype)],
         grid=(clusters,),

@@ -4,7 +4,9 @@
 #   2. native tests of the variants never run on a GPU yet (FP8 kernel="warp_specialized", MLA
 #      kernel="shared_scores" and "pingpong"), in a step of their own so a hang costs only that step;
 #   3. both FP8 variants (and the warp-specialized one with multicast=2) side by side on the goal shapes
-#      (m = 4096 x DeepGEMM's six (n, k)) + decode/grouped ones, then XLA/cuBLAS ceilings;
+#      (m = 4096 x DeepGEMM's six (n, k)) + decode/grouped ones, each kernel's probes on the headline shape (its
+#      promotion taken out, its compute taken out: which bounds it), then the ceilings: XLA/cuBLAS, and JAX's own
+#      Pallas Hopper matmul in bf16;
 #   4. every MLA variant side by side on a short FlashMLA subset, and on FlashMLA's varlen batch under the balanced
 #      schedule and one split per sequence, each with its stages timed alone (schedule, kernel, combine), and the
 #      default kernel's probes (its page ring alone, its compute alone: which of them bounds it);
@@ -55,7 +57,7 @@ new_rc=$?
 fp8_kernels=both; mla_kernels=all
 if [ "$new_rc" -eq 124 ]; then fp8_kernels=pipelined; mla_kernels=recompute_scores; fi
 step bench.log 180 python benchmarks/kernels_fp8.py --kernel "$fp8_kernels" --cases compare --multicast \
-  --out "$OUT/bench_compare.txt"
+  --breakdown --out "$OUT/bench_compare.txt"
 step bench.log 150 python benchmarks/kernels_mla.py --kernel "$mla_kernels" --cases compare --breakdown \
   --out "$OUT/bench_compare.txt"
 # The full report runs offline on CPU (docs/benchmarks.md); here the headline configurations, to see what this

@@ -20,3 +20,20 @@ import jax  # noqa: E402
 
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+import importlib.util  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def benchmark_script():
+    """load(name) -> the module of benchmarks/<name>.py (scripts, not a package), for tests of their helpers."""
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(name, pathlib.Path(__file__).parent.parent / "benchmarks"
+                                                      / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    return load

@@ -8,6 +8,8 @@ DeepGEMM's own accuracy check: calc_diff(out, bf16 product of the unquantized in
 lower for cuda to a Mosaic GPU call (so an XLA fallback cannot pass).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -415,6 +417,47 @@ def test_grouped_masked_pallas_interpret(kernel):
     assert rel_err(out.astype(F32), exact) < 1e-2 and not np.asarray(out.astype(F32))[0].any()
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+@INTERPRET_TIMEOUT
+def test_benchmark_probes_interpret(kernel):
+    """The benchmark probes (fp8_gemm_ws.py ``PROBES``, benchmarks/kernels_fp8.py --breakdown), both kernels: "mma"
+    is the product without scales, sum over k of A B^T in fp32 (against float64 numpy of the fp8 values);
+    "stream" computes nothing and writes zeros. 4 k-steps over a 2-deep ring,
+    3 x 2 output tiles (the warp-specialized kernel's 2 CTAs each run several, their pipelines chained, as the
+    headline shape's default tiling runs)."""
+    from kernels_pallas.fp8_gemm import dense_pallas, resolve_tiling
+
+    m, n, k = 3 * _rows(kernel, 64) - 5, 2 * 64 - 3, 4 * 128 - 7
+    assert fp8_tiling.chains_tiles(4, 2)
+    _, _, a, a_s, b, b_s = make_dense(m, n, k, seed=9)
+    tiling = resolve_tiling(kernel, _rows(kernel, 64), 64, 128, 2, rows=m, n=n, k=k, out_dtype=F32, interpret=True)
+    run = functools.partial(dense_pallas, a, a_s, b, b_s, kernel=kernel, tiling=tiling, out_dtype=F32,
+                            interpret=True)
+    exact = np.asarray(a.astype(F32), np.float64) @ np.asarray(b.astype(F32), np.float64).T          # (m, n)
+    assert rel_err(run(probe="mma"), exact) < 1e-5
+    np.testing.assert_array_equal(np.asarray(run(probe="stream")), 0.0)
+    with pytest.raises(ValueError, match="probe must be None or one of"):
+        run(probe="promote")
+
+
+@INTERPRET_TIMEOUT
+def test_benchmark_breakdown_interpret(benchmark_script):
+    """benchmarks/kernels_fp8.py --breakdown on a small shape in interpret mode (its plumbing: the kernel and both
+    probes run), and its numbers worked by hand. m = n = k = 256, the pipelined kernel's default tiling there
+    64 x 128: 4 x 2 tiles x 2 k-steps, each bringing 64 * 128 + 128 * 128 bytes of e4m3 and 4 * (64 + 32) of
+    scales = 24960 bytes: 399360 in all. The line: 399360 B in 1 us is 0.40 TB/s; 2 * 256^3 flops in 2 us is 16.8
+    TFLOPS, in 4 us 8.4."""
+    km = benchmark_script("kernels_fp8")
+    st = km.breakdown_case(256, 256, 256, "pipelined", interpret=True, iters=1, repeats=1)
+    assert (st["tiling"].block_m, st["tiling"].block_n) == (64, 128)
+    assert st["tile_bytes"] == 399360 and st["flops"] == 2 * 256 ** 3
+    assert all(st[key] > 0 for key in ("kernel", "mma", "stream"))
+    st.update(stream=1e-6, mma=2e-6, kernel=4e-6)
+    assert km.breakdown_line("x", st) == (
+        f"  probes x [64x128x{st['tiling'].stages}]: stream 1.0 us (0.40 TB/s of tiles into SMEM), mma 2.0 us "
+        "(16.8 TFLOPS), kernel 4.0 us (8.4 TFLOPS)")
+
+
 # ------------------------------------------------------------------------------------------------- cross-lowering
 # The shipped configurations: every tiling the entries choose by default (fp8_tiling.resolve, 132 SMs) on
 # DeepGEMM's shapes (dense m in 64, 128, 4096 x its six (n, k); grouped contiguous and masked rows with its grouped
@@ -503,6 +546,24 @@ def test_kernels_lower_for_cuda(entry, cfg):
         fn, args = fp8_grouped_gemm_masked, (sds((4, 96, 384), e4), sds((4, 96, 3), f32), sds((4, 256, 384), e4),
                                              sds((4, 2, 3), f32), sds((4,), i32))
     text = _mosaic.lower_for_cuda(fn, *args, implementation="pallas", interpret=False, **cfg)
+    assert _mosaic.has_mosaic_gpu_call(text)
+
+
+@pytest.mark.parametrize("probe", ["mma", "stream"])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_benchmark_probes_lower_for_cuda(kernel, probe):
+    """The probes the GPU run's --breakdown times, in the headline shape's default tiling (m=4096 n=7168 k=16384),
+    lower for cuda to one Mosaic GPU kernel (so an XLA fallback or a kernel that cannot compile fails here)."""
+    from kernels_pallas.fp8_gemm import dense_pallas, resolve_tiling
+
+    m, n, k = 4096, 7168, 16384
+    S = jax.ShapeDtypeStruct
+    args = (S((m, k), jnp.float8_e4m3fn), S((m, k // 128), F32), S((n, k), jnp.float8_e4m3fn),
+            S((n // 128, k // 128), F32))
+    tiling = resolve_tiling(kernel, None, None, 128, None, rows=m, n=n, k=k, out_dtype=jnp.bfloat16,
+                            interpret=False)
+    text = _mosaic.lower_for_cuda(dense_pallas, *args, kernel=kernel, tiling=tiling, out_dtype=jnp.bfloat16,
+                                  interpret=False, probe=probe)
     assert _mosaic.has_mosaic_gpu_call(text)
 
 

@@ -176,16 +176,10 @@ def test_kernel_probes_interpret():
         _recompute_scores_pallas(q_rows, kvj, lensj, sched.items, tablej, probe="memory", **kw)
 
 
-def test_benchmark_breakdown_lines():
+def test_benchmark_breakdown_lines(benchmark_script):
     """benchmarks/kernels_mla.py --breakdown's lines from one ``breakdown_case`` result, worked by hand: 10^6 bytes
     of pages in 500 us is 2 GB/s, in 1 ms 1 GB/s; the shared_scores kernel (no probes) gets the stages line only."""
-    import importlib.util
-    import pathlib
-
-    spec = importlib.util.spec_from_file_location(
-        "kernels_mla", pathlib.Path(__file__).parent.parent / "benchmarks" / "kernels_mla.py")
-    km = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(km)
+    km = benchmark_script("kernels_mla")
     st = dict(schedule=1e-5, kernel=1e-3, combine=2e-5, items=8, nonempty=7, page_bytes=10**6, stream=5e-4,
               compute=2.5e-4)
     assert km.breakdown_lines(st) == [
