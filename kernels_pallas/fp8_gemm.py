@@ -47,8 +47,8 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from kernels_pallas import _mosaic, fp8_tiling
-from kernels_pallas.fp8_gemm_ws import (check_probe, epilogue_smem, load_scales, num_sms, promote,
-                                        scale_window_start, ws_fp8_gemm_pallas)
+from kernels_pallas.fp8_gemm_ws import (check_probe, epilogue_smem, load_scales, num_sms, probe_step, promote,
+                                        run_tile, scale_window_start, ws_fp8_gemm_pallas)
 from kernels_pallas.fp8_tiling import (BLOCK_K, KERNELS, SCALE_WINDOW, Tiling, _cdiv,  # noqa: F401 (re-exported)
                                        check_kernel)
 
@@ -174,14 +174,8 @@ def _tile_kernel(tile_group_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, o_gmem, o_sm
             plgpu.commit_smem()
             return promote(acc, part, sa, sb, sim=sim)
 
-        def probe_step(_, a_smem, b_smem, as_smem, bs_smem, acc):
-            if probe == "mma":   # acc: the wgmma's own accumulator (a ref; a value in the value-level stand-in)
-                if sim:
-                    acc = acc + lax.dot_general(a_smem[...], b_smem[...], (((1,), (1,)), ((), ())),
-                                                preferred_element_type=jnp.float32)                 # (bm, bn)
-                else:
-                    plgpu.wgmma(acc, a_smem, b_smem.transpose((1, 0)))
-                    plgpu.wgmma_wait(0)
+        def probe_k_step(_, a_smem, b_smem, as_smem, bs_smem, acc):
+            acc = probe_step(acc, a_smem, b_smem, probe=probe, sim=sim)
             plgpu.commit_smem()   # the k-step's one barrier, as in k_step
             return acc
 
@@ -189,7 +183,7 @@ def _tile_kernel(tile_group_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, o_gmem, o_sm
 
         def run(acc0):
             return plgpu.emit_pipeline(
-                k_step if probe is None else probe_step,
+                k_step if probe is None else probe_k_step,
                 grid=(num_k,),
                 in_specs=[
                     plgpu.BlockSpec((block_m, BLOCK_K), lambda k: (0, k), transforms=tiles),
@@ -202,13 +196,7 @@ def _tile_kernel(tile_group_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, o_gmem, o_sm
             )(a_gmem.at[rows], b_gmem.at[gg, cols], as_gmem.at[:, rows],
               bs_gmem.at[gg, :, pl.ds(scale_window_start(ni * block_n), SCALE_WINDOW)])
 
-        if probe == "mma" and not sim:   # one accumulator for the whole tile, as a plain GEMM's
-            acc = pl.run_scoped(lambda acc_ref: run(acc_ref)[...], plgpu.ACC((block_m, block_n), jnp.float32))
-        else:
-            acc0 = jnp.zeros((block_m, block_n), jnp.float32)
-            if not sim:
-                acc0 = plgpu.layout_cast(acc0, plgpu.Layout.WGMMA)
-            acc = run(acc0)                                                                         # (bm, bn)
+        acc = run_tile(run, (block_m, block_n), probe=probe, sim=sim)                                # (bm, bn)
         o_smem[...] = acc.astype(o_smem.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[rows, cols])

@@ -139,6 +139,31 @@ def check_probe(probe) -> None:
         raise ValueError(f"probe must be None or one of {PROBES}, got {probe!r}")
 
 
+def probe_step(acc, a_smem, b_smem, *, probe: str, sim: bool):
+    """One k-step of a probe (``PROBES``): "mma" accumulates A B^T of the stage's tiles (a_smem (rows, 128),
+  b_smem (bn, 128) K-major) into acc, the wgmma's ACC ref (a (rows, bn) f32 value where ``sim``) and waits for
+  it; "stream" does nothing. Returns acc."""
+    if probe == "mma":
+        if sim:
+            return acc + lax.dot_general(a_smem[...], b_smem[...], (((1,), (1,)), ((), ())),
+                                         preferred_element_type=jnp.float32)                   # (rows, bn)
+        plgpu.wgmma(acc, a_smem, b_smem.transpose((1, 0)))
+        plgpu.wgmma_wait(0)
+    return acc
+
+
+def run_tile(run, shape, *, probe: str | None, sim: bool):
+    """Run one output tile's k pipeline, ``run(initial carry) -> final carry``, from a zero f32 accumulator of
+  shape: a WGMMA-layout value carried through the k-steps (the kernels' promotion), or for the "mma" probe an ACC
+  ref the wgmma accumulates into (as a plain GEMM's). Returns the (rows, bn) f32 tile."""
+    if probe == "mma" and not sim:
+        return pl.run_scoped(lambda acc_ref: run(acc_ref)[...], plgpu.ACC(shape, jnp.float32))
+    acc0 = jnp.zeros(shape, jnp.float32)
+    if not sim:
+        acc0 = plgpu.layout_cast(acc0, plgpu.Layout.WGMMA)
+    return run(acc0)
+
+
 def active_first(tile_group):
     """tile_group [T] -> (tile_rows [T]: row tiles, active ones first (stable); their groups [T]; active count [1])."""
     skip = tile_group < 0                                                                      # (T,)
@@ -193,13 +218,7 @@ def _ws_kernel(tile_rows_gmem, tile_group_gmem, num_active_gmem, a_gmem, as_gmem
         *consumed, acc = barriers_and_acc
         mine = pl.ds(wg * half, half)                     # this consumer's rows of the CTA tile
         if probe is not None:
-            if probe == "mma":   # acc: the wgmma's own accumulator (a ref; a value in the value-level stand-in)
-                if sim:
-                    acc = acc + lax.dot_general(a_smem.at[mine][...], b_smem[...], (((1,), (1,)), ((), ())),
-                                                preferred_element_type=jnp.float32)             # (half, bn)
-                else:
-                    plgpu.wgmma(acc, a_smem.at[mine], b_smem.transpose((1, 0)))
-                    plgpu.wgmma_wait(0)
+            acc = probe_step(acc, a_smem.at[mine], b_smem, probe=probe, sim=sim)
             for barrier in consumed:
                 plgpu.barrier_arrive(barrier)
             return acc
@@ -233,13 +252,7 @@ def _ws_kernel(tile_rows_gmem, tile_group_gmem, num_active_gmem, a_gmem, as_gmem
             rows, cols = pl.ds(ti * bm, bm), pl.ds(ni * bn, bn)
 
             def context(run):
-                if probe == "mma" and not sim:   # one accumulator for the whole tile, as a plain GEMM's
-                    acc = pl.run_scoped(lambda acc_ref: run(acc_ref)[...], plgpu.ACC((half, bn), jnp.float32))
-                else:
-                    acc0 = jnp.zeros((half, bn), jnp.float32)
-                    if not sim:
-                        acc0 = plgpu.layout_cast(acc0, plgpu.Layout.WGMMA)
-                    acc = run(acc0)                                                             # (half, bn)
+                acc = run_tile(run, (half, bn), probe=probe, sim=sim)                          # (half, bn)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # this slot's previous store has read it
                 o_smem[wg] = acc.astype(o_smem.dtype)
                 plgpu.commit_smem()
