@@ -17,8 +17,8 @@ with the outer product of the A-row and B-column scales (DeepGEMM's two-level ac
 fp8 accumulation only ever sums 128 products). K-steps are TMA-pipelined ``stages`` deep (``plgpu.emit_pipeline``).
 B's block scales stay blocks: ``prepare_b`` only transposes and pads them ([G, kb, nbw], about 1/16384 byte per
 weight), and each k-step copies a 32-scale window of them (fp8_tiling.py ``SCALE_WINDOW``). A tile inside one
-128-block of n reads its single scale as one scalar; a tile that spans two (block_n 96, 160) selects per column
-(``load_scales``, ``promote``).
+128-block of n reads its single scale as one scalar; a tile that spans two (block_n 96, 160) is promoted 32 columns
+at a time, each chunk with its block's scale (``load_scales``, ``promote``).
 
 Two kernel variants, chosen with the static knob ``kernel=`` of every entry (fp8_gemm and the grouped GEMMs):
 - ``"pipelined"`` (default): this file's ``_tile_kernel``, one warpgroup per CTA, grid (row tiles, column tiles),
@@ -48,7 +48,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from kernels_pallas import _mosaic, fp8_tiling
 from kernels_pallas.fp8_gemm_ws import (check_probe, epilogue_smem, load_scales, num_sms, probe_step, promote,
-                                        run_tile, scale_window_start, ws_fp8_gemm_pallas)
+                                        run_tile, scale_window_start, store_acc, ws_fp8_gemm_pallas)
 from kernels_pallas.fp8_tiling import (BLOCK_K, KERNELS, SCALE_WINDOW, Tiling, _cdiv,  # noqa: F401 (re-exported)
                                        check_kernel)
 
@@ -196,8 +196,8 @@ def _tile_kernel(tile_group_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, o_gmem, o_sm
             )(a_gmem.at[rows], b_gmem.at[gg, cols], as_gmem.at[:, rows],
               bs_gmem.at[gg, :, pl.ds(scale_window_start(ni * block_n), SCALE_WINDOW)])
 
-        acc = run_tile(run, (block_m, block_n), probe=probe, sim=sim)                                # (bm, bn)
-        o_smem[...] = acc.astype(o_smem.dtype)
+        acc = run_tile(run, (block_m, block_n), probe=probe, sim=sim)              # (bm, bn), or its column chunks
+        store_acc(o_smem, acc)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[rows, cols])
         plgpu.wait_smem_to_gmem(0)

@@ -64,6 +64,7 @@ from kernels_pallas.fp8_tiling import (BLOCK_K, NUM_CONSUMERS, SCALE_WINDOW, SCA
                                        check_knobs)
 
 TMA_REGISTERS = 40        # DeepGEMM kNumTMARegisters; JAX matmul memory_registers=40
+STRADDLE_CHUNK = 32       # promotion of a tile spanning two scale blocks: 32 columns at a time (block_n % 32 == 0)
 TILE_BAND = 16            # DeepGEMM Scheduler kNumNBlocksPerGroup: column tiles per L2 band
 INTERPRET_SMS = 2         # interpret mode: few CTAs, so each runs several tiles (the persistent path)
 
@@ -102,25 +103,55 @@ def load_scales(as_ref, win_ref, col0, block_n: int, *, sim: bool):
     sa = as_ref[...] if sim else _mosaic.load(as_ref, plgpu.Layout.WGMMA.reduce(1))
     j0 = col0 // BLOCK_K
     i = j0 % SCALE_WINDOW_ALIGN                        # j0's place in the window
-    if BLOCK_K % block_n == 0:
+    if not straddles(block_n):
         return sa, win_ref[i]
     return sa, (win_ref[i], win_ref[i + 1], (j0 + 1) * BLOCK_K - col0)
 
 
+def straddles(block_n: int) -> bool:
+    """Whether a tile of block_n columns (tiles start at multiples of block_n) can span two 128-column scale
+  blocks: block_n does not divide 128 (96, 160)."""
+    return BLOCK_K % block_n != 0
+
+
+def zero_acc(shape, *, sim: bool, chunked: bool):
+    """A zero (rows, bn) f32 accumulator: one array in the WGMMA layout, or (chunked: the promoted accumulator of a
+  tile that straddles scale blocks) a tuple of its bn / STRADDLE_CHUNK column chunks (``promote``)."""
+    rows, bn = shape
+
+    def zeros(cols):
+        z = jnp.zeros((rows, cols), jnp.float32)
+        return z if sim else plgpu.layout_cast(z, plgpu.Layout.WGMMA)
+
+    if chunked:
+        return tuple(zeros(STRADDLE_CHUNK) for _ in range(bn // STRADDLE_CHUNK))
+    return zeros(bn)
+
+
+def store_acc(o_ref, acc) -> None:
+    """o_ref (rows, bn) <- acc (``zero_acc``'s form) cast to o_ref's dtype."""
+    if not isinstance(acc, tuple):
+        o_ref[...] = acc.astype(o_ref.dtype)
+        return
+    for i, chunk in enumerate(acc):
+        o_ref[:, pl.ds(i * STRADDLE_CHUNK, STRADDLE_CHUNK)] = chunk.astype(o_ref.dtype)
+
+
 def promote(acc, part, sa, sb, *, sim: bool):
-    """acc + part * (As x Bs) (DeepGEMM's promotion): acc, part (rows, bn) f32; sa (rows,); sb one scalar or
-  (s0, s1, split) from ``load_scales``."""
-    shape = part.shape
+    """acc + part * (As x Bs) (DeepGEMM's promotion): part (rows, bn) f32, acc in ``zero_acc``'s form; sa (rows,);
+  sb one scalar or (s0, s1, split) from ``load_scales``. A straddling tile is promoted STRADDLE_CHUNK columns at a
+  time, each chunk with the one B scale of its block (split is a multiple of 32: tiles start at multiples of
+  block_n), as DeepGEMM picks scale_b per column group by a predicate. A per-element select over the whole tile
+  (a (rows, bn) scale array) made the k-loops spill: 41 reloads per k-step at 128 x 160 (warp-specialized, ptxas
+  13.0, 2026-12-02), none chunked; the chunks stay separate arrays, as Mosaic GPU's Lane lowering has no
+  concatenate on jax 0.10."""
     if not isinstance(sb, tuple):
-        return acc + part * lax.broadcast_in_dim(sa * sb, shape, [0])                          # row scale
+        return acc + part * lax.broadcast_in_dim(sa * sb, part.shape, [0])                     # row scale
     s0, s1, split = sb
-    if sim:
-        cols = lax.broadcasted_iota(jnp.int32, shape, 1)
-    else:
-        cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-    scale = jnp.where(cols < split, lax.broadcast_in_dim(sa * s0, shape, [0]),
-                      lax.broadcast_in_dim(sa * s1, shape, [0]))                               # (rows, bn)
-    return acc + part * scale
+    w = STRADDLE_CHUNK
+    return tuple(chunk + part[:, i * w:(i + 1) * w]
+                 * lax.broadcast_in_dim(sa * jnp.where(i * w < split, s0, s1), chunk.shape, [0])  # (rows, 32)
+                 for i, chunk in enumerate(acc))
 
 
 # Benchmark probes (benchmarks/kernels_fp8.py --breakdown; never used by the entries): both FP8 kernels with part of
@@ -155,13 +186,10 @@ def probe_step(acc, a_smem, b_smem, *, probe: str, sim: bool):
 def run_tile(run, shape, *, probe: str | None, sim: bool):
     """Run one output tile's k pipeline, ``run(initial carry) -> final carry``, from a zero f32 accumulator of
   shape: a WGMMA-layout value carried through the k-steps (the kernels' promotion), or for the "mma" probe an ACC
-  ref the wgmma accumulates into (as a plain GEMM's). Returns the (rows, bn) f32 tile."""
+  ref the wgmma accumulates into (as a plain GEMM's). Returns the tile in ``zero_acc``'s form (probes: whole)."""
     if probe == "mma" and not sim:
         return pl.run_scoped(lambda acc_ref: run(acc_ref)[...], plgpu.ACC(shape, jnp.float32))
-    acc0 = jnp.zeros(shape, jnp.float32)
-    if not sim:
-        acc0 = plgpu.layout_cast(acc0, plgpu.Layout.WGMMA)
-    return run(acc0)
+    return run(zero_acc(shape, sim=sim, chunked=probe is None and straddles(shape[1])))   # probes never promote
 
 
 def active_first(tile_group):
@@ -252,9 +280,9 @@ def _ws_kernel(tile_rows_gmem, tile_group_gmem, num_active_gmem, a_gmem, as_gmem
             rows, cols = pl.ds(ti * bm, bm), pl.ds(ni * bn, bn)
 
             def context(run):
-                acc = run_tile(run, (half, bn), probe=probe, sim=sim)                          # (half, bn)
+                acc = run_tile(run, (half, bn), probe=probe, sim=sim)      # (half, bn), or its column chunks
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # this slot's previous store has read it
-                o_smem[wg] = acc.astype(o_smem.dtype)
+                store_acc(o_smem.at[wg], acc)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[pl.ds(ti * bm + wg * half, half), cols])
 

@@ -36,10 +36,13 @@ NUM_CONSUMERS = 2         # warp-specialized kernel: DeepGEMM get_num_math_warpg
 MAX_ACC_REGISTERS = 160   # two fp32 accumulator tiles per thread; 192 spill (ptxas, module docstring)
 SMEM_BYTES = 227 * 1024   # H100/H200 dynamic shared memory per CTA (CUDA: 227 KB opt-in); DeepGEMM sizes stages to it
 SMEM_SLACK = 2048         # barriers and allocation alignment
-# Default widths: divisors of 128 and no wider, so no tile straddles two 128-column scale blocks (a straddling
-# tile selects its B scale per column, which made the warp-specialized k-loop spill: ~20 reloads per k-step at
-# 128 x 96, ptxas 2026-12-02). Explicit block_n 96 and 160 stay valid. At 64 rows, wider pipelined tiles would
-# leave one CTA per SM; 160 is the register rule's limit at block_m = 128.
+# Default widths: divisors of 128 and no wider, so no tile straddles two 128-column scale blocks. Explicit block_n 96
+# and 160 are valid: a straddling tile promotes 32 columns at a time with one B scale each (fp8_gemm_ws.promote),
+# without spills since 2026-12-02 (before, a per-element select spilled: 41 reloads per k-step at 128 x 160).
+# DeepGEMM's wave rule would take 160 at n = 7168 (45 column tiles: 11 waves of 132 against 14 at 128), but 160
+# divides none of the goal shapes' n, so our wrappers would copy B per call; the GPU check's tiling sweep
+# (128x160x4) says whether the fewer waves pay for it. At 64 rows, wider pipelined tiles would leave one CTA per SM;
+# 160 is the register rule's limit at block_m = 128.
 PIPELINED_BLOCK_NS = (128, 64, 32)
 WS_BLOCK_NS = (128, 64, 32)
 PIPELINED_MAX_STAGES = 6

@@ -549,6 +549,21 @@ def test_kernels_lower_for_cuda(entry, cfg):
     assert _mosaic.has_mosaic_gpu_call(text)
 
 
+@pytest.mark.parametrize("kernel,block_m", [("pipelined", 64), ("warp_specialized", 128)])
+@pytest.mark.parametrize("block_n", [96, 160])
+def test_straddling_tilings_lower_for_cuda(kernel, block_m, block_n):
+    """Tiles that span two 128-column scale blocks (block_n 96, 160: not defaults, valid knobs, the GPU sweep's
+    128x160x4) lower for cuda on every supported jax: their promotion keeps 32-column chunks apart (jax 0.10's
+    Mosaic GPU Lane lowering has no concatenate) and their epilogue stores each chunk."""
+    m, n, k = 256, 7168, 1024
+    S = jax.ShapeDtypeStruct
+    args = (S((m, k), jnp.float8_e4m3fn), S((m, k // 128), F32), S((n, k), jnp.float8_e4m3fn),
+            S((n // 128, k // 128), F32))
+    text = _mosaic.lower_for_cuda(fp8_gemm, *args, implementation="pallas", interpret=False, kernel=kernel,
+                                  block_m=block_m, block_n=block_n, stages=4)
+    assert _mosaic.has_mosaic_gpu_call(text)
+
+
 @pytest.mark.parametrize("probe", ["mma", "stream"])
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_benchmark_probes_lower_for_cuda(kernel, probe):
