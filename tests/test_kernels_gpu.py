@@ -66,6 +66,11 @@ def test_fp8_gemm_native(m, n, k):
     _check_dense(m, n, k)
 
 
+def test_fp8_gemm_native_straddling_tiles():
+    """block_n=96: tiles straddle 128-column scale blocks (promoted in 32-column chunks, fp8_gemm_ws.promote)."""
+    _check_dense(4096, 7168, 2048, block_n=96)
+
+
 def _check_grouped(**knobs):
     g, m_max, n, k = 4, 256, 4096, 7168
     rng = np.random.default_rng(1)
@@ -93,10 +98,12 @@ def test_fp8_grouped_native():
 # name (-k warp_specialized) so that scripts/gpu_check.sh runs it in its own step after everything else.
 # The defaults chain the tiles' pipelines (fp8_tiling.chains_tiles: a 4-deep ring over 16 k-steps at
 # (4096, 7168, 2048), ~14 tiles per CTA); stages=5 does not divide 16, so each tile fills and drains its own ring.
-@pytest.mark.parametrize("m, n, k, stages", [(64, 2112, 7168, None), (4096, 7168, 2048, None), (70, 200, 300, None),
-                                             (4096, 7168, 2048, 5)])
-def test_fp8_gemm_native_warp_specialized(m, n, k, stages):
-    _check_dense(m, n, k, kernel="warp_specialized", stages=stages)
+# block_n=160: tiles straddle 128-column scale blocks (promoted in 32-column chunks, fp8_gemm_ws.promote).
+@pytest.mark.parametrize("m, n, k, stages, block_n", [(64, 2112, 7168, None, None), (4096, 7168, 2048, None, None),
+                                                      (70, 200, 300, None, None), (4096, 7168, 2048, 5, None),
+                                                      (4096, 7168, 2048, 4, 160)])
+def test_fp8_gemm_native_warp_specialized(m, n, k, stages, block_n):
+    _check_dense(m, n, k, kernel="warp_specialized", stages=stages, block_n=block_n)
 
 
 def test_fp8_grouped_native_warp_specialized():
