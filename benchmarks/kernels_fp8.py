@@ -203,8 +203,8 @@ def breakdown_case(m: int, n: int, k: int, kernel: str, *, interpret: bool = Fal
     """Seconds per call of one dense shape's Pallas kernel (its default tiling, fp8_gemm.py ``dense_pallas``) and of
   its two probes (fp8_gemm_ws.py ``PROBES``: "mma", the promotion taken out; "stream", all compute taken out), with
   the tiling, the GEMM's flops and "tile_bytes", the bytes the kernel's copies bring into SMEM (per output tile and
-  k-step: the A and B tiles, bm x 128 + bn x 128 e4m3, and their scales, bm + SCALE_WINDOW float32). interpret:
-  for a CPU check."""
+  k-step ``Tiling.stage_bytes``: the A and B tiles, bm x 128 + bn x 128 e4m3, and their scales, bm + SCALE_WINDOW
+  float32). interpret: for a CPU check."""
     import functools
 
     from kernels_pallas.fp8_gemm import dense_pallas, resolve_tiling
@@ -213,8 +213,7 @@ def breakdown_case(m: int, n: int, k: int, kernel: str, *, interpret: bool = Fal
                             interpret=interpret)
     tiles = fp8_tiling._cdiv(m, tiling.block_m) * fp8_tiling._cdiv(n, tiling.block_n)
     k_steps = fp8_tiling._cdiv(k, fp8_tiling.BLOCK_K)
-    per_step = (tiling.block_m + tiling.block_n) * fp8_tiling.BLOCK_K + 4 * (tiling.block_m + fp8_tiling.SCALE_WINDOW)
-    out = dict(tiling=tiling, flops=2 * m * n * k, tile_bytes=tiles * k_steps * per_step)
+    out = dict(tiling=tiling, flops=2 * m * n * k, tile_bytes=tiles * k_steps * tiling.stage_bytes())
     ops = _operands((m,), (), n, k)
     for probe in (None, "mma", "stream"):
         f = jax.jit(functools.partial(dense_pallas, kernel=kernel, tiling=tiling, out_dtype=jnp.bfloat16,

@@ -172,7 +172,7 @@ def _tile_kernel(tile_group_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, o_gmem, o_sm
             # before emit_pipeline refills it right after this body. It stands in for the four barriers Pallas
             # would put before the four refill copies (CompilerParams(unsafe_no_auto_barriers=True) below).
             plgpu.commit_smem()
-            return promote(acc, part, sa, sb, sim=sim)
+            return promote(acc, part, sa, sb)
 
         def probe_k_step(_, a_smem, b_smem, as_smem, bs_smem, acc):
             acc = probe_step(acc, a_smem, b_smem, probe=probe, sim=sim)

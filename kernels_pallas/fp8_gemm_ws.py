@@ -137,7 +137,7 @@ def store_acc(o_ref, acc) -> None:
         o_ref[:, pl.ds(i * STRADDLE_CHUNK, STRADDLE_CHUNK)] = chunk.astype(o_ref.dtype)
 
 
-def promote(acc, part, sa, sb, *, sim: bool):
+def promote(acc, part, sa, sb):
     """acc + part * (As x Bs) (DeepGEMM's promotion): part (rows, bn) f32, acc in ``zero_acc``'s form; sa (rows,);
   sb one scalar or (s0, s1, split) from ``load_scales``. A straddling tile is promoted STRADDLE_CHUNK columns at a
   time, each chunk with the one B scale of its block (split is a multiple of 32: tiles start at multiples of
@@ -262,7 +262,7 @@ def _ws_kernel(tile_rows_gmem, tile_group_gmem, num_active_gmem, a_gmem, as_gmem
             part = pl.run_scoped(mma, plgpu.ACC((half, bn), jnp.float32))                      # (half, bn)
         for barrier in consumed:   # every SMEM read of this stage is done: hand it back to the producer
             plgpu.barrier_arrive(barrier)
-        return promote(acc, part, sa, sb, sim=sim)
+        return promote(acc, part, sa, sb)
 
     ignore = lambda *_, **__: None  # noqa: E731 - the bodies do not change the allocations
     allocs = pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem.at[0], as_gmem,

@@ -69,11 +69,14 @@ class Tiling:
     stages: int
     multicast: int = 1     # warp_specialized: 2 = CTA pairs (a cluster) share each A tile by TMA multicast
 
+    def stage_bytes(self) -> int:
+        """Bytes one k-step's copies bring into SMEM (one ring slot): the e4m3 A and B tiles, the f32 A-row scales
+        and B's window of block scales."""
+        return (self.block_m + self.block_n) * BLOCK_K + 4 * (self.block_m + SCALE_WINDOW)
+
     def smem_bytes(self, out_itemsize: int) -> int:
-        """Shared memory of one CTA: the ring (e4m3 A and B tiles, f32 A-row scales and B's window of block
-        scales) and the epilogue tile."""
-        per_stage = (self.block_m + self.block_n) * BLOCK_K + 4 * (self.block_m + SCALE_WINDOW)
-        return self.stages * per_stage + self.block_m * self.block_n * out_itemsize + SMEM_SLACK
+        """Shared memory of one CTA: the ring (``stage_bytes`` per stage) and the epilogue tile."""
+        return self.stages * self.stage_bytes() + self.block_m * self.block_n * out_itemsize + SMEM_SLACK
 
 
 def rows_per_warpgroup(kernel: str, block_m: int) -> int:

@@ -4,8 +4,11 @@ Both must be in place before JAX starts its backend, so this runs at import time
 Tests that are not about meshes pass ``mesh="1x1"``.
 """
 
+import importlib.util
 import os
 import pathlib
+
+import pytest
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -20,11 +23,6 @@ import jax  # noqa: E402
 
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-
-
-import importlib.util  # noqa: E402
-
-import pytest  # noqa: E402
 
 
 @pytest.fixture
