@@ -118,7 +118,7 @@ def engine(max_tokens: int = 64) -> None:
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
     from jaxinfer import LLM, SamplingParams
     from jaxinfer.parallel.comm import tokens_sent
-    from jaxinfer.parallel.rebalance import current_phy2log
+    from jaxinfer.rebalance import current_phy2log
 
     ranks = 4
     llm = LLM(mesh="1x4", dtype="float32", num_redundant_experts=EMBEDDED_REDUNDANT)

@@ -1,8 +1,8 @@
 """``load_model``: a checkpoint directory (HF safetensors or jaxinfer's orbax form) -> a ``Model`` on a mesh.
 
-``Model.logits(token_ids)`` is the public contract (DESIGN.md): int [B, T] -> np.float32 [B, T, vocab], a causal
-forward from position 0, the batch split over every device of the mesh (data-parallel attention) and padded to a
-multiple of the DP size.
+``Model.logits(token_ids)`` is the public contract (docs/architecture.md "Public contract"): int [B, T] ->
+np.float32 [B, T, vocab], a causal forward from position 0, the batch split over every device of the mesh
+(data-parallel attention) and padded to a multiple of the DP size.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def parse_dtype(dtype: Any) -> Any:
 
 
 def param_sharding(mesh: jax.sharding.Mesh, path: tuple, shape: tuple) -> NamedSharding:
-    """Where each parameter lives (DESIGN.md "Mesh semantics"): routed-expert slots split over `expert` and
+    """Where each parameter lives (docs/architecture.md "Mesh semantics"): routed-expert slots split over `expert` and
     replicated over `data`; attention, dense layers, shared experts, norms, embeddings and the placement tables
     replicated on every DP rank (data-parallel attention)."""
     del shape

@@ -1,8 +1,9 @@
 """Oracle side of the model tests: tiny random HF transformers DeepSeek models, their checkpoints, reference logits.
 
 Everything here is independent of jaxinfer: models are HF ``DeepseekV3ForCausalLM`` / ``DeepseekV2ForCausalLM``
-(the reference implementation named in DESIGN.md), checkpoints are written and read with the official
-``safetensors`` library through torch (which knows BF16 and F8_E4M3), and FP8 quantization is plain numpy.
+(the reference implementation named in docs/architecture.md "Reference semantics"), checkpoints are written and
+read with the official ``safetensors`` library through torch (which knows BF16 and F8_E4M3), and FP8 quantization
+is plain numpy.
 
 Checkpoints are built once per test session and shared between test modules through the caches below
 (``build_case`` and ``load_jax_model``): pytest would build a session fixture imported into two modules twice.

@@ -261,7 +261,8 @@ def test_moonlight_preset():
 
 
 def test_deepseek_v3_softmax_scale():
-    """DESIGN.md: scale = qk_head_dim^-0.5 * m^2, m = 0.1 * mscale_all_dim * ln(factor) + 1 (671B: 0.1352338)."""
+    """scale = qk_head_dim^-0.5 * m^2, m = 0.1 * mscale_all_dim * ln(factor) + 1 (671B: 0.1352338);
+    docs/architecture.md "Reference semantics"."""
     m = 0.1 * 1.0 * math.log(40.0) + 1.0
     want = 192**-0.5 * m * m
     assert want == pytest.approx(0.1352338, abs=5e-8)

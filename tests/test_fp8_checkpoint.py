@@ -8,7 +8,8 @@ that weights and their scales sit in different files.
 Oracle: the checkpoint's bytes read back with the official safetensors reader, dequantized HERE in numpy
 (w = fp8 * scale_inv per zero-padded 128x128 block, written independently of jaxinfer's fp8 module), written
 into the HF model, HF forward. Not transformers' own FP8 loading: it dequantizes partial blocks wrongly
-(DESIGN.md; ``test_oracle_detects_wrong_partial_blocks`` shows such a dequantization would fail this test).
+(docs/architecture.md "Reference semantics"; ``test_oracle_detects_wrong_partial_blocks`` shows such a
+dequantization would fail this test).
 Metric: float32 max|jaxinfer - HF| / max|HF| <= 1e-4.
 """
 

@@ -1,4 +1,5 @@
-"""Logits parity with HF transformers (the reference implementation, DESIGN.md) on tiny random checkpoints.
+"""Logits parity with HF transformers (the reference implementation, docs/architecture.md "Reference semantics")
+on tiny random checkpoints.
 
 The configurations (hf_oracle.CONFIGS) together vary: q_lora_rank null / int; n_group and topk_group (1/1, 3/2,
 4/2); norm_topk_prob true / false; YaRN (mscale = mscale_all_dim, mscale != mscale_all_dim, no mscale) vs default

@@ -1,5 +1,5 @@
 """Expert load from the running engine and EPLB rebalancing applied on the mesh (LLM.expert_load,
-LLM.rebalance_experts, jaxinfer/parallel/rebalance.py), on a tiny random V3 model in float32.
+LLM.rebalance_experts, jaxinfer/rebalance.py), on a tiny random V3 model in float32.
 
 References: the expert choices of transformers' own router (HF ``DeepseekV3TopkRouter`` topk indices, recorded with
 forward hooks on each MoE layer's ``mlp.gate``) over exactly the tokens the engine computed (prompt + all generated
@@ -12,11 +12,12 @@ import pytest
 import torch
 
 import hf_oracle as O
+from jaxinfer import rebalance
 from jaxinfer.engine.llm import LLM
 from jaxinfer.engine.sampling_params import SamplingParams
-from jaxinfer.parallel import rebalance
 from jaxinfer.parallel.comm import tokens_sent
 from jaxinfer.parallel.eplb import balancedness
+from jaxinfer.parallel.placement import placement_tables
 from test_engine import CompileCounter
 
 CASE = "v3_qlora_yarn"  # 8 routed experts in 4 groups, top-2, MoE layers 1 and 2
@@ -130,7 +131,7 @@ def test_rebalance_keeps_outputs_and_evens_the_expert_ranks(workload):
     for layer, path in enumerate(rebalance.moe_experts_paths(config)):
         state = rebalance.experts_state(llm.model.state, path)
         np.testing.assert_array_equal(np.asarray(state["logcnt"].get_value()), logcnt[layer])
-        tables = rebalance.placement_tables(phy2log[layer], 8, 5)
+        tables = placement_tables(phy2log[layer], 8, 5)
         np.testing.assert_array_equal(np.asarray(state["log2phy"].get_value()), tables["log2phy"])
     # EPLB's balance model on the measured loads: busiest expert rank / mean, per MoE layer.
     ratio_before = balancedness(load, old_phy2log, old_logcnt, ranks)

@@ -1,4 +1,5 @@
-"""SamplingParams: the defaults and ranges of DESIGN.md's public contract (vLLM's ranges), normalisation, frozen."""
+"""SamplingParams: the defaults and ranges of the public contract (docs/architecture.md "Public contract"; vLLM's
+ranges), normalisation, frozen."""
 
 import dataclasses
 import re

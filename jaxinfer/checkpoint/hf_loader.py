@@ -3,7 +3,7 @@
 Tensors are memory-mapped and read one at a time by ``jax.make_array_from_callback``: every device shard reads
 only its own slice (for stacked experts: only its experts), so a 671B checkpoint never sits in host RAM whole.
 FP8 weights (``F8_E4M3`` + ``weight_scale_inv``) are either kept with their scales (``quantized=True``) or
-dequantized exactly (fp8 * scale_inv per 128x128 block; DESIGN.md "FP8 checkpoints").
+dequantized exactly (fp8 * scale_inv per 128x128 block; docs/architecture.md "Reference semantics").
 
 Names follow DeepSeek's release: ``model.layers.{i}.self_attn.q_a_proj.weight``,
 ``model.layers.{i}.mlp.experts.{e}.gate_proj.weight``, MTP module k at ``model.layers.{num_hidden_layers + k}``

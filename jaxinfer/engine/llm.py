@@ -32,7 +32,7 @@ from jaxinfer.engine.tokenizer import IncrementalDecoder, Tokenizer
 from jaxinfer.kv.page_allocator import PAGE_SIZE
 from jaxinfer.kv.paged_cache import default_num_pages
 from jaxinfer.model import load_model
-from jaxinfer.parallel.rebalance import rebalance_model
+from jaxinfer.rebalance import rebalance_model
 
 
 @dataclasses.dataclass
@@ -278,7 +278,7 @@ class LLM:
         return self.runner.expert_load()
 
     def rebalance_experts(self, num_nodes: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Re-places the routed experts from ``expert_load()`` with EPLB (jaxinfer.parallel.rebalance): slots =
+        """Re-places the routed experts from ``expert_load()`` with EPLB (jaxinfer.rebalance): slots =
         n_routed_experts + num_redundant_experts, GPUs = the mesh's `expert` axis, groups = n_group, num_nodes
         hosts. Outputs do not change (every copy of an expert is equal); only which expert rank computes what.
         Returns EPLB's (phy2log [L, S], log2phy [L, E, max_replicas], logcnt [L, E])."""

@@ -1,7 +1,7 @@
 """Paged MLA latent cache on device: per layer [P, S, 1, W] pages, write by slot, gather by block table.
 
 Layout = FlashMLA's KV cache ``[num_pages, page_size=64, h_kv=1, W]`` with W = kv_lora_rank + qk_rope_head_dim
-(576 for V3: [c_kv (512, normed) | k_pe (64, roped)], DESIGN.md "Reference semantics"), so
+(576 for V3: [c_kv (512, normed) | k_pe (64, roped)], docs/architecture.md "Reference semantics"), so
 ``kernels_pallas.mla_decode(q, cache.layers[l], block_table, seqlens)`` reads a layer directly. dtype = model dtype.
 
 Bit-pattern storage (``init_paged_cache(..., as_bits=True)``; the engine's XLA path): the arrays hold the values'
@@ -9,9 +9,10 @@ bit patterns as unsigned integers of the same width (bf16 -> uint16). jaxlib 0.1
 or gather: it upcasts both by converting the WHOLE operand to float32 and back, so every cache write and every page
 gather of a bf16 cache converted the full cache (the embedded model's bf16 decode step at its default 2049 pages:
 ~190 ms instead of ~2). jaxlib 0.11.2's XLA:CPU scatters and gathers bf16 in place (checked 2026-12-02); the bit
-patterns cost nothing there and keep the older release fast. Integer scatters and gathers run in place. ``write`` encodes the latents, ``take_pages`` decodes
-what it gathers (``lax.bitcast_convert_type``: exact); a bitcast of the whole array is not free on XLA:CPU (it is
-a copy), hence the integer arrays themselves rather than a view of float ones.
+patterns cost nothing there and keep the older release fast. Integer scatters and gathers run in place.
+``write`` encodes the latents, ``take_pages`` decodes what it gathers (``lax.bitcast_convert_type``: exact); a
+bitcast of the whole array is not free on XLA:CPU (it is a copy), hence the integer arrays themselves rather than a
+view of float ones.
 
 Addressing: token slot = page * S + offset. Page ids come from the rank's ``PageAllocator``; page 0 is the null
 page that pads block tables; slot -1 marks a padded token whose write is dropped.
@@ -64,9 +65,6 @@ class PagedLatentCache:
     @property
     def dtype(self):
         return self.layers[0].dtype
-
-    def replace_layer(self, layer: int, value: jax.Array) -> PagedLatentCache:
-        return PagedLatentCache(self.layers[:layer] + (value,) + self.layers[layer + 1:])
 
 
 def latent_width(config: ModelConfig) -> int:

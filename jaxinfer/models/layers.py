@@ -2,7 +2,7 @@
 
 FP8 modes (``fp8=``): "off" (weights in the compute dtype), "weights" (e4m3 + 128x128 block scales, dequantized
 exactly on the fly: same logits as "off" with exactly dequantized weights), "compute" (DeepSeek's deployment path,
-DESIGN.md "FP8 compute": activations quantized per token per 128 channels, FP8 GEMMs with fp32 accumulation).
+docs/architecture.md "Kernels": activations quantized per token per 128 channels, FP8 GEMMs with fp32 accumulation).
 
 Weights keep the checkpoint layout ``[out, in]`` (PyTorch ``nn.Linear``, DeepGEMM's B operand), so loading is a
 copy and FP8 block scales ``[ceil(out/128), ceil(in/128)]`` line up with their weight without transposes.

@@ -1,7 +1,8 @@
 """DeepSeekMoE: router (V3 sigmoid + correction bias + group-limited top-k; V2 softmax), routed experts as a
 grouped matmul over tokens sorted by expert, and shared experts.
 
-Router semantics follow HF ``DeepseekV3TopkRouter`` / ``DeepseekV2TopkRouter`` (DESIGN.md "Router").
+Router semantics follow HF ``DeepseekV3TopkRouter`` / ``DeepseekV2TopkRouter`` (docs/architecture.md
+"Reference semantics").
 """
 
 from __future__ import annotations

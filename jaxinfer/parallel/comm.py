@@ -7,7 +7,8 @@ compiled HLO. Two figures per direction:
   H e4m3 bytes + 4 * ceil(H/128) scale bytes (FP8 dispatch) or H * itemsize (BF16/F32), and H * itemsize back
   (combine in the model dtype). Per-token routing metadata (K ids + K weights) is counted separately.
 - buffer: what jaxinfer's fixed-capacity ``all_to_all`` moves on CPU: [R, N, H] per device whatever the routing
-  (DESIGN.md: worst-case buffers, nothing dropped); the local peer's slice never leaves the device.
+  (docs/architecture.md "Mesh semantics": worst-case buffers, nothing dropped); the local peer's slice never
+  leaves the device.
 """
 
 from __future__ import annotations

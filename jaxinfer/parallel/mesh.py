@@ -1,8 +1,8 @@
 """Mesh construction from the ``mesh=`` argument: None, "DxE", a ``meshes/*.toml`` path, or a Mesh.
 
-Axes are ``('data', 'expert')``; device (d, e) is DP rank d*E + e (DESIGN.md "Mesh semantics"). Devices are taken
-in (process_index, id) order, so in a multi-process run each process's local devices are consecutive DP ranks
-(process p of P, each with L devices, holds DP ranks p*L ... p*L + L - 1).
+Axes are ``('data', 'expert')``; device (d, e) is DP rank d*E + e (docs/architecture.md "Mesh semantics").
+Devices are taken in (process_index, id) order, so in a multi-process run each process's local devices are
+consecutive DP ranks (process p of P, each with L devices, holds DP ranks p*L ... p*L + L - 1).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Multi-process runs with JAX's own multi-controller runtime (DESIGN.md "Multi-host").
+"""Multi-process runs with JAX's own multi-controller runtime (docs/architecture.md "Mesh semantics").
 
 Every process runs the same program on the same host inputs; together they drive one global mesh. The rules:
 - ``initialize`` first, before any JAX call that starts the backend (``jax.devices()``, a computation, ...).

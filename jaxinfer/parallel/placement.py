@@ -1,6 +1,6 @@
 """Physical expert slots: n_routed_experts logical experts placed on num_slots = E + redundant slots.
 
-Slot s lives on expert rank s // (num_slots / R) (DESIGN.md "Mesh semantics"). A placement is DeepSeek EPLB's
+Slot s lives on expert rank s // (num_slots / R) (docs/architecture.md "Mesh semantics"). A placement is DeepSeek EPLB's
 output format (deepseek-ai/EPLB ``rebalance_experts``): phy2log [S] (the logical expert in each slot),
 log2phy [E, max_replicas] (the slots of each expert, padded with -1) and logcnt [E] (its number of copies).
 The default is the identity placement; redundant slots copy experts 0, 1, ... in order (slot s holds s mod E).
@@ -54,13 +54,26 @@ def max_replicas(num_experts: int, num_slots: int) -> int:
     return num_slots - num_experts + 1
 
 
-def default_tables(num_experts: int, num_slots: int) -> dict[str, np.ndarray]:
-    """The identity placement as int32 arrays, keyed like the Experts module's placement variables (log2phy
-    [E, max_replicas(E, S)])."""
-    phy2log = identity_phy2log(num_experts, num_slots)
-    log2phy, logcnt = tables(phy2log, num_experts, max_replicas(num_experts, num_slots))
-    return {"phy2log": phy2log.astype(np.int32), "log2phy": log2phy.astype(np.int32),
+def placement_tables(phy2log: np.ndarray, num_experts: int, width: int) -> dict[str, np.ndarray]:
+    """phy2log [S] -> the Experts module's placement variables as int32: phy2log [S], log2phy [E, width] (each
+    expert's slots ascending, as ``moe.physical_slots`` uses them) and logcnt [E]."""
+    log2phy, logcnt = tables(phy2log, num_experts, width)
+    return {"phy2log": np.asarray(phy2log, np.int32), "log2phy": log2phy.astype(np.int32),
             "logcnt": logcnt.astype(np.int32)}
+
+
+def default_tables(num_experts: int, num_slots: int) -> dict[str, np.ndarray]:
+    """The identity placement's ``placement_tables`` (log2phy [E, max_replicas(E, S)])."""
+    return placement_tables(identity_phy2log(num_experts, num_slots), num_experts, max_replicas(num_experts, num_slots))
+
+
+def slot_sources(old_log2phy: np.ndarray, new_phy2log: np.ndarray) -> np.ndarray:
+    """old_log2phy [E, W] (the current placement, -1 padded), new_phy2log [S] -> [S] int32: for each new slot,
+    a current slot holding its expert (the expert's first copy; all copies are equal)."""
+    src = np.asarray(old_log2phy)[np.asarray(new_phy2log), 0]
+    if (src < 0).any():
+        raise ValueError("the current placement lists no slot for some expert (log2phy[e, 0] = -1)")
+    return src.astype(np.int32)
 
 
 def placement_values(config, abstract: dict[tuple, object]) -> dict[tuple, np.ndarray]:

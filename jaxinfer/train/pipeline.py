@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.model import load_model
 from jaxinfer.models.deepseek import DeepseekForCausalLM
 from jaxinfer.train import data, evaluate, recipe
 from jaxinfer.train.export import export_hf
@@ -43,8 +44,6 @@ def single_device_module(model) -> DeepseekForCausalLM:
 def build(out_dir, config: ModelConfig | None = None, tc: TrainConfig | None = None,
           log: Callable[[str], None] = print) -> dict:
     """Trains and writes the model into out_dir; returns the report (also written as TRAINING.md)."""
-    import jaxinfer
-
     config = config or recipe.model_config()
     tc = tc or recipe.train_config()
     out = pathlib.Path(out_dir)
@@ -81,7 +80,7 @@ def build(out_dir, config: ModelConfig | None = None, tc: TrainConfig | None = N
     f32 = evaluate.heldout_metrics(trained, heldout_stream, tc.seq_len)
     export_hf(config, trained, out)
     save_tokenizer(tok, out, config.max_position_embeddings)
-    shipped = jaxinfer.load_model(out, mesh="1x1", dtype="float32")
+    shipped = load_model(out, mesh="1x1", dtype="float32")
     metrics = evaluate.heldout_metrics(single_device_module(shipped), heldout_stream, tc.seq_len)
     unigram = evaluate.unigram_loss(train_stream, heldout_stream, config.vocab_size, tc.seq_len)
     write_expert_load(out / "expert_load.json", config, metrics)

@@ -6,10 +6,11 @@ mscale_all_dim = 1), one dense layer then MoE layers, sigmoid routing with 4 gro
 
 FP8 block alignment: every projection that DeepSeek's release stores in FP8 (attention q_a/q_b/kv_a/kv_b/o,
 dense MLP, shared and routed experts, MTP eh_proj) has both dims a multiple of 128, so 128x128 blocks are never
-partial and transformers' FP8 loading (wrong on partial blocks, DESIGN.md) is exact. kv_a_proj_with_mqa's output
-is kv_lora_rank + qk_rope_head_dim and kv_b_proj's input is kv_lora_rank, so both multiples of 128 force
-qk_rope_head_dim = 128 (V3: 512 + 64 = 576, whose last block is partial). The latent cache width is 256, a multiple
-of 64 as the Pallas MLA decode kernel needs (its head_dim_v, kv_lora_rank = 128, too).
+partial and transformers' FP8 loading (wrong on partial blocks, docs/architecture.md "Reference semantics") is
+exact. kv_a_proj_with_mqa's output is kv_lora_rank + qk_rope_head_dim and kv_b_proj's input is kv_lora_rank, so
+both multiples of 128 force qk_rope_head_dim = 128 (V3: 512 + 64 = 576, whose last block is partial). The latent
+cache width is 256, a multiple of 64 as the Pallas MLA decode kernel needs (its head_dim_v, kv_lora_rank = 128,
+too).
 """
 
 from __future__ import annotations

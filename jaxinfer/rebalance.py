@@ -1,11 +1,15 @@
-"""Rebalancing: an EPLB placement applied to a model's expert slots on its mesh, between engine steps.
+"""Rebalancing: an EPLB placement applied to a loaded model's expert slots on its mesh, between engine steps.
 
 Input: the measured expert loads (``LLM.expert_load()``: int [L, E] per MoE layer and logical expert). EPLB
-(``eplb.rebalance_experts``, DeepSeek's algorithm) gives each layer a new phy2log [S] over the same S physical
-slots; each slot's weights become a copy of its new expert's weights, taken from any slot that holds that expert
-now (``slot_sources``), and the placement tables (phy2log, log2phy, logcnt) follow. Every shape, dtype and
-sharding stays the same (slots split over `expert`, log2phy already as wide as any placement can need:
+(``parallel.eplb.rebalance_experts``, DeepSeek's algorithm) gives each layer a new phy2log [S] over the same S
+physical slots; each slot's weights become a copy of its new expert's weights, taken from any slot that holds that
+expert now (``placement.slot_sources``), and the placement tables (phy2log, log2phy, logcnt) follow. Every shape,
+dtype and sharding stays the same (slots split over `expert`, log2phy already as wide as any placement can need:
 ``placement.max_replicas``), so the engine's compiled steps are reused.
+
+The algorithm and the tables are ``jaxinfer.parallel``'s (eplb, placement); this module applies them to a model's
+state, whose tree (``DeepseekForCausalLM``'s MoE layers, the ``Experts`` projections) it knows, so it sits above
+``jaxinfer.models`` (docs/architecture.md "Layers").
 
 The gather runs as one jitted program per array shape: slot axis split over `expert` in and out; XLA moves the
 weights between expert ranks (on CPU by gathering the layer's slots on every device: peak memory is one layer's
@@ -27,7 +31,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.models.moe import Experts
 from jaxinfer.parallel import eplb
 from jaxinfer.parallel.multihost import global_array, to_host
-from jaxinfer.parallel.placement import tables
+from jaxinfer.parallel.placement import placement_tables, slot_sources
 
 
 def moe_experts_paths(config: ModelConfig) -> list[tuple]:
@@ -51,23 +55,6 @@ def eplb_placement(load, config: ModelConfig, num_slots: int, num_gpus: int, num
         raise ValueError(f"load must be [num_moe_layers, n_routed_experts] = "
                          f"{[config.num_moe_layers, config.n_routed_experts]}, got shape {list(load.shape)}")
     return eplb.rebalance_experts(load, num_slots, config.n_group, num_nodes, num_gpus)
-
-
-def slot_sources(old_log2phy: np.ndarray, new_phy2log: np.ndarray) -> np.ndarray:
-    """old_log2phy [E, W] (the current placement, -1 padded), new_phy2log [S] -> [S] int32: for each new slot,
-    a current slot holding its expert (the expert's first copy; all copies are equal)."""
-    src = np.asarray(old_log2phy)[np.asarray(new_phy2log), 0]
-    if (src < 0).any():
-        raise ValueError("the current placement lists no slot for some expert (log2phy[e, 0] = -1)")
-    return src.astype(np.int32)
-
-
-def placement_tables(phy2log: np.ndarray, num_experts: int, width: int) -> dict[str, np.ndarray]:
-    """phy2log [S] -> the Experts module's placement variables as int32: phy2log [S], log2phy [E, width] (each
-    expert's slots ascending, as ``placement.default_tables`` and ``moe.physical_slots`` use them) and logcnt [E]."""
-    log2phy, logcnt = tables(phy2log, num_experts, width)
-    return {"phy2log": np.asarray(phy2log, np.int32), "log2phy": log2phy.astype(np.int32),
-            "logcnt": logcnt.astype(np.int32)}
 
 
 @functools.partial(jax.jit, static_argnames="sharding")
