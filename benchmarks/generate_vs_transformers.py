@@ -86,7 +86,7 @@ def main() -> None:
 
     print(f"greedy generation, input {args.input_len}, output {args.output_len}, dtype {args.dtype}, mesh "
           f"{args.mesh} (hidden 512, 4 layers, 16 experts top-4), num_scheduler_steps "
-          f"{llm.runner.num_scheduler_steps}, greedy_screening {llm.runner.greedy_screening}; decode tok/s exclude "
+          f"{llm.config.num_scheduler_steps}, greedy_screening {llm.config.greedy_screening}; decode tok/s exclude "
           f"prefill + first token; median of {args.repeats} alternating rounds")
     for b in batch_sizes:
         prompts = np.random.default_rng(b).integers(0, cfg.vocab_size, (b, args.input_len))
@@ -186,7 +186,7 @@ def weight_stream_floor(llm, replay) -> tuple[float, float, float]:
     from jaxinfer.models.layers import matmul_nt
 
     top_k = llm.model.config.num_experts_per_tok
-    screen = llm.runner._head_screen
+    screen = llm.runner.head_screen
     total = 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(llm.model.state):
         keys = jax.tree_util.keystr(path)

@@ -1,4 +1,4 @@
-"""``jaxinfer generate``: offline generation from the command line (DESIGN.md "CLI").
+"""``jaxinfer generate``: offline generation from the command line (docs/architecture.md "Public contract").
 
 Prompts come from arguments, a text file (one prompt per line) or JSONL (``{"prompt": ...}`` or
 ``{"messages": [...]}`` plus optional sampling fields). Completions go to stdout as JSON lines
@@ -81,7 +81,7 @@ def write_expert_load(path, llm) -> None:
     if multihost.is_primary():
         pathlib.Path(path).write_text(json.dumps({
             "description": "(token, expert) choices routed to each logical expert per MoE layer over the engine's "
-                           f"last {llm.runner.expert_load_window} steps (padding excluded)",
+                           f"last {llm.config.expert_load_window} steps (padding excluded)",
             "moe_layers": [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)],
             "expert_load": load.tolist()}, indent=1) + "\n")
 
@@ -129,7 +129,7 @@ def run(args) -> None:
         write_expert_load(args.expert_load_json, llm)
     n_in = sum(o.metrics["num_prompt_tokens"] for o in outputs)
     n_out = sum(o.metrics["num_output_tokens"] for o in outputs)
-    ttft = [o.metrics["ttft_s"] * 1e3 for o in outputs]
+    ttft = [o.metrics["ttft_s"] * 1e3 for o in outputs if o.metrics["ttft_s"] is not None]  # None: an error
     tpot = [o.metrics["tpot_s"] * 1e3 for o in outputs if o.metrics["num_output_tokens"] > 1]
     print(f"[jaxinfer] requests {len(outputs)}, duration {duration:.2f} s, input {n_in / duration:.1f} tok/s, "
           f"output {n_out / duration:.1f} tok/s, total {(n_in + n_out) / duration:.1f} tok/s, "

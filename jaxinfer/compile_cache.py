@@ -26,6 +26,8 @@ def enable_compilation_cache(option: str | None) -> str | None:
     a path sets that one. Returns JAX's cache directory afterwards (None: no cache)."""
     import jax
 
+    if isinstance(option, os.PathLike):
+        option = os.fspath(option)
     if option is not None and (not isinstance(option, str) or not option):
         raise ValueError(f"compilation_cache must be None, 'off' or a directory, got {option!r}")
     current = jax.config.jax_compilation_cache_dir

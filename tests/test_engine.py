@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
+from jaxinfer.engine.inputs import DEVICE_STOP_IDS, step_shape
 from jaxinfer.engine.llm import LLM
-from jaxinfer.engine.runner import DEVICE_STOP_IDS, Runner
 from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.sequence import Sequence
@@ -84,7 +84,8 @@ def test_prefill_grid_is_no_larger_than_its_chunks_need(case):
     whole max_num_batched_tokens (1024 here): one short prompt must not cost a full 1024-token step. The engine's
     own scheduler and runner plan the first step of each batch (nothing runs: no compilation)."""
     llm = LLM(case.path, mesh="1x1", dtype="float32", num_kv_pages=16)
-    assert llm.runner.prefill_capacity == 1024
+    inputs = llm.runner.inputs
+    assert inputs.prefill_capacity == 1024
     greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     ids = itertools.count()
     # [700, 9]: a 1024-column row leaves no room for a second one, the 9 tokens wait; [2000]: a 1024-token chunk.
@@ -92,10 +93,12 @@ def test_prefill_grid_is_no_larger_than_its_chunks_need(case):
                           ([700, 9], (1, 1024)), ([2000], (1, 1024))]:
         sched = Scheduler(1, 64, max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=4096,
                           enable_prefix_caching=False)
-        for prompt in _prompts(case.cfg["vocab_size"], lengths, seed=6):
-            sched.add(Sequence(next(ids), prompt, greedy))
-        plan = sched.schedule()
-        assert plan.kind == "prefill" and llm.runner.shapes(plan)[:2] == grid, lengths
+        seqs = [sched.add(Sequence(next(ids), prompt, greedy))
+                for prompt in _prompts(case.cfg["vocab_size"], lengths, seed=6)]
+        out = sched.schedule()
+        pages = {s.seq_id: len(s.pages) for s in seqs}
+        assert out.kind == "prefill", lengths
+        assert step_shape(out, pages, inputs.min_prefill_t, inputs.prefill_capacity)[:2] == grid, lengths
 
 
 class CompileCounter:
@@ -177,12 +180,6 @@ def test_num_scheduler_steps_must_be_a_positive_integer(case, bad):
         LLM(case.path, mesh="1x1", dtype="float32", num_kv_pages=16, num_scheduler_steps=bad)
 
 
-class _WriteInStepRunner(Runner):
-    """The Pallas path's step structure (the cache written inside the step, here by XLA on CPU)."""
-
-    _write_in_step = True
-
-
 def _outputs(llm, prompts, params):
     return [[(c.token_ids, c.finish_reason, c.logprobs) for c in o.outputs]
             for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -192,7 +189,8 @@ def test_multi_step_decode_equals_single_step(case):
     """num_scheduler_steps = 4 against 1 iteration per step: the same tokens, finish reasons and logprobs for greedy,
     seeded random sampling, penalties (counted on device inside the step), n > 1, a stop token inside a step,
     max_tokens and a max_model_len that are not multiples of 4, and prompts of 1-130 tokens; on both step
-    structures (latents written after the step: the XLA path; inside it: the Pallas path's)."""
+    structures (latents written after the step: the XLA attention backend; inside it: the Pallas backend's, whose
+    mla_decode runs its XLA implementation on CPU)."""
     vocab = case.cfg["vocab_size"]
     prompts = _prompts(vocab, [1, 63, 64, 65, 130, 7, 20], seed=6)
     params = [SamplingParams(temperature=0, max_tokens=11, ignore_eos=True),
@@ -211,16 +209,13 @@ def test_multi_step_decode_equals_single_step(case):
     params[5] = SamplingParams(temperature=0, max_tokens=13, stop_token_ids=[greedy[6]])  # stops inside a step
     ref[5] = _outputs(one, [prompts[5]], [params[5]])[0]
     assert ref[5][0][1] == "stop" and ref[6][0][1] == "length" and len(ref[6][0][0]) == 45 - 20
-    for runner_cls in (Runner, _WriteInStepRunner):
-        four = LLM(case.path, num_scheduler_steps=4, **kw)
-        if runner_cls is not Runner:
-            four.runner = runner_cls(four.model, 16, max_num_seqs=64, prefill_capacity=four.scheduler.prefill_capacity,
-                                     min_prefill_t=four.scheduler.min_prefill_t, num_scheduler_steps=4,
-                                     eos_token_id=four.scheduler.eos_token_id)
+    for backend in ("xla", "pallas"):
+        four = LLM(case.path, num_scheduler_steps=4, attention_backend=backend, **kw)
+        assert four.runner.write_in_step == (backend == "pallas")
         got = _outputs(four, prompts[:5] + [prompts[6]], params[:5] + [params[6]])
         assert four.stats.steps < steps_one
         got.insert(5, _outputs(four, [prompts[5]], [params[5]])[0])
-        assert got == ref, runner_cls.__name__
+        assert got == ref, backend
 
 
 def test_multi_step_decode_stops_on_device_like_the_host(case, tmp_path):
@@ -254,7 +249,7 @@ def test_multi_step_decode_stops_on_device_like_the_host(case, tmp_path):
         prompts = [prompt, prompt, prompt, other]
         for k in (1, 4):
             llm = LLM(path, num_scheduler_steps=k, **kw)
-            assert llm.runner.eos_token_id == eos
+            assert llm.runner.inputs.eos_token_id == eos
             alone = _outputs(llm, [prompt], [params[0]])  # every row stops: the loop ends early
             together = _outputs(llm, prompts, params)
             results[eos_index, k] = (alone, together)

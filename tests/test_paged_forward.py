@@ -72,7 +72,7 @@ def test_single_token_decode_reads_weights_in_place():
     graphdef = model.graphdef
     cache = init_paged_cache(config, PAGES_PER_RANK, jnp.float32).layers
 
-    def step(state, layers, ids, positions, block_table, seqlens, slots):  # the engine's CPU step (runner.py)
+    def step(state, layers, ids, positions, block_table, seqlens, slots):  # the engine's CPU step (step_program.py)
         m = nnx.merge(graphdef, state)
         h, latents, _ = m.paged_hidden_states(ids, positions, layers, block_table, seqlens, slots, False)
         return m.head(h), latents
@@ -88,7 +88,7 @@ def test_single_token_decode_reads_weights_in_place():
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_multi_step_decode_reads_weights_in_place(dtype):
-    """The engine's multi-step decode program (runner.py, a lax.scan over iterations) on the embedded model at
+    """The engine's multi-step decode program (step_program.py, a lax.while_loop over iterations) on the embedded model at
     batch 1 computes no array of a large weight's shape or its transpose, in the weights' dtype or float32: XLA's
     loop-invariant code motion once hoisted the weights' bf16 -> f32 converts and transposes out of the loop,
     so every iteration read float32 copies (bf16: 8.6 instead of ~1.5 ms per token)."""
@@ -105,12 +105,12 @@ def test_multi_step_decode_reads_weights_in_place(dtype):
                  use_tqdm=False)
     del runner._run
     packed, layout = next(c for c in captured if layout_iterations(c[1]) == 4)
-    hlo = runner._step.lower(runner._state_leaves[0], runner.layers, runner.tokens, runner._load_total,
-                             runner._no_load, packed, layout, runner._head_screen).compile().as_text()
+    hlo = runner.program.step.lower(runner._state_leaves[0], runner.layers, runner.tokens, runner.load.total,
+                                    runner.load.total, packed, layout, runner.head_screen).compile().as_text()
     assert "while" in hlo
     assert not materialized_shapes(hlo) & weight_shapes
 
 
 def layout_iterations(layout) -> int:
-    """Decode iterations of a captured step: the width of its slots column (packing.Layout; runner.arrays)."""
+    """Decode iterations of a captured step: the width of its slots column (packing.Layout; inputs.InputBatch)."""
     return layout.columns[5][2][0]

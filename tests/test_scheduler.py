@@ -10,8 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from jaxinfer.engine.sampling_params import SamplingParams
-from jaxinfer.engine.scheduler import Scheduler, bucket
-from jaxinfer.engine.sequence import Sequence, SequenceStatus
+from jaxinfer.engine.buckets import bucket
+from jaxinfer.engine.scheduler import Scheduler
+from jaxinfer.engine.scheduler_output import RunnerOutput, StepKind
+from jaxinfer.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 S = 4          # page size of these tests
 VOCAB = 50
@@ -36,25 +38,40 @@ def expected_outputs(seq: Sequence, max_model_len: int, eos=EOS) -> tuple[list[i
             return out, "length"
 
 
+def fake_result(out) -> RunnerOutput:
+    """The fake model's tokens for a step: for each request, the tokens at the positions after its chunk's last
+    known token (a prefill chunk's end; a decode chunk's first position), one per sampled token."""
+    sampled = {}
+    for r in out.all_requests():
+        base = r.start + (r.num_tokens if out.kind is StepKind.PREFILL else 1)
+        if r.num_sampled:
+            sampled[r.req_id] = [fake_token(r.req_id, base + j) for j in range(r.num_sampled)]
+    return RunnerOutput(sampled)
+
+
 def step(sched: Scheduler, check=None):
-    """One schedule + fake model + update; returns (plan, finished) or (None, [])."""
-    plan = sched.schedule()
-    if plan is None:
+    """One schedule + fake model + update; returns (output, updates) or (None, [])."""
+    out = sched.schedule()
+    if out is None:
         return None, []
     if check is not None:
-        check(sched, plan)
-    return plan, sched.update(plan, fake_sampled(plan))
+        check(sched, out)
+    return out, sched.update_from_output(out, fake_result(out))
 
 
 def run_all(sched: Scheduler, check=None, max_steps=20_000) -> list:
-    plans = []
+    outs = []
     for _ in range(max_steps):
-        plan, _ = step(sched, check)
-        if plan is None:
+        out, _ = step(sched, check)
+        if out is None:
             assert not sched.has_unfinished()
-            return plans
-        plans.append(plan)
+            return outs
+        outs.append(out)
     raise AssertionError(f"no termination within {max_steps} steps")
+
+
+def chunks(out, rank=0):
+    return [(r.req_id, r.start, r.num_tokens) for r in out.requests[rank]]
 
 
 def make(num_ranks=1, num_pages=64, **kw):
@@ -125,10 +142,11 @@ def test_load_balancer_counts_requests_on_page_ties():
 def test_chunked_prefill_splits_long_prompt():
     sched = make(max_num_batched_tokens=4)
     s = sched.add(seq(0, 10, max_tokens=3))
-    plans = run_all(sched)
-    kinds = [(p.kind, [(c.start, c.num_tokens, c.sample) for c in p.all_chunks()]) for p in plans]
-    assert kinds == [("prefill", [(0, 4, False)]), ("prefill", [(4, 4, False)]), ("prefill", [(8, 2, True)]),
-                     ("decode", [(10, 1, True)]), ("decode", [(11, 1, True)])]
+    outs = run_all(sched)
+    kinds = [(o.kind, [(r.start, r.num_tokens, r.num_sampled) for r in o.all_requests()]) for o in outs
+             if not o.is_empty]                          # the last output only reports the finished request
+    assert kinds == [("prefill", [(0, 4, 0)]), ("prefill", [(4, 4, 0)]), ("prefill", [(8, 2, 1)]),
+                     ("decode", [(10, 1, 1)]), ("decode", [(11, 1, 1)])]
     assert s.output_token_ids == expected_outputs(s, 256)[0] and s.finish_reason == "length"
     assert sched.stats(0).num_pages_used == sched.stats(0).num_pages_cached == 3   # pages of 12 computed tokens
 
@@ -136,13 +154,14 @@ def test_chunked_prefill_splits_long_prompt():
 def test_prefill_budget_shared_fifo_and_max_num_seqs():
     sched = make(max_num_batched_tokens=6, max_num_seqs=2)
     a, b, c = sched.add(seq(0, 4)), sched.add(seq(1, 4)), sched.add(seq(2, 4))
-    plan = sched.schedule()
-    assert plan.kind == "prefill" and [(c_.seq.seq_id, c_.start, c_.num_tokens) for c_ in plan.chunks[0]] == \
-        [(0, 0, 4), (1, 0, 2)]
+    out = sched.schedule()
+    assert out.kind == "prefill" and chunks(out) == [(0, 0, 4), (1, 0, 2)]
+    assert [r.req_id for r in out.new_requests] == [0, 1] and out.requests[0][0].new_page_ids == tuple(a.pages)
     assert c.status is SequenceStatus.WAITING           # max_num_seqs=2
-    sched.update(plan, {0: 1})
-    plan = sched.schedule()                              # b's prefill continues before any decode
-    assert plan.kind == "prefill" and [(x.seq.seq_id, x.start, x.num_tokens) for x in plan.chunks[0]] == [(1, 2, 2)]
+    sched.update_from_output(out, RunnerOutput({0: [1]}))
+    out = sched.schedule()                               # b's prefill continues before any decode
+    assert out.kind == "prefill" and chunks(out) == [(1, 2, 2)] and out.new_requests == ()
+    assert out.requests[0][0].new_page_ids == ()         # b got all its pages at admission
 
 
 # ---- prefix caching -----------------------------------------------------------------------------------------------
@@ -154,16 +173,17 @@ def test_prefix_cache_reuse_at_admission():
     cache = sched.caches[0]
     assert a.is_finished and cache.num_cached == 2      # 9 computed tokens: 2 full pages registered
     b = sched.add(seq(1, 0, max_tokens=3, prompt=base[:8] + [40, 41]))
-    plan = sched.schedule()
-    (chunk,) = plan.chunks[0]
+    out = sched.schedule()
+    (chunk,) = out.requests[0]
     assert b.num_cached_tokens == 8 and (chunk.start, chunk.num_tokens) == (8, 2)
+    assert chunk.new_page_ids == tuple(b.pages)          # the cached pages and the new one
     assert [cache.allocator.refcount(p) for p in b.pages[:2]] == [2, 2]   # the cache's + b's
     assert all(cache.page_hash(p) is None and cache.allocator.refcount(p) == 1 for p in b.pages[2:])
     # The last prompt token is always computed: a prompt of exactly 2 pages reuses only the first.
     c = sched.add(seq(2, 0, max_tokens=1, prompt=base[:8]))
-    sched.update(plan, {1: fake_token(1, 10)})
-    plan = sched.schedule()
-    assert c.num_cached_tokens == 4 and [(x.start, x.num_tokens) for x in plan.chunks[0]] == [(4, 4)]
+    sched.update_from_output(out, RunnerOutput({1: [fake_token(1, 10)]}))
+    out = sched.schedule()
+    assert c.num_cached_tokens == 4 and chunks(out) == [(2, 4, 4)]
     run_all(sched)
     assert b.output_token_ids == expected_outputs(b, 256)[0]
     assert cache.allocator.num_used == cache.num_cached == cache.num_evictable
@@ -186,8 +206,8 @@ def test_preemption_newest_first_outputs_kept():
     a, b = sched.add(seq(0, 4, max_tokens=8)), sched.add(seq(1, 4, max_tokens=8))
     seen = []
 
-    def check(sched_, plan):
-        for v in plan.preempted:
+    def check(sched_, out):
+        for v in (s for s in (a, b) if s.seq_id in out.preempted_req_ids):
             seen.append((v.seq_id, v.num_output_tokens))
             assert v.status is SequenceStatus.WAITING and v.pages == [] and v.num_computed_tokens == 0
             assert sched_.waiting[0][0] is v
@@ -203,10 +223,10 @@ def test_sequence_that_can_never_fit_finishes_with_error():
     sched = make(num_pages=3)                           # capacity 2 pages = 8 slots
     s = sched.add(seq(0, 4, max_tokens=10))
     ok = sched.add(seq(1, 2, max_tokens=2))
-    plans = run_all(sched)
+    outs = run_all(sched)
     assert s.finish_reason == "error" and "needs 3 KV pages" in s.error
     assert len(s.output_token_ids) == 5                 # positions 0..7 computed, 8 tokens of outputs + prompt + 1
-    assert any(s in p.finished for p in plans)
+    assert any(s.seq_id in o.finished_req_ids for o in outs)
     assert ok.finish_reason == "length" and ok.output_token_ids == expected_outputs(ok, 256)[0]
     assert sched.stats(0).num_pages_used == sched.stats(0).num_pages_cached
 
@@ -231,16 +251,20 @@ def test_stop_checks():
 def test_engine_finish_for_stop_strings_and_stale_chunks():
     sched = make()
     a, b = sched.add(seq(0, 3, max_tokens=10)), sched.add(seq(1, 3, max_tokens=10))
-    plan, _ = step(sched)
-    plan = sched.schedule()
+    step(sched)
+    out = sched.schedule()                               # committed: a and b hold a placeholder each
+    assert a.output_token_ids[-1] == PLACEHOLDER
     sched.finish(a, "stop")                              # e.g. a stop string seen by the detokenizer
-    done = sched.update(plan, {0: 1, 1: 2})              # a's chunk is skipped
-    assert done == [] and a.output_token_ids == [fake_token(0, 3)] and b.num_output_tokens == 2
+    updates = sched.update_from_output(out, RunnerOutput({0: [1], 1: [2]}))  # a's chunk is skipped
+    assert [(u.seq, u.first, u.num) for u in updates] == [(b, 1, 1)]
+    assert a.output_token_ids == [fake_token(0, 3)] and b.output_token_ids[1] == 2
     assert a.pages == [] and a.is_finished
     with pytest.raises(ValueError, match="not an unfinished"):
         sched.finish(a, "stop")
-    with pytest.raises(ValueError, match="no sampled token"):
-        sched.update(sched.schedule(), {})
+    nxt = sched.schedule()
+    assert nxt.finished_req_ids == (0,)                  # the runner learns it once
+    with pytest.raises(ValueError, match="0 sampled tokens for seq 1, its step samples 1"):
+        sched.update_from_output(nxt, RunnerOutput({}))
 
 
 def test_multi_step_decode_chunks():
@@ -249,51 +273,130 @@ def test_multi_step_decode_chunks():
     sched = make(num_pages=4, num_scheduler_steps=4, max_model_len=12)  # 3 usable pages of 4 tokens
     a = sched.add(seq(0, 5, max_tokens=10))
     b = sched.add(seq(1, 2, max_tokens=3))
-    plan, _ = step(sched)                                           # prefill: a gets 2 pages, b 1; 1 token each
-    assert plan.kind == "prefill" and a.num_output_tokens == b.num_output_tokens == 1
-    plan = sched.schedule()                                         # a: 4 tokens need page 3; b: 2 left (max 3)
-    assert plan.kind == "decode" and [(c.seq.seq_id, c.start, c.num_tokens) for c in plan.chunks[0]] == [
-        (0, 5, 3), (1, 2, 2)]                                       # a: 3 granted (its pages hold 12 positions)
-    sched.update(plan, fake_sampled(plan))
+    out, _ = step(sched)                                            # prefill: a gets 2 pages, b 1; 1 token each
+    assert out.kind == "prefill" and a.num_output_tokens == b.num_output_tokens == 1
+    out = sched.schedule()                                          # a: 4 tokens need page 3; b: 2 left (max 3)
+    assert out.kind == "decode" and chunks(out) == [(0, 5, 3), (1, 2, 2)]  # a: 3 granted (12 positions)
+    assert [(r.num_sampled, r.new_page_ids) for r in out.requests[0]] == [(3, ()), (2, ())]
+    sched.update_from_output(out, fake_result(out))
     assert b.is_finished and b.finish_reason == "length" and b.num_output_tokens == 3
     assert a.num_output_tokens == 4 and a.num_computed_tokens == 8
-    plan = sched.schedule()                                         # max_model_len 12: 3 more tokens at most
-    assert [(c.start, c.num_tokens) for c in plan.chunks[0]] == [(8, 3)]
+    out = sched.schedule()                                          # max_model_len 12: 3 more tokens at most
+    assert [(r.start, r.num_tokens) for r in out.requests[0]] == [(8, 3)] and out.finished_req_ids == (1,)
     tokens = [EOS if j == 1 else 3 for j in range(3)]
     a.params = SamplingParams(max_tokens=10, ignore_eos=False)
-    sched.update(plan, {0: tokens})
+    sched.update_from_output(out, RunnerOutput({0: tokens}))
     assert a.is_finished and a.finish_reason == "stop" and a.output_token_ids[-2:] == [3, EOS]
     assert a.num_output_tokens == 6
 
 
+# ---- draft tokens ---------------------------------------------------------------------------------------------
+def test_draft_verification_rolls_back_rejected_tokens():
+    """A decode step verifies the runner's draft tokens: its chunk covers the last token and the drafts; the
+    runner returns the accepted drafts plus one token, and the rejected positions are rolled back
+    (num_computed_tokens and placeholders), as speculative decoding needs."""
+    sched = make(num_pages=16, num_scheduler_steps=4)
+    a = sched.add(seq(0, 6, max_tokens=8))
+    out = sched.schedule()                                          # prefill: samples the token at position 6
+    n = a.num_tokens                                                # 7
+    drafts = [fake_token(0, n + j) for j in range(3)]               # positions 7-9, as the fake model samples them
+    drafts[2] = (drafts[2] + 1) % VOCAB                             # the third one is wrong
+    sched.update_from_output(out, RunnerOutput(fake_result(out).sampled, draft_token_ids={0: drafts}))
+    assert a.draft_token_ids == tuple(drafts) and a.num_computed_tokens == n - 1
+    out = sched.schedule()                                          # a verification step, not 4 iterations
+    (r,) = out.requests[0]
+    assert out.kind == "decode" and (r.start, r.num_tokens, r.num_sampled, r.draft_token_ids) == (n - 1, 4, 4,
+                                                                                                tuple(drafts))
+    assert r.num_input_tokens(out.kind) == 4 and a.num_computed_tokens == n + 3 and a.num_placeholders == 4
+    accepted = [fake_token(0, n + j) for j in range(3)]               # drafts 1-2 accepted, the third replaced
+    updates = sched.update_from_output(out, RunnerOutput({0: accepted}))
+    assert [(u.first, u.num) for u in updates] == [(n - 6, 3)]
+    assert a.num_computed_tokens == n + 2 == a.num_tokens - 1 and a.num_placeholders == 0
+    assert a.output_token_ids[-3:] == accepted and a.draft_token_ids == ()
+    run_all(sched)
+    assert (a.output_token_ids, a.finish_reason) == expected_outputs(a, 256)
+
+
+def test_draft_verification_within_max_tokens():
+    """Drafts are cut to the tokens a sequence may still sample; "length" is decided once the accepted count is
+    known (a rejected draft must not finish a sequence early)."""
+    sched = make(num_pages=16)
+    a = sched.add(seq(0, 5, max_tokens=4))
+    out = sched.schedule()
+    sched.update_from_output(out, RunnerOutput(fake_result(out).sampled, draft_token_ids={0: [1, 2, 3, 4, 5]}))
+    out = sched.schedule()
+    (r,) = out.requests[0]
+    assert r.draft_token_ids == (1, 2) and r.num_sampled == 3 and not a.is_finished
+    sched.update_from_output(out, RunnerOutput({0: [9]}))           # every draft rejected: one token
+    assert not a.is_finished and a.num_output_tokens == 2 and a.num_computed_tokens == 6
+    run_all(sched)
+    b = sched.add(seq(1, 3, max_tokens=10))
+    out = sched.schedule()
+    sched.update_from_output(out, RunnerOutput(fake_result(out).sampled, draft_token_ids={1: [1]}))
+    draft_step = sched.schedule()
+    assert draft_step.requests[0][0].draft_token_ids == (1,) and b.num_placeholders == 2
+    sched.schedule()                                                # the next step, before the drafts' results
+    with pytest.raises(ValueError, match="rolled back after a later step"):  # a draft step must be applied first
+        sched.update_from_output(draft_step, RunnerOutput({1: [3]}))
+
+
 # ---- property test ------------------------------------------------------------------------------------------------
-def _check_plan(sched: Scheduler, plan):
-    """Invariants of every step: limits, prefill grid, page ownership, refcounts, shared pages never written."""
-    if plan.kind == "prefill":
-        t = bucket(max(c.num_tokens for c in plan.all_chunks()), sched.min_prefill_t)
-        assert max(map(len, plan.chunks)) * t <= sched.prefill_capacity
+class BlockTables:
+    """The runner's view: block tables built from SchedulerOutputs alone (new requests restart theirs)."""
+
+    def __init__(self):
+        self.tables: dict[int, list[int]] = {}
+
+    def apply(self, out):
+        for rid in out.finished_req_ids + out.preempted_req_ids:
+            self.tables.pop(rid, None)
+        for new in out.new_requests:
+            self.tables[new.req_id] = []
+        for r in out.all_requests():
+            self.tables[r.req_id].extend(r.new_page_ids)
+
+
+def _check_step(sched: Scheduler, out, seqs: dict, before: list, tables: BlockTables):
+    """Invariants of every step (checked right after schedule() committed it): limits, prefill grid, the block
+    tables the runner would build from the outputs alone, page ownership, refcounts, and that the pages a step
+    writes were neither cached nor shared before it."""
+    new_ids = {n.req_id for n in out.new_requests}
+    previous = {r.req_id: set(() if r.req_id in new_ids else tables.tables[r.req_id]) for r in out.all_requests()}
+    released = {p for rid in out.preempted_req_ids + out.finished_req_ids for p in tables.tables.get(rid, ())}
+    tables.apply(out)
+    if out.kind == "prefill":
+        t = bucket(max(r.num_tokens for r in out.all_requests()), sched.min_prefill_t)
+        assert max(map(len, out.requests)) * t <= sched.prefill_capacity
     for rank in range(sched.num_ranks):
         cache = sched.caches[rank]
         alloc = cache.allocator
+        refcounts, hashes = before[rank]
         assert len(sched.running[rank]) <= sched.max_num_seqs
-        chunks = plan.chunks[rank]
-        assert len({id(c.seq) for c in chunks}) == len(chunks)
-        if plan.kind == "prefill":
-            assert plan.num_tokens(rank) <= sched.max_num_batched_tokens
-        for c in chunks:
-            s = c.seq
-            assert s.rank == rank and s.status is SequenceStatus.RUNNING and c.num_tokens >= 1
-            assert c.start == s.num_computed_tokens
-            if plan.kind == "prefill":
-                assert c.start + c.num_tokens <= s.num_tokens
-                assert c.sample == (c.start + c.num_tokens == s.num_tokens)
+        requests = out.requests[rank]
+        assert len({r.req_id for r in requests}) == len(requests)
+        if out.kind == "prefill":
+            assert out.num_tokens(rank) <= sched.max_num_batched_tokens
+        for r in requests:
+            s = seqs[r.req_id]
+            tokens_before = s.num_tokens - (r.num_sampled if s.status is SequenceStatus.RUNNING or
+                                            s.finish_reason == "length" else 0)
+            assert s.rank == rank and r.num_tokens >= 1
+            if s.status is SequenceStatus.RUNNING:
+                assert s.num_computed_tokens == r.start + r.num_tokens and tables.tables[r.req_id] == s.pages
+            if out.kind == "prefill":
+                assert r.start + r.num_tokens <= tokens_before
+                assert r.num_sampled == (r.start + r.num_tokens == tokens_before)
             else:  # the last token, then up to k - 1 it samples itself, within max_tokens and max_model_len
-                assert c.sample and c.start == s.num_tokens - 1
-                assert c.num_tokens <= min(sched.num_scheduler_steps, s.params.max_tokens - s.num_output_tokens,
-                                           sched.max_model_len - s.num_tokens)
-            assert len(s.pages) * sched.page_size >= c.start + c.num_tokens
-            for p in s.pages[c.start // sched.page_size:(c.start + c.num_tokens - 1) // sched.page_size + 1]:
-                assert cache.page_hash(p) is None and alloc.refcount(p) == 1, "a shared/cached page is written"
+                assert r.num_sampled == r.num_tokens and r.start == tokens_before - 1
+                assert r.num_tokens <= min(sched.num_scheduler_steps, s.params.max_tokens + 1 - (
+                    tokens_before - s.num_prompt_tokens), sched.max_model_len + 1 - tokens_before)
+            table = tables.tables[r.req_id]
+            assert len(table) * sched.page_size >= r.start + r.num_tokens
+            for p in table[r.start // sched.page_size:(r.start + r.num_tokens - 1) // sched.page_size + 1]:
+                if hashes[p] is not None:  # a cached page no sequence held (evicted for this step), or one
+                    assert refcounts[p] == 1 or p in released, p  # only a request released by this step held
+                else:  # free, this request's own, or freed by this step (a preempted or failed request's)
+                    assert refcounts[p] == 0 or refcounts[p] == 1 and p in previous[r.req_id] | released, p
         for s in sched.waiting[rank]:
             assert s.pages == [] and s.num_computed_tokens == 0 and s.status is SequenceStatus.WAITING
         holders = {}
@@ -305,6 +408,11 @@ def _check_plan(sched: Scheduler, plan):
             expect = holders.get(p, 0) + (cache.page_hash(p) is not None)
             assert alloc.refcount(p) == expect, (p, alloc.refcount(p), expect)
         assert alloc.num_used == sum(1 for p in range(1, alloc.num_pages) if alloc.refcount(p))
+
+
+def _snapshot(sched: Scheduler) -> list:
+    return [([0] + [c.allocator.refcount(p) for p in range(1, c.allocator.num_pages)],
+             [c.page_hash(p) for p in range(c.allocator.num_pages)]) for c in sched.caches]
 
 
 PREFIXES = [[], [5, 6, 7, 8, 9, 10, 11, 12], [5, 6, 7, 8, 1, 2, 3], [20] * 9]
@@ -326,24 +434,12 @@ def workloads(draw):
                 min_prefill_t=draw(st.sampled_from([1, 2, 8])), steps=draw(st.sampled_from([1, 2, 4])))
 
 
-def fake_sampled(plan) -> dict[int, int | list[int]]:
-    """The fake model's tokens for a plan: one per sampling chunk; for a multi-step decode chunk, one per
-    iteration (iteration j computes position start + j and samples the token at start + j + 1)."""
-    out = {}
-    for c in plan.all_chunks():
-        if c.sample and plan.kind == "decode" and c.num_tokens > 1:
-            out[c.seq.seq_id] = [fake_token(c.seq.seq_id, c.start + 1 + j) for j in range(c.num_tokens)]
-        elif c.sample:
-            out[c.seq.seq_id] = fake_token(c.seq.seq_id, c.start + c.num_tokens)
-    return out
-
-
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(w=workloads())
 def test_random_workloads(w, overlap):
-    """sync: schedule, update. async (the engine's loop): schedule n+1 and commit it before step n's tokens are
-    resolved, so sequences carry placeholders while being scheduled."""
+    """sync: schedule, update. async (the engine's loop): step n + 1 is scheduled (committed) before step n's
+    tokens are applied, so sequences carry placeholders while being scheduled."""
     L = w["max_model_len"]
     # Every admissible request fits alone: pages for min(prompt + max_tokens - 1, max_model_len) positions.
     need = max(-(-min(len(p) + sp.max_tokens - 1, L) // S) for _, p, sp in w["reqs"])
@@ -351,28 +447,28 @@ def test_random_workloads(w, overlap):
                       max_num_batched_tokens=w["max_num_batched_tokens"], max_model_len=L,
                       enable_prefix_caching=w["prefix"], page_size=S, eos_token_id=EOS,
                       min_prefill_t=w["min_prefill_t"], num_scheduler_steps=w["steps"])
-    seqs, in_flight = [], None
+    seqs, in_flight, tables = {}, None, BlockTables()
     pending = sorted(enumerate(w["reqs"]), key=lambda x: x[1][0])
     for t in range(20_000):
         while pending and pending[0][1][0] <= t:
             i, (_, prompt, params) = pending.pop(0)
-            seqs.append(sched.add(Sequence(i, prompt, params)))
+            seqs[i] = sched.add(Sequence(i, prompt, params))
+        before = _snapshot(sched)
+        out = sched.schedule()
+        if out is not None:
+            _check_step(sched, out, seqs, before, tables)
         if overlap:
-            plan = sched.schedule()
-            if plan is not None:
-                _check_plan(sched, plan)
-                sched.commit(plan)
             if in_flight is not None:
-                sched.resolve(*in_flight)
-            in_flight = None if plan is None else (plan, fake_sampled(plan))
-        else:
-            plan, _ = step(sched, _check_plan)
-        if plan is None and not pending and in_flight is None:
+                sched.update_from_output(in_flight, fake_result(in_flight))
+            in_flight = out
+        elif out is not None:
+            sched.update_from_output(out, fake_result(out))
+        if out is None and not pending and in_flight is None:
             break
     else:
         raise AssertionError("workload did not finish")
     assert not sched.has_unfinished()
-    for s in seqs:
+    for s in seqs.values():
         assert s.is_finished
         if len(s.prompt_token_ids) > L:
             assert s.finish_reason == "error" and s.output_token_ids == []

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import hf_oracle as O
-from jaxinfer.engine import runner as runner_module
+from jaxinfer.engine import head as head_module
 from jaxinfer.engine.llm import LLM
 from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.models.screened_head import BLOCK, build_head_screen, screened_argmax
@@ -141,7 +141,7 @@ def test_engine_outputs_equal_with_and_without_the_screen(case, dtype, mesh, mon
         jax.debug.callback(lambda p: proofs.append(bool(p)), proven)
         return ids, proven
 
-    monkeypatch.setattr(runner_module, "screened_argmax", probe)
+    monkeypatch.setattr(head_module, "screened_argmax", probe)
     vocab = case.cfg["vocab_size"]
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, vocab, n).tolist() for n in (1, 130)]
@@ -150,7 +150,7 @@ def test_engine_outputs_equal_with_and_without_the_screen(case, dtype, mesh, mon
     outs = {}
     for on in (False, True):
         llm = LLM(case.path, mesh=mesh, dtype=dtype, num_kv_pages=32, greedy_screening=on)
-        assert (llm.runner._head_screen is not None) == on
+        assert (llm.runner.head_screen is not None) == on
         alone = [llm.generate([p], greedy, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
         mixed = [o.outputs[0].token_ids for o in llm.generate(prompts, [greedy, sampled], use_tqdm=False)]
         outs[on] = (alone, mixed)

@@ -1,10 +1,12 @@
-"""Serving engine: sampling parameters, on-device sampler, tokenizer, scheduler (runner and LLM facade to come)."""
+"""The serving engine (docs/architecture.md "One request's path"): LLM (offline facade) -> LLMEngine (add_request /
+step / abort_request) -> Scheduler (a SchedulerOutput per step) -> ModelRunner (one jitted step, sampler included)
+-> Scheduler.update_from_output."""
 
-from jaxinfer.engine.sampler import SampleOutput, SamplingTensors, advance, sample, token_counts
-from jaxinfer.engine.sampling_params import SamplingParams
-from jaxinfer.engine.scheduler import ScheduledChunk, Scheduler, StepPlan
-from jaxinfer.engine.sequence import Sequence, SequenceStatus
-from jaxinfer.engine.tokenizer import IncrementalDecoder, Tokenizer
+from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.engine import LLMEngine
+from jaxinfer.engine.llm import LLM
+from jaxinfer.engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from jaxinfer.engine.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["IncrementalDecoder", "SampleOutput", "SamplingParams", "SamplingTensors", "ScheduledChunk", "Scheduler",
-           "Sequence", "SequenceStatus", "StepPlan", "Tokenizer", "advance", "sample", "token_counts"]
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "EngineStats", "LLMEngine", "RequestOutput",
+           "RequestOutputKind", "SamplingParams"]

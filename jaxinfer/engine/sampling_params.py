@@ -1,6 +1,6 @@
 """`SamplingParams`: per-request sampling settings, validated at construction (vLLM's names and ranges).
 
-The public contract is in DESIGN.md. Ranges follow vLLM's `SamplingParams._verify_args`
+The public contract: docs/architecture.md "Public contract". Ranges follow vLLM's `SamplingParams._verify_args`
 (vllm/sampling_params.py): temperature >= 0, 0 < top_p <= 1, top_k -1 or 0 (off) or >= 1, 0 <= min_p <= 1,
 max_tokens >= 1, n >= 1, presence_penalty and frequency_penalty in [-2, 2], repetition_penalty > 0,
 logprobs None or >= 0. Every violation raises ValueError naming the field and the value.
@@ -9,6 +9,7 @@ logprobs None or >= 0. Every violation raises ValueError naming the field and th
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import numbers
 from collections.abc import Iterable, Sequence
@@ -46,11 +47,21 @@ def _int(name: str, value, lo: int) -> int:
     return int(value)
 
 
+class RequestOutputKind(str, enum.Enum):
+    """What ``LLMEngine.step`` returns of a request (vLLM's ``RequestOutputKind``): its whole output so far each
+    time it progresses (CUMULATIVE, the default), only what is new since its last output (DELTA), or only its
+    finished output (FINAL_ONLY: what ``LLM.generate`` asks for)."""
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Sampling settings of one request (frozen: hashable, safe to share between requests).
 
-    Attributes (defaults as vLLM and DESIGN.md):
+    Attributes (defaults as vLLM's; docs/architecture.md "Public contract"):
       temperature: >= 0; below 1e-5 (0 in practice) means greedy argmax, as vLLM.
       top_p: in (0, 1]; keep the smallest set of most likely tokens whose probability reaches top_p.
       top_k: -1 or 0 = off, else keep the k most likely tokens (ties with the k-th are kept).
@@ -64,6 +75,7 @@ class SamplingParams:
       logprobs: None, or N >= 0: the top-N logprobs per generated token plus the sampled token's.
       presence_penalty, frequency_penalty: in [-2, 2] (OpenAI API, as vLLM), on generated tokens.
       repetition_penalty: > 0 (1 = off), on tokens of the prompt or the output (vLLM, CTRL paper).
+      output_kind: a RequestOutputKind (or its value): what LLMEngine.step returns of the request.
 
     Raises:
       ValueError naming the field and its value for anything outside these ranges or of the wrong type.
@@ -83,6 +95,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)
@@ -108,6 +121,11 @@ class SamplingParams:
                                          lo_open=True, hi_open=True))
         set_("stop", _stop_strings(self.stop))
         set_("stop_token_ids", _stop_token_ids(self.stop_token_ids))
+        try:
+            set_("output_kind", RequestOutputKind(self.output_kind))
+        except ValueError:
+            raise ValueError(f"output_kind={self.output_kind!r} must be one of "
+                             f"{[k.value for k in RequestOutputKind]}") from None
 
     @property
     def greedy(self) -> bool:

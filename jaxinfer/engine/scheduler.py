@@ -1,51 +1,47 @@
 """Host-side scheduler: DP-rank assignment, prefill / decode steps, paged KV budget, preemption (pure Python).
 
-Shape of a step (DeepSeek's two phases, vLLM v0 / nano-vllm's prefill-first policy): every step is either a PREFILL
-step or a DECODE step over all DP ranks. ``schedule`` builds a prefill step whenever some rank has prefill work that
-fits (a running sequence whose prefill is unfinished, or a waiting one that can be admitted), else a decode step.
+``schedule()`` returns the next step as a frozen ``SchedulerOutput`` (scheduler_output.py) and commits it at once:
+the step's requests advance ``num_computed_tokens`` and get a ``PLACEHOLDER`` output per token the step samples
+(the token exists on device; the runner feeds it to the next step from there), so step n + 1 can be scheduled
+before step n's tokens reach the host (vLLM v1's async scheduling). ``update_from_output(output, result)`` applies
+the tokens when they arrive, rolling back the positions of rejected draft tokens. docs/architecture.md "The
+engine step" follows one step through the scheduler, the runner and the engine.
 
-- Ranks. ``add`` assigns each request a DP rank for its whole life with the decode load balancer: least KV pages
-  in use (pages held by sequences, i.e. allocator ``num_used`` minus prefix-cache pages nobody else holds, plus the
+Policies (DeepSeek's two phases; vLLM v0 / nano-vllm's prefill-first order): a step is a PREFILL step whenever some
+rank has prefill work that fits, else a DECODE step over all ranks.
+
+- Ranks. ``add`` gives each request a DP rank for its whole life with the decode load balancer: least KV pages in
+  use (pages held by sequences, i.e. allocator ``num_used`` minus prefix-cache pages nobody else holds, plus the
   pages promised to the rank's waiting sequences), then fewest running + waiting requests, then lowest rank.
 - Prefill (per rank, at most ``max_num_batched_tokens`` computed tokens): running sequences whose prefill is
-  unfinished continue, oldest first; then waiting sequences are admitted FIFO while fewer than ``max_num_seqs`` run.
-  At admission the prefix cache ``match``es the full pages of the tokens except that the last token is always
-  computed (``(num_tokens - 1) // page_size`` hashes), and the pages of the whole prefill are allocated (chunks cut
-  compute, not memory: see ``_admit``); a waiting sequence whose pages are not available blocks the queue (FIFO).
-- Prefill shapes. A prefill step's rows are laid out as a [rows, T] grid per rank (runner.py) with T the
-  power of two >= the longest chunk (at least ``min_prefill_t``) and rows the power of two >= the most chunks
-  of a rank, within ``prefill_capacity`` (the power of two >= ``max_num_batched_tokens``) tokens per rank: so a
-  prefill step has one of a few shapes (powers of two on both axes) and pads at most 2x per axis. Chunks are
-  admitted (and cut) only while every rank's chunk count times T stays within that capacity (T and the count
-  are shared by all ranks, since they run one program).
-- Decode: each running sequence computes one token (its last sampled one) and samples the next; it takes a new page
-  when its KV crosses a page boundary. With ``num_scheduler_steps`` = k > 1 (vLLM's multi-step scheduling) a
-  decode step runs k iterations on device: a sequence's chunk covers its last token and the up to k - 1 tokens it
-  samples in the step, so it computes ``num_tokens`` <= k positions and samples as many tokens, limited by
-  ``max_tokens``, ``max_model_len`` and the pages it can get (a chunk with fewer tokens than k is masked in the
-  later iterations). One dispatch, one transfer and one round of host bookkeeping then serve k tokens.
+  unfinished continue, oldest first; then waiting sequences are admitted FIFO while fewer than ``max_num_seqs``
+  run. At admission the prefix cache ``match``es the full pages of the tokens but the last (always computed:
+  ``(num_tokens - 1) // page_size`` hashes) and the pages of the whole prefill are allocated, so an admitted
+  prefill never needs pages and prefill steps never preempt; a waiting sequence whose pages are not available
+  blocks the queue (FIFO).
+- Prefill shapes. The runner lays a prefill step out as a [rows, T] grid per rank, T the power of two >= the
+  longest chunk (at least ``min_prefill_t``), rows the power of two >= the most chunks of a rank, within
+  ``prefill_capacity`` (the power of two >= ``max_num_batched_tokens``) tokens per rank: a prefill step has one of
+  a few shapes and pads at most 2x per axis. Chunks are admitted (and cut) only while every rank's chunk count
+  times T stays within that capacity (all ranks run one program).
+- Decode: each running sequence computes its last token and samples the next; with ``num_scheduler_steps`` = k
+  (vLLM's multi-step scheduling) a decode chunk covers its last token and up to k - 1 tokens it samples itself
+  (``num_tokens`` <= k positions and samples), within ``max_tokens``, ``max_model_len`` and the pages it can get.
+  A sequence with draft tokens (``RunnerOutput.draft_token_ids``) instead verifies them: its chunk covers its last
+  token and the drafts, and it samples up to 1 + drafts tokens.
 - Out of pages. A running sequence that cannot make progress preempts the newest running sequence (by arrival) of
-  its rank, itself included: that one frees its pages and goes to the FRONT of the rank's waiting queue with
-  ``num_computed_tokens = 0``, keeping its outputs (it recomputes prompt + outputs as its next prefill; with prefix
-  caching its full pages are usually still cached). The oldest running sequence therefore always progresses. If it
-  cannot even run alone (it needs more pages than the rank has) it finishes with reason "error" and a message.
-  Admission never preempts, and an admitted prefill never needs pages, so only decode steps preempt. Requests are
-  never dropped.
-- Results come in two halves, so that the engine can schedule step n+1 while the device still runs step n
-  (vLLM v1's async scheduling). ``commit(plan)`` right after the step is dispatched: advances
-  ``num_computed_tokens`` and appends a ``PLACEHOLDER`` output token for every sampling chunk (the token exists,
-  on device; the next step reads it from there), and applies the stop checks that need no token value:
-  ``max_tokens`` outputs or ``max_model_len`` tokens -> "length". ``resolve(plan, sampled)`` when the tokens
-  reach the host: fills the placeholders, applies EOS (unless ``ignore_eos``) / ``stop_token_ids`` -> "stop"
-  (which wins over "length", vLLM's order) and drops any later placeholder of a stopped sequence, and registers
-  pages that became full of real tokens in the prefix cache. ``update`` = commit + resolve (synchronous use).
-  Stop strings need detokenization: the engine calls ``finish``. At most two steps' placeholders are outstanding
-  per sequence (steps n and n+1); a sequence is complete when it is finished and holds none. A multi-step chunk
-  commits one placeholder per token; tokens after a stop token are dropped (computed, never output).
+  its rank, itself included: the victim frees its pages and goes to the FRONT of the rank's waiting queue with
+  ``num_computed_tokens = 0``, keeping its outputs (it recomputes prompt + outputs as its next prefill; with
+  prefix caching its full pages usually stay cached). The oldest running sequence therefore always progresses;
+  if it cannot run even alone it finishes with reason "error". Requests are never dropped.
+- Stops. At commit: ``max_tokens`` outputs or ``max_model_len`` tokens -> "length" (for a draft verification:
+  at update, once the accepted count is known). At update: EOS (unless ``ignore_eos``) / ``stop_token_ids`` ->
+  "stop", which wins over "length" (vLLM's order); outputs after a stop token are dropped. Stop strings need
+  detokenization: the engine calls ``finish``.
 
 Invariants kept for ``PrefixCache`` (see its module doc): pages only go through the cache's ``allocate`` / ``free``;
-a chunk only writes positions ``>= num_computed_tokens``, which lie in pages that are neither cached nor shared
-(cached pages are full and computed); only full computed pages are ``insert``-ed.
+a step only writes positions ``>= num_computed_tokens``, which lie in pages that are neither cached nor shared
+(cached pages are full and computed); only full pages of computed, known tokens are ``insert``-ed.
 """
 
 from __future__ import annotations
@@ -53,20 +49,13 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
-import numbers
-from collections.abc import Mapping, Sequence as _Seq
 
+from jaxinfer.engine.buckets import MIN_PREFILL_T, bucket
+from jaxinfer.engine.scheduler_output import (NewRequest, RunnerOutput, ScheduledRequest, SchedulerOutput,
+                                              StepKind)
 from jaxinfer.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from jaxinfer.kv.page_allocator import PAGE_SIZE, PageAllocator
 from jaxinfer.kv.prefix_cache import PrefixCache
-
-
-MIN_PREFILL_T = 16  # default prefill columns at least: fewer shapes, and 16 tokens cost about what 1 does
-
-
-def bucket(n: int, minimum: int = 1) -> int:
-    """The next power of two >= max(n, minimum)."""
-    return 1 << (max(n, minimum) - 1).bit_length()
 
 
 @dataclasses.dataclass
@@ -91,58 +80,24 @@ class _PrefillShape:
         self.t = max(self.t, bucket(n, self.min_t))
 
 
-@dataclasses.dataclass(frozen=True)
-class ScheduledChunk:
-    """Compute the tokens at positions [start, start + num_tokens) of ``seq`` this step.
-
-    ``sample``: this chunk reaches the sequence's last token, so its last logits are sampled (``update`` then needs
-    a token for ``seq.seq_id``). The runner reads token ids (``seq.token_ids``), positions, slots (from
-    ``seq.pages``) and the block table from the sequence. A decode chunk of a multi-step decode step may have
-    ``num_tokens`` > 1: it computes the last token and then the tokens it samples itself, one per iteration, and
-    samples ``num_tokens`` tokens.
-    """
+@dataclasses.dataclass
+class _Chunk:
+    """A chunk while its step is being built (``SchedulerOutput`` holds the frozen ``ScheduledRequest``)."""
 
     seq: Sequence
-    start: int
     num_tokens: int
-    sample: bool
+    num_sampled: int
+    drafts: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass
-class StepPlan:
-    """One step: ``kind`` "prefill" or "decode"; ``chunks[rank]`` the chunks of each DP rank (possibly empty).
-
-    ``preempted``: sequences preempted while building the plan; ``finished``: sequences finished while building it
-    (reason "error": they can never fit their rank's pages). Both are for the engine's bookkeeping only.
-    """
-
-    kind: str
-    chunks: list[list[ScheduledChunk]]
+class _Plan:
+    kind: StepKind
+    chunks: list[list[_Chunk]]
     preempted: list[Sequence] = dataclasses.field(default_factory=list)
-    finished: list[Sequence] = dataclasses.field(default_factory=list)
-    pending: list[tuple[Sequence, int]] | None = None  # set by commit: (sequence, index of its placeholder)
 
-    def num_tokens(self, rank: int) -> int:
-        return sum(c.num_tokens for c in self.chunks[rank])
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(c.num_tokens for cs in self.chunks for c in cs)
-
-    def all_chunks(self) -> list[ScheduledChunk]:
-        return [c for cs in self.chunks for c in cs]
-
-    def num_sampled(self, chunk: ScheduledChunk) -> int:
-        """Tokens a sampling chunk of this plan samples: one per iteration for a decode chunk, else one."""
-        return chunk.num_tokens if self.kind == "decode" else 1
-
-    def placeholders(self):
-        """(sequence, output index, j) for each placeholder of a committed plan, j counting the sequence's
-        placeholders in this step (its j-th sampled token)."""
-        nth = collections.Counter()
-        for seq, index in self.pending:
-            yield seq, index, nth[seq.seq_id]
-            nth[seq.seq_id] += 1
+    def empty(self) -> bool:
+        return not any(self.chunks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +114,15 @@ class RankStats:
     num_waiting: int
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenUpdate:
+    """What ``update_from_output`` did to one sequence: outputs [first, first + num) got their values."""
+
+    seq: Sequence
+    first: int
+    num: int
+
+
 class Scheduler:
     """Continuous-batching scheduler over ``num_ranks`` DP ranks, each with its own paged KV pool and prefix cache.
 
@@ -167,13 +131,13 @@ class Scheduler:
       num_pages_per_rank: KV pages per rank, the null page included (``PageAllocator(num_pages)``).
       max_num_seqs: running sequences per rank at most.
       max_num_batched_tokens: tokens computed per rank per prefill step at most (chunked prefill).
-      min_prefill_t: the fewest columns of a prefill step's grid (a power of two; see "Prefill shapes").
       max_model_len: prompt + output tokens at most; longer prompts finish at ``add`` with reason "error".
       enable_prefix_caching: ``match`` prompts at admission and ``insert`` full pages.
       page_size: tokens per page (64 = FlashMLA's block size).
       eos_token_id: None or the EOS id for the stop check.
       cache_key: ``extra_key`` of the page hashes (model identity).
-      num_scheduler_steps: decode iterations per decode step (see "Decode" above).
+      min_prefill_t: the fewest columns of a prefill step's grid (a power of two; see "Prefill shapes").
+      num_scheduler_steps: decode iterations per decode step (see "Decode").
 
     Raises ValueError (naming the value) for invalid arguments.
     """
@@ -189,6 +153,8 @@ class Scheduler:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
         if not isinstance(num_pages_per_rank, int) or num_pages_per_rank < 2:
             raise ValueError(f"{num_pages_per_rank=} must be an int >= 2 (page 0 is the reserved null page)")
+        if not isinstance(min_prefill_t, int) or min_prefill_t < 1 or min_prefill_t & (min_prefill_t - 1):
+            raise ValueError(f"{min_prefill_t=} must be a power of two >= 1")
         self.num_ranks = num_ranks
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -198,14 +164,13 @@ class Scheduler:
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.eos_token_id = eos_token_id
         self.cache_key = cache_key
-        if not isinstance(min_prefill_t, int) or min_prefill_t < 1 or min_prefill_t & (min_prefill_t - 1):
-            raise ValueError(f"{min_prefill_t=} must be a power of two >= 1")
         self.min_prefill_t = min_prefill_t
         self.prefill_capacity = bucket(max_num_batched_tokens, min_prefill_t)
         self.caches = [PrefixCache(PageAllocator(num_pages_per_rank), page_size) for _ in range(num_ranks)]
         self.waiting: list[collections.deque[Sequence]] = [collections.deque() for _ in range(num_ranks)]
         self.running: list[list[Sequence]] = [[] for _ in range(num_ranks)]   # sorted by arrival
-        self._ids: set = set()                                                  # unfinished seq_ids
+        self._seqs: dict[int, Sequence] = {}   # added sequences until finished and holding no placeholder
+        self._finished_ids: list[int] = []     # finished since the last SchedulerOutput
         self._next_arrival = 0
 
     # ---- queries -------------------------------------------------------------------------------------------
@@ -242,7 +207,7 @@ class Scheduler:
         """
         if seq.status is not SequenceStatus.WAITING or seq.arrival is not None:
             raise ValueError(f"sequence {seq.seq_id} was already added ({seq.status.value})")
-        if seq.seq_id in self._ids:
+        if seq.seq_id in self._seqs:
             raise ValueError(f"seq_id {seq.seq_id!r} is already in use by an unfinished sequence")
         seq.arrival = self._next_arrival
         self._next_arrival += 1
@@ -257,7 +222,7 @@ class Scheduler:
             self._set_finished(seq, "error", f"prompt of {n} tokens needs {need} KV pages of {self.page_size}, "
                                              f"a rank has {self.capacity}")
         else:
-            self._ids.add(seq.seq_id)
+            self._seqs[seq.seq_id] = seq
             self.waiting[seq.rank].append(seq)
         return seq
 
@@ -267,7 +232,7 @@ class Scheduler:
 
         Raises ValueError if ``seq`` is not an unfinished sequence of this scheduler.
         """
-        if seq.is_finished or seq.seq_id not in self._ids:
+        if seq.is_finished or self._seqs.get(seq.seq_id) is not seq:
             raise ValueError(f"sequence {seq.seq_id} is not an unfinished sequence of this scheduler")
         rank = seq.rank
         if seq.status is SequenceStatus.RUNNING:
@@ -275,28 +240,29 @@ class Scheduler:
         else:
             self.waiting[rank].remove(seq)
         self._release(seq)
-        self._ids.discard(seq.seq_id)
         self._set_finished(seq, reason, error)
-        while not keep_pending and seq.output_token_ids and seq.output_token_ids[-1] == PLACEHOLDER:
-            seq.output_token_ids.pop()                  # tokens of steps still in flight: not part of the output
+        if not keep_pending:
+            del seq.output_token_ids[seq.num_output_tokens - seq.num_placeholders:]  # tokens of steps in flight
+        self._drop_if_complete(seq)
 
     # ---- scheduling ----------------------------------------------------------------------------------------
-    def schedule(self) -> StepPlan | None:
-        """The next step: a prefill step if any rank has prefill work that fits, else a decode step; None when
-        nothing is left to do (no unfinished sequences)."""
-        plan = StepPlan("prefill", [[] for _ in range(self.num_ranks)])
+    def schedule(self) -> SchedulerOutput | None:
+        """The next step, committed (see the module doc): a prefill step if any rank has prefill work that fits,
+        else a decode step. None when there is nothing to do or report."""
+        plan = _Plan(StepKind.PREFILL, [[] for _ in range(self.num_ranks)])
         shape = _PrefillShape(self.prefill_capacity, self.min_prefill_t)
+        admitted: list[Sequence] = []
         for rank in range(self.num_ranks):
-            self._schedule_prefill(rank, plan, shape)
-        if not plan.all_chunks():
-            plan.kind = "decode"
+            self._schedule_prefill(rank, plan, shape, admitted)
+        if plan.empty():
+            plan.kind = StepKind.DECODE
             for rank in range(self.num_ranks):
                 self._schedule_decode(rank, plan)
-        if not plan.all_chunks() and not plan.finished:
+        if plan.empty() and not self._finished_ids and not plan.preempted:
             return None
-        return plan
+        return self._commit(plan, admitted)
 
-    def _schedule_prefill(self, rank: int, plan: StepPlan, shape: _PrefillShape) -> None:
+    def _schedule_prefill(self, rank: int, plan: _Plan, shape: _PrefillShape, admitted: list[Sequence]) -> None:
         budget = self.max_num_batched_tokens
         out = plan.chunks[rank]
         for seq in list(self.running[rank]):        # unfinished prefills first, oldest first
@@ -310,7 +276,7 @@ class Scheduler:
             n = self._grow(seq, n, plan)
             if n:
                 shape.add(len(out), n)
-                out.append(self._chunk(seq, n))
+                out.append(self._prefill_chunk(seq, n))
                 budget -= n
         queue = self.waiting[rank]
         while queue and budget > 0 and len(self.running[rank]) < self.max_num_seqs:
@@ -319,7 +285,6 @@ class Scheduler:
             if need > self.capacity:                   # a preempted sequence one token past the rank's pages
                 self.finish(seq, "error", f"sequence of {seq.num_tokens} tokens needs {need} KV pages of "
                                           f"{self.page_size}, rank {rank} has {self.capacity}")
-                plan.finished.append(seq)
                 continue
             room = shape.fit(len(out), budget)
             n = self._admit(seq, room) if room else 0
@@ -327,25 +292,25 @@ class Scheduler:
                 break                                  # FIFO: the head blocks the queue until pages free up
             queue.popleft()
             bisect.insort(self.running[rank], seq, key=lambda s: s.arrival)
+            admitted.append(seq)
             shape.add(len(out), n)
-            out.append(self._chunk(seq, n))
+            out.append(self._prefill_chunk(seq, n))
             budget -= n
 
-    def _schedule_decode(self, rank: int, plan: StepPlan) -> None:
+    def _schedule_decode(self, rank: int, plan: _Plan) -> None:
         out = plan.chunks[rank]
         for seq in list(self.running[rank]):
             if seq.status is not SequenceStatus.RUNNING or seq.is_prefilling:
                 continue
             # Tokens it may still sample (>= 1: commit finishes a sequence that reaches either limit).
-            left = min(self.num_scheduler_steps, seq.params.max_tokens - seq.num_output_tokens,
-                       self.max_model_len - seq.num_tokens)
-            n = self._grow(seq, max(left, 1), plan)
+            left = max(1, min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens))
+            drafts = seq.draft_token_ids[:left - 1]
+            n = self._grow(seq, 1 + len(drafts) if drafts else min(left, self.num_scheduler_steps), plan)
             if n:
-                out.append(ScheduledChunk(seq, seq.num_computed_tokens, n, True))
+                out.append(_Chunk(seq, n, n, drafts[:n - 1]))
 
-    def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
-        start = seq.num_computed_tokens
-        return ScheduledChunk(seq, start, n, start + n == seq.num_tokens)
+    def _prefill_chunk(self, seq: Sequence, n: int) -> _Chunk:
+        return _Chunk(seq, n, int(seq.num_computed_tokens + n == seq.num_tokens))
 
     def _room(self, seq: Sequence) -> int:
         """Tokens ``seq`` could compute now: room in its pages plus every page the rank could allocate."""
@@ -358,7 +323,7 @@ class Scheduler:
         if need > 0:
             seq.pages.extend(self.caches[seq.rank].allocate(need))
 
-    def _grow(self, seq: Sequence, n: int, plan: StepPlan) -> int:
+    def _grow(self, seq: Sequence, n: int, plan: _Plan) -> int:
         """Reserves pages for up to ``n`` more tokens of a running sequence, preempting the newest running
         sequences of its rank while it cannot take a single token. Returns the tokens granted (0 when ``seq`` itself
         was preempted or finished with "error")."""
@@ -373,7 +338,6 @@ class Scheduler:
                 need = -(-(seq.num_computed_tokens + 1) // self.page_size)
                 self.finish(seq, "error", f"sequence of {seq.num_tokens} tokens needs {need} KV pages of "
                                           f"{self.page_size} to continue, rank {rank} has {self.capacity}")
-                plan.finished.append(seq)
                 return 0
             victim = self.running[rank][-1]
             self._preempt(victim)
@@ -399,6 +363,7 @@ class Scheduler:
             cache.stats = stats                        # an admission that did not happen is not a query
             return 0
         seq.pages = cached + cache.allocate(need)
+        seq.num_pages_sent = 0
         seq.num_computed_tokens = len(cached) * self.page_size
         seq.status = SequenceStatus.RUNNING
         seq.num_prefill_tokens = seq.num_tokens
@@ -414,6 +379,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_prefill_tokens = 0
         seq.num_preemptions += 1
+        seq.draft_token_ids = ()
         self.waiting[seq.rank].appendleft(seq)
 
     def _release(self, seq: Sequence) -> None:
@@ -426,76 +392,101 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.error = error
+        self._finished_ids.append(seq.seq_id)
+
+    def _drop_if_complete(self, seq: Sequence) -> None:
+        if seq.is_finished and not seq.num_placeholders:
+            self._seqs.pop(seq.seq_id, None)
+
+    def _commit(self, plan: _Plan, admitted: list[Sequence]) -> SchedulerOutput:
+        """Applies the planned step (advances ``num_computed_tokens``, appends a PLACEHOLDER per sampled token,
+        finishes sequences at ``max_tokens`` / ``max_model_len`` with "length") and freezes it."""
+        new = tuple(NewRequest(s.seq_id, s.rank, tuple(s.prompt_token_ids), tuple(s.output_token_ids), s.params,
+                               s.child_index) for s in admitted)
+        if any(PLACEHOLDER in r.output_token_ids for r in new):
+            raise RuntimeError("a request was re-admitted before its last step's tokens were applied")
+        finished, self._finished_ids = tuple(self._finished_ids), []  # before this step's "length" finishes
+        requests = []
+        for chunks in plan.chunks:
+            rank_requests = []
+            for c in chunks:
+                seq = c.seq
+                rank_requests.append(ScheduledRequest(seq.seq_id, seq.num_computed_tokens, c.num_tokens,
+                                                      c.num_sampled, tuple(seq.pages[seq.num_pages_sent:]),
+                                                      c.drafts))
+                seq.num_pages_sent = len(seq.pages)
+                seq.num_computed_tokens += c.num_tokens
+                self._register_full_pages(seq)
+                seq.output_token_ids.extend([PLACEHOLDER] * c.num_sampled)
+                if c.drafts:
+                    seq.draft_token_ids = ()           # verified by this step; the length check waits for update
+                elif c.num_sampled and self._at_length_limit(seq):
+                    self.finish(seq, "length", keep_pending=True)  # update still fills its last tokens
+            requests.append(tuple(rank_requests))
+        return SchedulerOutput(plan.kind, tuple(requests), new, finished, tuple(s.seq_id for s in plan.preempted))
+
+    def _at_length_limit(self, seq: Sequence) -> bool:
+        return seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
 
     # ---- results ------------------------------------------------------------------------------------------
-    def commit(self, plan: StepPlan) -> list[tuple[Sequence, int]]:
-        """The step of ``plan`` is running: advances ``num_computed_tokens``, appends a PLACEHOLDER output for each
-        token a sampling chunk samples (one; ``num_tokens`` for a decode chunk) and finishes sequences that reached
-        ``max_tokens`` / ``max_model_len`` ("length"). Chunks of
-        sequences finished since ``schedule`` are skipped. Returns (and stores in ``plan.pending``) the
-        placeholders as (sequence, output index). Raises ValueError for a stale or already committed plan."""
-        if plan.pending is not None:
-            raise ValueError("plan already committed")
-        pending = []
-        for chunk in plan.all_chunks():
-            seq = chunk.seq
-            if seq.status is not SequenceStatus.RUNNING:
-                continue
-            if chunk.start != seq.num_computed_tokens:
-                raise ValueError(f"stale plan: chunk of seq {seq.seq_id} starts at {chunk.start}, "
-                                 f"but {seq.num_computed_tokens} tokens are computed")
-            seq.num_computed_tokens += chunk.num_tokens
-            self._register_full_pages(seq)
-            if not chunk.sample:
-                continue
-            for _ in range(plan.num_sampled(chunk)):
-                seq.output_token_ids.append(PLACEHOLDER)
-                pending.append((seq, seq.num_output_tokens - 1))
-            if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
-                self.finish(seq, "length", keep_pending=True)  # resolve still fills its last tokens
-        plan.pending = pending
-        return pending
+    def update_from_output(self, output: SchedulerOutput, result: RunnerOutput) -> list[TokenUpdate]:
+        """Applies the runner's results of a committed step: fills the step's placeholders with
+        ``result.sampled[req_id]`` (in order), applies EOS / stop_token_ids ("stop"; later outputs dropped), rolls
+        back rejected draft tokens (a request that verified drafts may get fewer tokens than it had placeholders:
+        ``num_computed_tokens`` goes back by as many), registers pages that became full of known tokens, and
+        stores the next drafts. Requests finished since the step was scheduled are skipped. Returns one
+        TokenUpdate per sequence whose outputs changed.
 
-    def resolve(self, plan: StepPlan, sampled: Mapping[int, int | _Seq[int]]) -> list[Sequence]:
-        """The tokens of a committed plan arrived: ``sampled[seq_id]``, the token of each placeholder (a list of
-        them, in order, for a multi-token decode chunk; an int for one). Fills them, applies EOS /
-        stop_token_ids ("stop") and registers full pages. Returns the sequences of the plan that are now
-        complete (finished, no placeholder left), each once. Raises ValueError for an uncommitted plan or a
-        missing token."""
-        if plan.pending is None:
-            raise ValueError("resolve needs a committed plan (commit it first)")
-        done = []
-        for seq, index, j in plan.placeholders():
+        Raises ValueError for a missing token (fewer than the step sampled, without drafts) or a rollback that
+        is not the sequence's newest step (a draft step must be applied before the next step is scheduled).
+        """
+        updates = []
+        for r in output.all_requests():
+            seq = self._seqs.get(r.req_id)
+            if seq is None or r.num_sampled == 0:
+                continue
+            # Its first placeholder: the output after the chunk's last known token (drafts are not outputs yet).
+            first = r.start + (r.num_tokens if output.kind is StepKind.PREFILL else 1) - seq.num_prompt_tokens
             outputs = seq.output_token_ids
-            if index >= len(outputs) or outputs[index] != PLACEHOLDER:
-                continue                                   # dropped: the sequence stopped at an earlier token
-            got = sampled.get(seq.seq_id, [])
-            tokens = [got] if isinstance(got, numbers.Integral) else got
-            if j >= len(tokens):
-                raise ValueError(f"no sampled token {j} for seq {seq.seq_id} (its chunk ends at its last token)")
-            token = int(tokens[j])
-            outputs[index] = token
-            if self._is_stop_token(seq, token):
-                if seq.is_finished:                        # finished by length at commit: "stop" wins
-                    del outputs[index + 1:]
-                    seq.finish_reason = "stop"
+            if first >= len(outputs) or outputs[first] != PLACEHOLDER:
+                continue                               # dropped: the sequence stopped at an earlier token
+            tokens = result.sampled.get(r.req_id, ())
+            if len(tokens) < r.num_sampled and not r.draft_token_ids or len(tokens) > r.num_sampled:
+                raise ValueError(f"{len(tokens)} sampled tokens for seq {r.req_id}, its step samples "
+                                 f"{r.num_sampled}")
+            if not tokens:
+                raise ValueError(f"no sampled token for seq {r.req_id}")
+            rejected = r.num_sampled - len(tokens)
+            if rejected:
+                if first + r.num_sampled != len(outputs):
+                    raise ValueError(f"seq {r.req_id}: drafts rolled back after a later step was scheduled")
+                del outputs[first + len(tokens):]
+                seq.num_computed_tokens -= rejected
+            num = 0
+            for j, token in enumerate(tokens):
+                if first + j >= len(outputs):
+                    break                              # outputs dropped after a stop token
+                outputs[first + j] = int(token)
+                num += 1
+                if int(token) in seq.params.stop_tokens(self.eos_token_id):
+                    del outputs[first + j + 1:]
+                    if seq.is_finished:                # finished by length at commit: "stop" wins
+                        seq.finish_reason = "stop"
+                    else:
+                        self.finish(seq, "stop")
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                if r.draft_token_ids and self._at_length_limit(seq):
+                    self.finish(seq, "length")
                 else:
-                    self.finish(seq, "stop")
-                    del outputs[index + 1:]
-            elif seq.status is SequenceStatus.RUNNING:
-                self._register_full_pages(seq)
-            if seq.is_finished and PLACEHOLDER not in outputs[index:]:
-                done.append(seq)
-        return done
-
-    def update(self, plan: StepPlan, sampled: Mapping[int, int]) -> list[Sequence]:
-        """commit + resolve: applies a computed step whose tokens are known (synchronous use). Returns the
-        sequences finished by it (the "length" ones included)."""
-        self.commit(plan)
-        return self.resolve(plan, sampled)
+                    self._register_full_pages(seq)
+                    seq.draft_token_ids = tuple(result.draft_token_ids.get(r.req_id, ()))
+            updates.append(TokenUpdate(seq, first, num))
+            self._drop_if_complete(seq)
+        return updates
 
     def _register_full_pages(self, seq: Sequence) -> None:
-        """Offers the pages that are full of computed, real (not placeholder) tokens to the prefix cache."""
+        """Offers the pages that are full of computed, known (not placeholder) tokens to the prefix cache."""
         if not self.enable_prefix_caching:
             return
         real = seq.num_tokens - seq.num_placeholders
@@ -505,6 +496,3 @@ class Scheduler:
             lo = seq.num_registered_pages
             self.caches[seq.rank].insert(hashes[lo:full], seq.pages[lo:full])
             seq.num_registered_pages = full
-
-    def _is_stop_token(self, seq: Sequence, token: int) -> bool:
-        return token in seq.params.stop_tokens(self.eos_token_id)

@@ -8,8 +8,9 @@ in page ``pages[t // page_size]``, slot ``t % page_size``).
 Life cycle: WAITING (queued on its DP rank, holds no pages) -> RUNNING -> FINISHED. A RUNNING sequence is first
 *prefilling*: it computes the tokens it had at admission (``num_prefill_tokens``: the prompt, or prompt + outputs
 after a preemption) in one or more chunks; the chunk that reaches ``num_tokens`` yields the logits of the next token.
-Then it *decodes*: exactly one token is computed per step (the last sampled one, ``num_computed_tokens ==
-num_tokens - 1``) and the next one is sampled. A preempted sequence goes back to WAITING with no pages and
+Then it *decodes*: a step computes its last token (``num_computed_tokens == num_tokens - 1`` before the step) and
+samples the next (a multi-step decode step also computes the tokens it samples; a verification step computes
+the draft tokens after it, see scheduler.py). A preempted sequence goes back to WAITING with no pages and
 ``num_computed_tokens = 0``, keeping its outputs; it recomputes them as its next prefill.
 """
 
@@ -22,7 +23,7 @@ from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.kv.prefix_cache import page_hashes
 
 
-PLACEHOLDER = -1  # an output token sampled on device whose value the host does not know yet (scheduler.commit)
+PLACEHOLDER = -1  # an output token sampled on device whose value the host does not know yet (Scheduler.schedule)
 
 
 class SequenceStatus(enum.Enum):
@@ -59,6 +60,8 @@ class Sequence:
         self.num_cached_tokens = 0
         self.num_preemptions = 0
         self.num_registered_pages = 0   # leading pages of ``pages`` already offered to the prefix cache
+        self.num_pages_sent = 0         # leading pages of ``pages`` the runner was told about (new_page_ids)
+        self.draft_token_ids: tuple[int, ...] = ()  # proposed by the runner, verified by the next decode step
         self.finish_reason: str | None = None
         self.error: str | None = None
         self._hashes: list[int] = []     # chained page hashes of the leading full pages of all_token_ids
@@ -111,14 +114,6 @@ class Sequence:
     def is_prefilling(self) -> bool:
         """RUNNING and still computing the tokens it had at admission (prompt, or prompt + outputs)."""
         return self.status is SequenceStatus.RUNNING and self.num_computed_tokens < self.num_prefill_tokens
-
-    def num_pages_for(self, num_tokens: int, page_size: int) -> int:
-        """Pages needed to hold the KV of ``num_tokens`` positions: ceil(num_tokens / page_size)."""
-        return -(-num_tokens // page_size)
-
-    def last_page_partial(self, page_size: int) -> bool:
-        """True when the computed KV ends inside a page (the one page of the sequence that may still be written)."""
-        return self.num_computed_tokens % page_size != 0
 
     def page_hashes(self, num_pages: int, page_size: int, extra_key=None) -> list[int]:
         """Chained hashes (``kv.prefix_cache.page_hashes``) of the first ``num_pages`` full pages of the tokens.

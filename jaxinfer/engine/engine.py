@@ -1,0 +1,265 @@
+"""``LLMEngine``: requests in, outputs out, one step at a time (vLLM's ``LLMEngine``: add_request, step,
+abort_request, has_unfinished_requests; docs/architecture.md "The engine step").
+
+``step()`` schedules and dispatches step n + 1 (Scheduler.schedule -> ModelRunner.execute) before it applies step n's
+tokens (ModelRunner.fetch -> Scheduler.update_from_output -> detokenization and stop strings), so the host's work
+overlaps the device's (vLLM v1's async scheduling); the tokens a step samples come back one ``step()`` later. A
+step in flight that sampled for a request with penalties is applied first: its next step counts the real tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Iterable
+
+import numpy as np
+
+from jaxinfer import default_model
+from jaxinfer.compile_cache import enable_compilation_cache
+from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.outputs import EngineStats, RequestOutput, RequestState
+from jaxinfer.engine.runner import InFlight, ModelRunner
+from jaxinfer.engine.sampling_params import SamplingParams
+from jaxinfer.engine.scheduler import Scheduler
+from jaxinfer.engine.scheduler_output import SchedulerOutput
+from jaxinfer.engine.sequence import Sequence
+from jaxinfer.engine.tokenizer import Tokenizer
+from jaxinfer.model import load_model
+from jaxinfer.rebalance import rebalance_model
+
+
+@dataclasses.dataclass
+class _Dispatched:
+    output: SchedulerOutput
+    handle: InFlight
+    sync: bool  # a sampled request uses penalties: apply this step before building the next one
+
+
+class LLMEngine:
+    """The serving engine over one model on a mesh. ``LLMEngine(model=None, mesh=None, dtype=None, **options)``
+    takes ``EngineConfig``'s fields; ``LLMEngine.from_config(config)`` an EngineConfig.
+
+    Request ids are the caller's strings. Unseeded sampling is keyed on the engine's internal sequence ids (one per
+    request, then one per sample, in the order requests are added), so an engine reproduces its tokens for the
+    same requests in the same order.
+    """
+
+    def __init__(self, model=None, mesh=None, dtype: str | None = None, **engine_options):
+        self._setup(EngineConfig(model=model, mesh=mesh, dtype=dtype, **engine_options))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        if not isinstance(config, EngineConfig):
+            raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
+        engine = cls.__new__(cls)
+        engine._setup(config)
+        return engine
+
+    def _setup(self, config: EngineConfig) -> None:
+        enable_compilation_cache(config.compilation_cache)  # before anything compiles
+        self.model = load_model(config.model or default_model.path(), mesh=config.mesh,
+                                dtype=config.dtype or "bfloat16", fp8_compute=config.fp8_compute,
+                                num_redundant_experts=config.num_redundant_experts)
+        self.config = config = config.resolve(self.model)
+        self.model_path = config.model
+        self.tokenizer = Tokenizer.from_dir(config.model)
+        eos = self.tokenizer.eos_token_id if self.tokenizer else (self.model.config.eos_token_ids or (None,))[0]
+        self.scheduler = Scheduler(self.model.dp_size, config.num_kv_pages, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_model_len=config.max_model_len,
+                                   enable_prefix_caching=config.enable_prefix_caching, eos_token_id=eos,
+                                   num_scheduler_steps=config.num_scheduler_steps)
+        self.runner = ModelRunner(self.model, config.num_kv_pages, write_in_step=config.attention_backend == "pallas",
+                                  max_num_seqs=config.max_num_seqs, prefill_capacity=self.scheduler.prefill_capacity,
+                                  min_prefill_t=self.scheduler.min_prefill_t, engine_seed=config.seed,
+                                  max_logprobs=config.max_logprobs, expert_load_window=config.expert_load_window,
+                                  num_scheduler_steps=config.num_scheduler_steps, eos_token_id=eos,
+                                  greedy_screening=config.greedy_screening)
+        self.stats = EngineStats()
+        self._requests: dict[str, RequestState] = {}       # added, final output not yet returned
+        self._seqs: dict[int, tuple[RequestState, int]] = {}  # seq_id -> (request, child)
+        self._ready: dict[str, RequestState] = {}          # progressed since the last step() returned
+        self._ids = itertools.count()
+        self._in_flight: _Dispatched | None = None
+        self._steps_since_rebalance = 0
+
+    # ---- requests ----------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None
+                    ) -> None:
+        """Queues a request. prompt: text (needs the checkpoint's tokenizer) or token ids.
+
+        Raises ValueError for a non-str request_id, the id of an unfinished request (one whose finished output
+        was not returned yet), a prompt of the wrong type or sampling_params that are not SamplingParams. A
+        request whose content cannot run (empty, too long, a token id outside the vocabulary, more logprobs than
+        max_logprobs, more KV pages than a rank has) is not an exception: the next ``step()`` returns it
+        finished with reason "error" and a message."""
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a str, got {request_id!r}")
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is the id of an unfinished request")
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        text, ids = self._prompt_ids(prompt)
+        next(self._ids)  # the request's own internal id: unseeded sampling keys stay what they were
+        seqs = [Sequence(next(self._ids), ids, params, child_index=child) for child in range(params.n)]
+        request = RequestState(request_id, text, ids, params, seqs, self.tokenizer, time.perf_counter())
+        self._requests[request_id] = request
+        error = self._content_error(ids, params)
+        if error is None:
+            for child, seq in enumerate(seqs):
+                self.scheduler.add(seq)
+                if seq.is_finished:  # rejected at admission: empty, too long, can never fit
+                    error = seq.error
+                    break
+                self._seqs[seq.seq_id] = (request, child)
+        if error is not None:
+            for seq in seqs:
+                if not seq.is_finished and seq.seq_id in self._seqs:
+                    self.scheduler.finish(seq, "error", error)
+                self._seqs.pop(seq.seq_id, None)
+            request.fail(error)
+            self._ready[request_id] = request
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Finishes requests now and frees their pages; no output is returned for them afterwards. Unknown ids
+        are ignored."""
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            request = self._requests.pop(rid, None)
+            if request is None:
+                continue
+            self._ready.pop(rid, None)
+            for c in request.completions:
+                if self._seqs.pop(c.seq.seq_id, None) is not None and not c.seq.is_finished:
+                    self.scheduler.finish(c.seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        """True until every request's finished output has been returned by ``step()``."""
+        return bool(self._requests)
+
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need tokenizer.json beside the checkpoint; pass token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        ids = np.asarray(prompt if prompt is not None else [])
+        if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+            raise ValueError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        return None, [int(t) for t in ids]
+
+    def _content_error(self, ids: list[int], p: SamplingParams) -> str | None:
+        """Why a request can never run, before the scheduler's own checks (length, pages), or None."""
+        bad = [t for t in ids if not 0 <= t < self.model.config.vocab_size]
+        if bad:
+            return f"token id {bad[0]} is outside the vocabulary [0, {self.model.config.vocab_size})"
+        if p.logprobs is not None and p.logprobs > self.config.max_logprobs:
+            return f"logprobs={p.logprobs} exceeds max_logprobs={self.config.max_logprobs}"
+        return None
+
+    # ---- steps -------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedules and dispatches the next step, applies the previous one's tokens, and returns the requests that
+        progressed (each finished request exactly once with finished=True; [] while work is in flight)."""
+        t0 = time.perf_counter()
+        if self._in_flight is not None and self._in_flight.sync:
+            self._apply(self._in_flight)  # penalties count the real tokens: no overlap for this step
+            self._in_flight = None
+        out = self.scheduler.schedule()
+        dispatched = None
+        if out is not None:
+            self.stats.preemptions += len(out.preempted_req_ids)
+            self._close_finished(out.finished_req_ids)  # e.g. a preempted request that can no longer fit
+            if not out.is_empty:
+                every = self.config.rebalance_every_n_steps
+                if every and self._steps_since_rebalance >= every:
+                    self.rebalance_experts()  # between steps: the dispatched one keeps the weights it was given
+                dispatched = self._dispatch(out)
+        self.stats.host_s += time.perf_counter() - t0
+        if self._in_flight is not None:
+            self._apply(self._in_flight)
+        elif dispatched is None and self.scheduler.has_unfinished() and not (out and out.finished_req_ids):
+            raise RuntimeError(f"scheduler stalled with {self.scheduler.num_unfinished()} unfinished sequences")
+        self._in_flight = dispatched
+        return self._outputs()
+
+    def _dispatch(self, out: SchedulerOutput) -> _Dispatched:
+        handle = self.runner.execute(out)
+        self._steps_since_rebalance += 1
+        self.stats.steps += 1
+        self.stats.scheduled_tokens += out.num_scheduled_tokens
+        self.stats.prefill_tokens += out.num_scheduled_tokens if out.kind == "prefill" else 0
+        sync = any(self._seqs[r.req_id][0].params.uses_penalties for r in out.all_requests()
+                   if r.num_sampled and r.req_id in self._seqs)
+        return _Dispatched(out, handle, sync)
+
+    def _apply(self, step: _Dispatched) -> None:
+        """Brings a dispatched step's tokens to the host and applies them: the scheduler's update, logprobs, stop
+        strings, completed sequences."""
+        t0 = time.perf_counter()
+        result = self.runner.fetch(step.handle)
+        t1 = time.perf_counter()
+        self.stats.wait_s += t1 - t0
+        updates = self.scheduler.update_from_output(step.output, result)
+        for update in updates:
+            seq = update.seq
+            entry = self._seqs.get(seq.seq_id)
+            if entry is None or update.num == 0:
+                continue
+            request, child = entry
+            logprobs = result.logprobs.get(seq.seq_id)
+            request.tokens_arrived(child, t1, None if logprobs is None else logprobs[:update.num])
+            if request.params.stop and request.find_stop_string(child):
+                if seq.is_finished:
+                    seq.finish_reason = "stop"  # finished by length as the step was committed: "stop" wins
+                else:
+                    self.scheduler.finish(seq, "stop")
+            self._ready[request.request_id] = request
+        self._close_finished([u.seq.seq_id for u in updates])
+        self.stats.host_s += time.perf_counter() - t1
+
+    def _close_finished(self, seq_ids: Iterable[int]) -> None:
+        """Closes the completions whose sequences are finished and hold no placeholder."""
+        for seq_id in seq_ids:
+            entry = self._seqs.get(seq_id)
+            if entry is None:
+                continue
+            request, child = entry
+            seq = request.completions[child].seq
+            if not seq.is_finished or seq.num_placeholders:
+                continue
+            del self._seqs[seq_id]
+            request.close(child)
+            self.stats.finished_input_tokens += seq.num_prompt_tokens
+            self.stats.finished_output_tokens += seq.num_output_tokens
+            self._ready[request.request_id] = request
+
+    def _outputs(self) -> list[RequestOutput]:
+        now = time.perf_counter()
+        outputs = []
+        for rid, request in self._ready.items():
+            out = request.output(now)
+            if out is not None:
+                outputs.append(out)
+            if request.returned_final:
+                self._requests.pop(rid, None)
+        self._ready = {}
+        return outputs
+
+    # ---- expert load balancing (DeepSeek's EPLB) -----------------------------------------------------------
+    def expert_load(self) -> np.ndarray:
+        """np.int64 [num_moe_layers, n_routed_experts]: (token, expert) choices routed to each logical expert of
+        each MoE layer over the last expert_load_window engine steps (prompt and generated tokens the steps
+        computed; padding excluded). Waits for the dispatched steps."""
+        return self.runner.expert_load()
+
+    def rebalance_experts(self, num_nodes: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Re-places the routed experts from ``expert_load()`` with EPLB (jaxinfer/rebalance.py): slots =
+        n_routed_experts + num_redundant_experts, GPUs = the mesh's `expert` axis, groups = n_group, num_nodes
+        hosts. Outputs do not change (every copy of an expert is equal); only which expert rank computes what.
+        Returns EPLB's (phy2log [L, S], log2phy [L, E, max_replicas], logcnt [L, E])."""
+        placement = rebalance_model(self.model, self.expert_load(), num_nodes)
+        self.runner.refresh_state()
+        self._steps_since_rebalance = 0
+        return placement

@@ -1,0 +1,220 @@
+"""The runner's per-request state (a persistent batch: vLLM v1's ``CachedRequestState``) and the host arrays of one
+step, built from a ``SchedulerOutput`` alone.
+
+Layout of a step (every device is a DP rank; rank r owns rows [r * rows, (r + 1) * rows)): a chunk of n tokens
+sits at the END of its row of T columns, so that mla_decode's causal rule (query i sees keys < seqlen - T + i + 1)
+holds for every real token; padding columns write nothing (slot -1) and padding rows see no keys.
+
+Bounded compilation: the step compiles once per (rows, T, pages) bucket, penalties on/off and logprobs on/off.
+Decode steps: T = 1 (a multi-step decode step: slots [rows, k]), rows per rank a power of two. Prefill steps: T a
+power of two >= the scheduler's min_prefill_t and rows per rank a power of two, rows * T <= prefill_capacity (the
+scheduler keeps every rank's chunks within that). Pages per row: a power of two >= MIN_PAGES. A prefill grid is
+no larger than its chunks need: one 64-token prompt runs a [1, 64] grid, not a full 1024-token one.
+
+Tokens the host does not know yet: every step writes its sampled tokens into a device buffer (slot rank *
+max_rows + row), and a request's input token sampled by the last dispatched step, whose value has not reached the
+host, is read from that buffer (``src``), so the host can dispatch step n + 1 before step n's tokens come back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxinfer.engine.sampler import SamplingTensors, token_counts
+from jaxinfer.engine.sampling_params import SamplingParams
+from jaxinfer.engine.buckets import bucket
+from jaxinfer.engine.scheduler_output import ScheduledRequest, SchedulerOutput, StepKind
+
+# Stop ids a multi-step decode step checks on device per row (SamplingParams.stop_tokens: EOS first, then
+# stop_token_ids): a row with more is checked for the first ones only, which is safe (the host's stop check
+# decides; the device only stops early).
+DEVICE_STOP_IDS = 8
+MIN_PAGES = 2  # pages per row at least: fewer shapes; at batch 32 and 128-token contexts 4 cost 10% more per step
+_PAD_PARAMS = SamplingParams(temperature=0.0)  # rows that sample nothing: greedy, never read
+
+
+@dataclasses.dataclass
+class RequestState:
+    """What the runner keeps of one request between steps: its tokens as far as the runner has fetched them
+    (prompt + outputs), its sampling settings and its block table (rank-local page ids)."""
+
+    req_id: int
+    rank: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: SamplingParams
+    child_index: int
+    pages: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """Host arrays of one step (``arrays``: ids, src, positions, block_table, seqlens, slots, dest, stop_ids, each
+    [rows, ...]), the sampling tensors, and the (row, request id, tokens sampled) of every sampling row."""
+
+    arrays: list[np.ndarray]
+    tensors: SamplingTensors
+    sampled: list[tuple[int, int, int]]
+
+
+def step_shape(out: SchedulerOutput, num_pages: dict[int, int], min_prefill_t: int,
+               prefill_capacity: int) -> tuple[int, int, int]:
+    """(rows per rank, T, pages per row) of a step's bucketed arrays; num_pages: each scheduled request's block
+    table length after the step's new pages."""
+    requests = out.all_requests()
+    pages = bucket(max((num_pages[r.req_id] for r in requests), default=1), MIN_PAGES)
+    rows = bucket(max(len(rank) for rank in out.requests))
+    if out.kind is StepKind.DECODE:
+        return rows, 1, pages
+    t = bucket(max((r.num_tokens for r in requests), default=1), min_prefill_t)
+    if rows * t > prefill_capacity:
+        raise RuntimeError(f"prefill step of {[len(rank) for rank in out.requests]} chunks of up to {t} tokens "
+                           f"exceeds {prefill_capacity} tokens per rank")
+    return rows, t, pages
+
+
+class InputBatch:
+    """The runner's requests and the host side of its steps.
+
+    Args:
+      ranks: DP ranks; max_rows: a rank's sampling rows at most (the token buffer holds ranks * max_rows);
+      page_size; min_prefill_t, prefill_capacity: the prefill grid (Scheduler's); num_scheduler_steps: decode
+      iterations per decode step at most; eos_token_id: the engine's EOS (device stop checks); vocab_size;
+      engine_seed: seed of unseeded requests (sampler.request_seed); max_logprobs: the logprobs width computed
+      when any row asks for logprobs (one static width bounds compilations).
+    """
+
+    def __init__(self, *, ranks: int, max_rows: int, page_size: int, min_prefill_t: int, prefill_capacity: int,
+                 num_scheduler_steps: int, eos_token_id: int | None, vocab_size: int, engine_seed: int,
+                 max_logprobs: int):
+        self.ranks = ranks
+        self.max_rows = max_rows
+        self.page_size = page_size
+        self.min_prefill_t = min_prefill_t
+        self.prefill_capacity = prefill_capacity
+        self.num_scheduler_steps = num_scheduler_steps
+        self.eos_token_id = eos_token_id
+        self.vocab_size = vocab_size
+        self.engine_seed = engine_seed
+        self.max_logprobs = max_logprobs
+        self.requests: dict[int, RequestState] = {}
+        self._feed: dict[int, int] = {}  # req_id -> buffer slot of its token sampled by the last dispatched step
+
+    def update_states(self, out: SchedulerOutput) -> None:
+        """Applies a step's request changes: drops finished and preempted requests, registers new ones, extends
+        block tables."""
+        for req_id in out.finished_req_ids + out.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        for new in out.new_requests:
+            self.requests[new.req_id] = RequestState(new.req_id, new.rank, list(new.prompt_token_ids),
+                                                     list(new.output_token_ids), new.params, new.child_index, [])
+        for r in out.all_requests():
+            self.requests[r.req_id].pages.extend(r.new_page_ids)
+
+    def record(self, sampled: dict[int, list[int]]) -> None:
+        """Appends a fetched step's tokens to its requests (for later prefills and penalty counts)."""
+        for req_id, tokens in sampled.items():
+            state = self.requests.get(req_id)
+            if state is not None:
+                state.output_token_ids.extend(tokens)
+
+    def shape(self, out: SchedulerOutput) -> tuple[int, int, int]:
+        return step_shape(out, {r.req_id: len(self.requests[r.req_id].pages) for r in out.all_requests()},
+                          self.min_prefill_t, self.prefill_capacity)
+
+    def build(self, out: SchedulerOutput) -> StepInputs:
+        """Host arrays of one step (after ``update_states``). A multi-step decode step (chunks of more than one
+        token) has slots [rows, k], column j for iteration j, and ids / positions [rows, 1] for each row's first
+        token. stop_ids [rows, DEVICE_STOP_IDS]: each sampling row's stop tokens (-1: none).
+
+        Raises RuntimeError when a chunk's input token is unknown to the runner (neither fetched nor sampled by the
+        last dispatched step), or a row with penalties has outputs not fetched yet (the caller applies the
+        previous step first)."""
+        rows, t, pages = self.shape(out)
+        decode = out.kind is StepKind.DECODE
+        k = t
+        if decode:
+            most = max((r.num_tokens for r in out.all_requests() if not r.draft_token_ids), default=1)
+            if most > self.num_scheduler_steps:
+                raise RuntimeError(f"decode chunk of {most} tokens exceeds num_scheduler_steps="
+                                   f"{self.num_scheduler_steps}")
+            if any(r.draft_token_ids for r in out.all_requests()):
+                raise NotImplementedError("draft token verification has no step program yet")
+            k = 1 if most == 1 else self.num_scheduler_steps  # two programs per bucket: one step or k
+        n_rows = self.ranks * rows
+        ids = np.zeros((n_rows, t), np.int32)
+        src = np.full((n_rows, t), -1, np.int32)
+        positions = np.zeros((n_rows, t), np.int32)
+        slots = np.full((n_rows, k), -1, np.int32)
+        block_table = np.zeros((n_rows, pages), np.int32)  # page 0: each rank's null page
+        seqlens = np.zeros((n_rows,), np.int32)
+        dest = np.full((n_rows,), self.ranks * self.max_rows, np.int32)  # out of range: dropped
+        stop_ids = np.full((n_rows, DEVICE_STOP_IDS), -1, np.int32)  # [rows, S]: -1 matches no token
+        params = [_PAD_PARAMS] * n_rows
+        states: list[RequestState | None] = [None] * n_rows
+        steps = np.zeros((n_rows,), np.int64)
+        sampled, feed = [], {}
+        for rank, requests in enumerate(out.requests):
+            # Per row: few numpy calls on small arrays (a decode step's rows hold one token each; at batch 32 a
+            # numpy call per token and field cost ~3 ms of host time per step on CPU).
+            for i, r in enumerate(requests):
+                row, n, state = rank * rows + i, r.num_tokens, self.requests[r.req_id]
+                n_in = r.num_input_tokens(out.kind)
+                end = r.start + n_in
+                ids[row, t - n_in:] = self._input_ids(state, r, end, src, row, t)
+                positions[row, t - n_in:] = range(r.start, end)
+                block_table[row, : len(state.pages)] = state.pages
+                pos = np.arange(r.start, r.start + n)  # [n] positions computed
+                cols = slice(0, n) if decode else slice(t - n, t)
+                slots[row, cols] = block_table[row, pos // self.page_size] * self.page_size + pos % self.page_size
+                seqlens[row] = end
+                if r.num_sampled:
+                    sampled.append((row, r.req_id, r.num_sampled))
+                    params[row], states[row] = state.params, state
+                    steps[row] = end - len(state.prompt_token_ids)  # outputs before this sample: the key fold-in
+                    dest[row] = rank * self.max_rows + i
+                    feed[r.req_id] = int(dest[row])
+                    stops = state.params.stop_tokens(self.eos_token_id)[:DEVICE_STOP_IDS]
+                    stop_ids[row, : len(stops)] = stops
+        self._feed = feed
+        tensors = self._tensors(params, states, steps)
+        return StepInputs([ids, src, positions, block_table, seqlens, slots, dest, stop_ids], tensors, sampled)
+
+    def _input_ids(self, state: RequestState, r: ScheduledRequest, end: int, src: np.ndarray, row: int,
+                   t: int) -> list[int]:
+        """The chunk's input tokens [start, end). The last one may be the newest sample of the last dispatched
+        step, not fetched yet: it is read from the token buffer on device (``src``)."""
+        p = len(state.prompt_token_ids)
+        known = p + len(state.output_token_ids)
+        from_buffer = end > known and r.req_id in self._feed
+        stop = end - 1 if from_buffer else end
+        if r.start < stop and stop > known:
+            raise RuntimeError(f"request {r.req_id}: tokens [{known}, {stop}) of its chunk are unknown to the runner")
+        if r.start >= p:  # a decode step: O(end - start), not O(sequence length)
+            chunk = state.output_token_ids[r.start - p:stop - p]
+        else:
+            chunk = (state.prompt_token_ids + state.output_token_ids)[r.start:stop]
+        if from_buffer:
+            src[row, t - 1] = self._feed[r.req_id]
+            chunk = chunk + [0]
+        return chunk
+
+    def _tensors(self, params: list[SamplingParams], states: list[RequestState | None],
+                 steps: np.ndarray) -> SamplingTensors:
+        kwargs = {}
+        if any(p.uses_penalties for p in params):
+            for state, step in zip(states, steps):
+                if state is not None and state.params.uses_penalties and len(state.output_token_ids) != step:
+                    raise RuntimeError(f"request {state.req_id} uses penalties: apply the previous step first")
+            kwargs = dict(output_token_counts=token_counts([s.output_token_ids if s else [] for s in states],
+                                                           self.vocab_size),
+                          prompt_token_mask=token_counts([s.prompt_token_ids if s else [] for s in states],
+                                                         self.vocab_size) > 0)
+        wants_logprobs = any(p.logprobs is not None for p in params)
+        return SamplingTensors.build(params, self.vocab_size, steps=steps,
+                                     request_ids=[s.req_id if s else 0 for s in states],
+                                     child_indices=[s.child_index if s else 0 for s in states],
+                                     engine_seed=self.engine_seed,
+                                     max_logprobs=self.max_logprobs if wants_logprobs else None, **kwargs)

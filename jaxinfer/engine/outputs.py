@@ -1,0 +1,194 @@
+"""What the engine returns: ``RequestOutput`` / ``CompletionOutput`` (vLLM's shape), ``EngineStats``, and the engine's
+per-request output state (``RequestState``: detokenization, stop strings, logprobs, metrics).
+
+Outputs follow ``SamplingParams.output_kind``: CUMULATIVE (everything so far, each time the request progresses),
+DELTA (what is new since its last output) or FINAL_ONLY. A completion's text never shows what a stop string may
+still cut: while unfinished, the last (longest stop string - 1) characters are held back (vLLM's rule).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxinfer.engine.sampling_params import RequestOutputKind, SamplingParams
+from jaxinfer.engine.sequence import PLACEHOLDER, Sequence
+from jaxinfer.engine.tokenizer import IncrementalDecoder, Tokenizer
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One of a request's n samples. token_ids: its generated tokens; text: their detokenized text (cut before a
+    stop string); finish_reason: None while running, then "stop" | "length" | "error" | "abort"; error: the
+    message of an "error"; logprobs: per token {token: logprob} (the sampled one included), or None."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    error: str | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """A request's output: all n completions. metrics: ttft_s (first token after add_request), tpot_s (time per
+    output token after the first), both None until known; num_prompt_tokens, num_cached_prompt_tokens (served by
+    the prefix cache), num_output_tokens (all completions)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    metrics: dict[str, Any]
+    finished: bool = False
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters: steps dispatched, tokens computed (all / in prefill steps), preemptions, prompt and output tokens
+    of finished sequences, host time (scheduling, array building, dispatch, result handling) and time spent
+    waiting for the device's results."""
+
+    steps: int = 0
+    scheduled_tokens: int = 0
+    prefill_tokens: int = 0
+    preemptions: int = 0
+    finished_input_tokens: int = 0
+    finished_output_tokens: int = 0
+    host_s: float = 0.0
+    wait_s: float = 0.0
+
+    def since(self, before: EngineStats) -> EngineStats:
+        """The counts accumulated after ``before`` (a copy of an earlier state)."""
+        return EngineStats(**{f.name: getattr(self, f.name) - getattr(before, f.name)
+                              for f in dataclasses.fields(self)})
+
+
+@dataclasses.dataclass
+class _Completion:
+    seq: Sequence
+    decoder: IncrementalDecoder | None
+    logprobs: list[dict[int, float]] | None
+    stop_at: int | None = None  # text cut by a stop string
+    done: bool = False
+    text: str = ""              # the final text, once done
+    sent_tokens: int = 0        # DELTA: what earlier outputs returned
+    sent_text: int = 0
+
+
+class RequestState:
+    """The engine's record of one request: its sequences (one per sample), decoders and timing."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                 seqs: list[Sequence], tokenizer: Tokenizer | None, arrival: float):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.arrival = arrival
+        self.first_token: float | None = None
+        self.last_token: float | None = None
+        self.completions = [
+            _Completion(seq, IncrementalDecoder(tokenizer, prompt_token_ids) if tokenizer else None,
+                        None if params.logprobs is None else []) for seq in seqs]
+        self._holdback = max((len(s) for s in params.stop), default=1) - 1
+        self.returned_final = False
+
+    @property
+    def finished(self) -> bool:
+        return all(c.done for c in self.completions)
+
+    def fail(self, error: str) -> None:
+        """The request can never run: every completion finishes with "error"."""
+        for c in self.completions:
+            c.seq.finish_reason, c.seq.error, c.done = "error", error, True
+
+    def tokens_arrived(self, child: int, t: float, logprobs: list[dict[int, float]] | None) -> None:
+        """New tokens of completion ``child`` reached the host at time t (their logprobs, if it asked)."""
+        c = self.completions[child]
+        self.first_token = self.first_token or t
+        self.last_token = t
+        if c.logprobs is not None and logprobs:
+            c.logprobs.extend(logprobs)
+        if self.params.output_kind is not RequestOutputKind.FINAL_ONLY or self.params.stop:
+            self._decode(c)
+
+    def find_stop_string(self, child: int) -> bool:
+        """Looks for a stop string in completion ``child``'s text; on a hit cuts the text there (the caller
+        finishes the sequence with "stop"). The stop strings are tried in order, each over the whole text."""
+        c = self.completions[child]
+        if c.decoder is None or c.stop_at is not None:
+            return False
+        self._decode(c)
+        for stop in self.params.stop:
+            cut = c.decoder.text.find(stop)
+            if cut >= 0:
+                c.stop_at = cut
+                return True
+        return False
+
+    def close(self, child: int) -> None:
+        """Completion ``child``'s sequence is finished and holds no placeholder: its text is final."""
+        c = self.completions[child]
+        if c.logprobs is not None:
+            del c.logprobs[len(c.seq.output_token_ids):]  # tokens dropped after a stop
+        if c.decoder is not None:
+            self._decode(c)
+            c.decoder.finish()
+            c.text = c.decoder.text if c.stop_at is None else c.decoder.text[:c.stop_at]
+        c.done = True
+
+    @staticmethod
+    def _decode(c: _Completion) -> None:
+        outputs, decoder = c.seq.output_token_ids, c.decoder
+        if decoder is None:
+            return
+        for tok in outputs[len(decoder.output_ids):]:
+            if tok == PLACEHOLDER:
+                break
+            decoder.add(tok)
+
+    # ---- outputs ------------------------------------------------------------------------------------------
+    def output(self, now: float) -> RequestOutput | None:
+        """The RequestOutput to return now under the request's output_kind (None: nothing to return)."""
+        finished = self.finished
+        kind = self.params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not finished or self.returned_final:
+            return None
+        self.returned_final = finished
+        outputs = [self._completion(i, c, kind is RequestOutputKind.DELTA) for i, c in enumerate(self.completions)]
+        n_out = sum(len(c.seq.output_token_ids) if c.done else _known(c.seq) for c in self.completions)
+        first, last = self.first_token, (now if finished else self.last_token)
+        if first is None:
+            tpot = None
+        elif finished:
+            tpot = (last - first) / max(n_out - 1, 1)
+        else:
+            tpot = (last - first) / (n_out - 1) if n_out > 1 else None
+        metrics = dict(ttft_s=None if first is None else first - self.arrival, tpot_s=tpot,
+                       num_prompt_tokens=len(self.prompt_token_ids),
+                       num_cached_prompt_tokens=max(c.seq.num_cached_tokens for c in self.completions),
+                       num_output_tokens=n_out)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, metrics, finished)
+
+    def _completion(self, index: int, c: _Completion, delta: bool) -> CompletionOutput:
+        if c.done:
+            tokens, text = list(c.seq.output_token_ids), c.text
+        else:
+            tokens = c.seq.output_token_ids[:_known(c.seq)]
+            text = c.decoder.text if c.decoder is not None else ""
+            if self.params.stop:
+                text = text[:max(len(text) - self._holdback, 0)]
+        logprobs = None if c.logprobs is None else c.logprobs[:len(tokens)]
+        if delta:
+            tokens, text = tokens[c.sent_tokens:], text[c.sent_text:]
+            logprobs = None if logprobs is None else logprobs[c.sent_tokens:]
+            c.sent_tokens, c.sent_text = c.sent_tokens + len(tokens), c.sent_text + len(text)
+        return CompletionOutput(index, tokens, text, c.seq.finish_reason if c.done else None,
+                                c.seq.error if c.done else None, logprobs)
+
+
+def _known(seq: Sequence) -> int:
+    """The outputs of a sequence whose values are known (placeholders are trailing)."""
+    return seq.num_output_tokens - seq.num_placeholders

@@ -1,0 +1,177 @@
+"""The jitted engine step: unpack the step's inputs, run the model over the paged latent cache
+(DeepseekForCausalLM.paged_hidden_states -> kernels_pallas.mla_decode), the head and the sampler on each row's
+last token (head.py), all on device; and the XLA path's second program that writes the step's latents.
+
+One transfer per step: the step's host arrays and sampling tensors travel packed in one int32 array, unpacked
+inside the jitted step (packing.py).
+
+Multi-step decode (``num_scheduler_steps`` = k > 1, vLLM's multi-step scheduling): a decode step whose chunks
+cover several tokens runs up to k iterations in one program (a ``lax.while_loop``, ``decode_loop``). Iteration j
+computes position start + j of every row (its input: the token iteration j - 1 sampled) and samples the next
+token; a row with fewer tokens than k is masked after its last one (no slot, no token to the buffer, outputs
+dropped by the host), and so is a row once it samples a stop token. The loop ends when no row is active: a step
+does not compute iterations whose tokens would all be thrown away. On the XLA path the latents of the earlier
+iterations are read from a per-layer window (paged_attention.DecodeWindow) and written after the program with the
+others, so an iteration computes what a one-token step over the written cache would; the host's work per step is
+then paid once per k tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxinfer.engine import packing
+from jaxinfer.engine.head import head_sample
+from jaxinfer.engine.sampler import advance, sample
+from jaxinfer.models.paged_attention import DecodeWindow, write_latents
+
+
+def is_stop(token_ids: jax.Array, stop_ids: jax.Array) -> jax.Array:
+    """token_ids [R], stop_ids [R, S] (-1 = none) -> bool [R]: the row's token is one of its stop tokens."""
+    return jnp.any(token_ids[:, None] == stop_ids, axis=1)
+
+
+class StepProgram:
+    """The step and write programs of one model and cache layout.
+
+    write_in_step: the Pallas kernel (GPU) reads the cache written inside the step; the XLA path writes it
+    afterwards in a second program (``write``; paged_attention.paged_mla explains why). ranks, max_rows: the
+    token buffer's layout (slot rank * max_rows + row); prefill_capacity: a prefill step's tokens per rank at most.
+    """
+
+    def __init__(self, model, treedef, *, write_in_step: bool, ranks: int, max_rows: int, prefill_capacity: int,
+                 batch_sharding):
+        self.model = model
+        self.treedef = treedef
+        self.write_in_step = write_in_step
+        self.ranks = ranks
+        self.max_rows = max_rows
+        self.prefill_capacity = prefill_capacity
+        self.batch = batch_sharding
+        self.vocab_size = model.config.vocab_size
+
+    @functools.cached_property
+    def step(self):
+        """step(state_leaves, layers, tokens, load_total, load_evict, packed, layout, screen) -> (sample output,
+        layers (write_in_step) or (latents, slots) to write, tokens, (load_total, load))."""
+        graphdef, treedef = self.model.graphdef, self.treedef
+        write_cache = self.write_in_step
+        # XLA hoists loop-invariant work out of a multi-step decode loop, the weights' converts and transposes
+        # included: a bf16 decode on CPU then reads float32 copies of every weight in every iteration
+        # (tests/test_paged_forward.py). Only the XLA path compiles with that pass off.
+        options = None if write_cache else {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+
+        @functools.partial(jax.jit, donate_argnums=((1, 2, 3) if write_cache else (2, 3)), static_argnums=6,
+                           compiler_options=options)
+        def step(state_leaves, layers, tokens, load_total, load_evict, packed, layout, screen):
+            ids, src, positions, block_table, seqlens, slots, dest, stop_ids, tensors = packing.unpack(packed, layout)
+            ids = jnp.where(src >= 0, tokens[jnp.maximum(src, 0)], ids)  # [R, T] placeholders from the buffer
+            model = nnx.merge(graphdef, jax.tree.unflatten(treedef, state_leaves))
+            if ids.shape[1] == 1 and slots.shape[1] > 1:  # a multi-step decode step: slots [R, k]
+                # A row whose input token, sampled by the previous step, is a stop token has finished (the host
+                # does not know yet: it dispatched this step first): it computes nothing here.
+                stopped = (src[:, -1] >= 0) & is_stop(ids[:, -1], stop_ids)  # [R]
+                out, layers, tokens, load, latents = self.decode_loop(
+                    model, layers, tokens, ids, positions, block_table, seqlens, slots, dest, tensors,
+                    load_total.shape, stop_ids, stopped, screen)
+                n = self.max_rows * slots.shape[1]
+            else:
+                h, layers, load = model.paged_hidden_states(ids, positions, layers, block_table, seqlens, slots,
+                                                            write_cache)
+                out = head_sample(model, h[:, -1], tensors, screen)  # the last column: each row's last real token
+                tokens = tokens.at[dest].set(out.token_ids, mode="drop")  # dest past the buffer: padding rows
+                latents = layers
+                n = self.max_rows if ids.shape[1] == 1 else self.prefill_capacity
+            load = jnp.broadcast_to(load, load_total.shape)  # [ranks, L, E] ([1, 0, E] without MoE layers)
+            load = jax.lax.with_sharding_constraint(load, self.batch)  # each rank keeps its own row
+            load_total = load_total + load - load_evict
+            if write_cache:
+                return out, layers, tokens, (load_total, load)
+            # This step's latents and slots, padded per rank to a fixed count: the write program compiles once per
+            # kind of step (decode, multi-step decode, prefill).
+            return (out, (tuple(self._pack(x, 0, n) for x in latents), self._pack(slots, -1, n)), tokens,
+                    (load_total, load))
+
+        return step
+
+    def decode_loop(self, model, layers, tokens, ids, positions, block_table, seqlens, slots, dest, tensors,
+                    load_shape: tuple[int, ...], stop_ids, stopped, screen):
+        """k decode iterations (slots [R, k]; see the module doc). ids, positions [R, 1]: each row's first
+        token and its position; seqlens [R]: tokens in the cache after iteration 0 (0: padding row); stop_ids
+        [R, S]: each row's stop tokens (-1: none); stopped [R]: rows finished before the step; screen: the
+        head's int8 screen or None (``head_sample``). Returns
+        (SampleOutput with a leading [k] axis, layers, tokens, expert load [load_shape] summed over the
+        iterations, per layer the latents [R, k, C+R] of all iterations (XLA path; else None)).
+
+        A row is active in iteration j while j < its token count and it has not sampled a stop token; the loop
+        ends when no row is active (all rows at max_tokens before k, or all stopped, e.g. at EOS). Outputs of
+        iterations not run are zeros and an inactive row writes no token to the buffer; the host reads a row's
+        outputs up to its last token or its stop token only (Scheduler.update_from_output), and its tokens after
+        a stop token are garbage either way."""
+        write_cache = self.write_in_step
+        r, k = slots.shape
+        live = jnp.sum(slots >= 0, axis=1)  # [R] iterations with a token of the row's own
+        start = positions[:, 0]  # [R]
+        no_dest = self.ranks * self.max_rows  # out of the buffer: dropped
+        c = model.config
+        width = c.kv_lora_rank + c.qk_rope_head_dim
+        windows = None if write_cache else tuple(jnp.zeros((r, k, width), self.model.dtype) for _ in layers)
+        cache = layers
+        out_shapes = jax.eval_shape(sample, jax.ShapeDtypeStruct((r, self.vocab_size), jnp.float32), tensors)
+        outs = jax.tree.map(lambda x: jnp.zeros((k, *x.shape), x.dtype), out_shapes)  # [k, R, ...]
+
+        def active(j, stopped):  # [R]
+            return (j < live) & ~stopped
+
+        def iteration(carry):
+            j, ids, layers, windows, tokens, tensors, outs, load_sum, stopped = carry  # layers: with write_cache
+            slot = jax.lax.dynamic_slice_in_dim(slots, j, 1, axis=1)  # [R, 1]
+            lens = jnp.where(seqlens > 0, seqlens + j, 0)  # [R]
+            if write_cache:
+                h, layers, load = model.paged_hidden_states(ids, positions + j, layers, block_table, lens, slot, True)
+            else:
+                views = tuple(DecodeWindow(w, start, j) for w in windows)
+                h, new, load = model.paged_hidden_states(ids, positions + j, cache, block_table, lens, slot, False,
+                                                         views)
+                windows = tuple(jax.lax.dynamic_update_slice_in_dim(w, x.astype(w.dtype), j, axis=1)
+                                for w, x in zip(windows, new))  # [R, k, C+R]
+            out = head_sample(model, h[:, 0], tensors, screen)  # [R]
+            now = active(j, stopped)
+            tokens = tokens.at[jnp.where(now, dest, no_dest)].set(out.token_ids, mode="drop")
+            stopped = stopped | (now & is_stop(out.token_ids, stop_ids))
+            tensors = advance(tensors, out.token_ids)
+            outs = jax.tree.map(lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, j, 0), outs, out)
+            load_sum = load_sum + jnp.broadcast_to(load, load_shape)  # [ranks, L, E]
+            return j + 1, out.token_ids[:, None], layers, windows, tokens, tensors, outs, load_sum, stopped
+
+        def more(carry):
+            j, stopped = carry[0], carry[-1]
+            return (j < k) & jnp.any(active(j, stopped))
+
+        carry = (jnp.int32(0), ids, layers if write_cache else None, windows, tokens, tensors, outs,
+                 jnp.zeros(load_shape, jnp.int32), stopped)
+        _, _, layers, windows, tokens, _, outs, load, _ = jax.lax.while_loop(more, iteration, carry)
+        return outs, (layers if write_cache else cache), tokens, load, windows
+
+    def _pack(self, x: jax.Array, fill, n: int) -> jax.Array:
+        """[ranks * rows, T, ...] -> [ranks * n, 1, ...]: each rank's rows * T tokens padded with fill to n, the
+        most a step of its kind holds (decode: max_rows, times k for a multi-step one; prefill: prefill_capacity)."""
+        ranks = self.ranks
+        x = x.reshape(ranks, -1, *x.shape[2:])
+        x = jnp.pad(x, [(0, 0), (0, n - x.shape[1])] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+        return x.reshape(ranks * n, 1, *x.shape[2:])
+
+    @functools.cached_property
+    def write(self):
+        """write(layers, latents, slots) -> layers: the XLA path's cache write after a step (layers donated)."""
+        mesh = self.model.mesh if self.model.plan is not None else None
+
+        @functools.partial(jax.jit, donate_argnums=0)
+        def write(layers, latents, slots):
+            return tuple(write_latents(mesh, c, new, slots) for c, new in zip(layers, latents))
+
+        return write
