@@ -2,8 +2,8 @@
 
 Metric (DeepGEMM README / tests): TFLOPS = 2 * m * n * k / t (grouped: m = valid rows over all groups).
 Dense shapes: m in (64, 128, 4096) x (n, k) in DeepGEMM's six pairs; published H800 TFLOPS at m = 4096 from
-DESIGN.md ("DeepGEMM FP8 contract", README early 2025). Grouped: contiguous (groups x m_per_group) and masked
-(groups x expected rows) on DeepGEMM's test shapes; DESIGN.md gives only the published range ~1200-1350.
+docs/architecture.md ("DeepGEMM FP8 contract", README early 2025). Grouped: contiguous (groups x m_per_group) and
+masked (groups x expected rows) on DeepGEMM's test shapes; the contract gives only the published range ~1200-1350.
 Needs a CUDA GPU; elsewhere it says so and measures nothing. Each case (shape x kernel variant) is guarded so one
 failure does not stop the rest; results (with date and device) are appended to --out, one line per case, tagged
 with the kernel variant (fp8_gemm ``kernel=``: "pipelined" | "warp_specialized") when it is the Pallas path.
@@ -14,11 +14,11 @@ to the issue's goal shapes (m = 4096 x DeepGEMM's six (n, k)) plus a decode-size
 k=16384, n=2112 k=7168) for a --tilings sweep. --tilings BMxBNxST[,...] times each of these
 explicit tilings (block_m x block_n x stages) per kernel instead of the defaults, for tuning on a GPU; a tiling a
 kernel rejects prints its ValueError. --multicast adds a line with multicast=2 (DeepGEMM's TMA multicast of A over
-CTA pairs) per warp_specialized case. Every line names the tiling that ran (fp8_tiling.py picks the defaults).
-Timing: the median over 5 repeats of (20 back-to-back calls, one sync) / 20, so the host's dispatch overlaps the
-device's work (the 2026-11-30 figures synced every call; same for kernels of milliseconds, lower for microseconds).
+CTA pairs) per warp_specialized case. Every line names the tiling that ran (kernels_pallas/fp8/tiling.py picks the
+defaults). Timing: the median over 5 repeats of (20 back-to-back calls, one sync) / 20, so the host's dispatch
+overlaps the device's work.
 --breakdown (after the cases) times each kernel's two probes beside it on the headline shape (``breakdown_case``;
-fp8_gemm_ws.py ``PROBES``): "mma" (DeepGEMM's promotion taken out: a plain FP8 GEMM with the same producer, ring
+``PROBES``: the kernels' accumulation hook replaced): "mma" (DeepGEMM's promotion taken out: a plain FP8 GEMM with the same producer, ring
 and tiles) and "stream" (all compute taken out: the TMA feed alone). Kernel near mma: the promotion is hidden; mma
 near stream: the feed bounds it; both far above the kernel: their overlap does not happen.
 --cases compare then times XLA's own GEMMs (cuBLAS: bf16, and e4m3 without block scales) on the goal shapes, as the
@@ -40,16 +40,21 @@ import time
 import jax
 import jax.numpy as jnp
 from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from kernels_pallas import fp8_gemm, fp8_grouped_gemm_contiguous, fp8_grouped_gemm_masked, fp8_tiling
-from kernels_pallas.fp8_gemm_ws import TILE_BAND, num_sms
+from kernels_pallas import fp8_gemm, fp8_grouped_gemm_contiguous, fp8_grouped_gemm_masked
+from kernels_pallas.common import cdiv
+from kernels_pallas.fp8 import tiling as fp8_tiling
+from kernels_pallas.fp8.pallas_common import PROMOTED, Accumulation, num_sms, zero_acc
+from kernels_pallas.fp8.warp_specialized import TILE_BAND
 
 NK = [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048)]
-PUBLISHED_M4096 = dict(zip(NK, [1058, 990, 590, 1358, 1304, 1025]))  # H800 TFLOPS, DESIGN.md
+PUBLISHED_M4096 = dict(zip(NK, [1058, 990, 590, 1358, 1304, 1025]))  # H800 TFLOPS, DeepGEMM's README
 DENSE_M = (64, 128, 4096)
 CONTIGUOUS = [(4, 8192, 4096, 7168), (4, 8192, 7168, 2048), (8, 4096, 4096, 7168), (8, 4096, 7168, 2048)]
 MASKED = [(g, m, n, k) for g, m in ((1, 1024), (2, 512), (4, 256)) for n, k in ((4096, 7168), (7168, 2048))]
-GROUPED_PUBLISHED = "~1200-1350 (DESIGN.md, grouped)"
+GROUPED_PUBLISHED = "~1200-1350 (DeepGEMM's README, grouped)"
 # --cases compare: the headline dense shape, a wide-n and a decode-sized one, one of each grouped layout.
 COMPARE = dict(dense=[(4096, n, k) for n, k in NK] + [(64, 7168, 16384)],
                contiguous=[(4, 8192, 4096, 7168)], masked=[(4, 256, 4096, 7168)])
@@ -108,7 +113,7 @@ def _tiling_label(kind: str, shape, kernel: str | None, knobs: dict) -> str:
     if kernel is None:
         return ""
     rows, n = (shape[0], shape[1]) if kind == "dense" else (shape[0] * shape[1], shape[2])
-    k_steps = fp8_tiling._cdiv(shape[-1], fp8_tiling.BLOCK_K)
+    k_steps = cdiv(shape[-1], fp8_tiling.BLOCK_K)
     t = fp8_tiling.resolve(kernel, knobs.get("block_m"), knobs.get("block_n"), 128, knobs.get("stages"), rows=rows,
                            n=n, num_sms=num_sms(False), out_itemsize=2, multicast=knobs.get("multicast", 1),
                            k_steps=k_steps)
@@ -198,26 +203,73 @@ def pallas_matmul_ceiling(m: int, n: int, k: int):
     return jax.jit(lambda a, b: hm.matmul(a, b, None, cfg)), f"CTA {cta}, k-step 64, 4 stages"
 
 
+# Benchmark probes (--breakdown): both FP8 kernels with part of their work taken out through their accumulation hook
+# (kernels_pallas/fp8/pallas_common.py ``Accumulation``), so that a GPU run can tell what bounds a kernel without a
+# profiler's counters (which gVisor does not give: kernels_mla.py's probes do the same for MLA decode).
+# - "mma": DeepGEMM's promotion taken out. The wgmma accumulates the unscaled product into one accumulator over all
+#   k-steps (D = A @ B^T, no scales read, no per-step wait for a fresh accumulator or register FMA): the kernel as
+#   a plain FP8 GEMM with the same producer, ring and tiles. Kernel near it: the promotion is hidden.
+# - "stream": every k-step's compute taken out. The consumers release each stage as soon as it lands (D = 0): the
+#   producer and the ring alone, i.e. how fast TMA fills SMEM with this tiling. mma near it: the feed bounds it.
+def _zero_tile(run, shape, *, sim):
+    return run(zero_acc(shape, sim=sim, chunked=False))
+
+
+def _mma_tile(run, shape, *, sim):   # the wgmma's own ACC ref, carried through the k-steps (a value where sim)
+    if sim:
+        return _zero_tile(run, shape, sim=sim)
+    return pl.run_scoped(lambda acc_ref: run(acc_ref)[...], plgpu.ACC(shape, jnp.float32))
+
+
+def _mma_step(acc, a_smem, b_smem, a_scales, b_scales, col0, *, sim, release):
+    if sim:
+        acc = acc + lax.dot_general(a_smem[...], b_smem[...], (((1,), (1,)), ((), ())),
+                                    preferred_element_type=jnp.float32)                          # (rows, bn)
+    else:
+        plgpu.wgmma(acc, a_smem, b_smem.transpose((1, 0)))
+        plgpu.wgmma_wait(0)
+    release()
+    return acc
+
+
+def _stream_step(acc, a_smem, b_smem, a_scales, b_scales, col0, *, sim, release):
+    release()
+    return acc
+
+
+PROBES = {"mma": Accumulation(tile=_mma_tile, step=_mma_step), "stream": Accumulation(tile=_zero_tile,
+                                                                                     step=_stream_step)}
+
+
+def probe_accumulation(probe: str | None) -> Accumulation:
+    """The kernels' accumulation hook for probe ``probe`` (``PROBES``; None: the kernels' own, ``PROMOTED``)."""
+    if probe is None:
+        return PROMOTED
+    if probe not in PROBES:
+        raise ValueError(f"probe must be None or one of {tuple(PROBES)}, got {probe!r}")
+    return PROBES[probe]
+
+
 def breakdown_case(m: int, n: int, k: int, kernel: str, *, interpret: bool = False, iters: int = 20,
                    repeats: int = 5) -> dict:
-    """Seconds per call of one dense shape's Pallas kernel (its default tiling, fp8_gemm.py ``dense_pallas``) and of
-  its two probes (fp8_gemm_ws.py ``PROBES``: "mma", the promotion taken out; "stream", all compute taken out), with
-  the tiling, the GEMM's flops and "tile_bytes", the bytes the kernel's copies bring into SMEM (per output tile and
-  k-step ``Tiling.stage_bytes``: the A and B tiles, bm x 128 + bn x 128 e4m3, and their scales, bm + SCALE_WINDOW
-  float32). interpret: for a CPU check."""
+    """Seconds per call of one dense shape's Pallas kernel (its default tiling, kernels_pallas/fp8/pallas.py
+  ``dense_pallas``) and of its two probes (``PROBES``: "mma", the promotion taken out; "stream", all compute taken
+  out), with the tiling, the GEMM's flops and "tile_bytes", the bytes the kernel's copies bring into SMEM (per
+  output tile and k-step ``Tiling.stage_bytes``: the A and B tiles, bm x 128 + bn x 128 e4m3, and their scales,
+  bm + SCALE_WINDOW float32). interpret: for a CPU check."""
     import functools
 
-    from kernels_pallas.fp8_gemm import dense_pallas, resolve_tiling
+    from kernels_pallas.fp8.pallas import dense_pallas, resolve_tiling
 
     tiling = resolve_tiling(kernel, None, None, fp8_tiling.BLOCK_K, None, rows=m, n=n, k=k, out_dtype=jnp.bfloat16,
                             interpret=interpret)
-    tiles = fp8_tiling._cdiv(m, tiling.block_m) * fp8_tiling._cdiv(n, tiling.block_n)
-    k_steps = fp8_tiling._cdiv(k, fp8_tiling.BLOCK_K)
+    tiles = cdiv(m, tiling.block_m) * cdiv(n, tiling.block_n)
+    k_steps = cdiv(k, fp8_tiling.BLOCK_K)
     out = dict(tiling=tiling, flops=2 * m * n * k, tile_bytes=tiles * k_steps * tiling.stage_bytes())
     ops = _operands((m,), (), n, k)
-    for probe in (None, "mma", "stream"):
-        f = jax.jit(functools.partial(dense_pallas, kernel=kernel, tiling=tiling, out_dtype=jnp.bfloat16,
-                                      interpret=interpret, probe=probe))
+    for probe in (None, *PROBES):
+        f = jax.jit(functools.partial(dense_pallas, tiling=tiling, out_dtype=jnp.bfloat16, interpret=interpret,
+                                      accumulation=probe_accumulation(probe)))
         out[probe or "kernel"] = time_per_call(f, *ops, iters=iters, repeats=repeats)
     return out
 

@@ -10,11 +10,11 @@ dv 512; page 64; every sequence at full length s_k. --cases compare: b=128, s_k=
 and under one split per sequence (num_splits=1). --kernel (pallas only): mla_decode's kernel= variant;
 "all" prints every variant's line of each case next to each other. --breakdown: each stage of the Pallas path
 jitted and timed on its own (the work-item schedule, the kernel, the split combine), and for kernel=recompute_scores
-the kernel's two probes (mla_decode.py ``_decode_kernel`` probe=): "stream" (its page ring alone: the producer
+the kernel's two probes (``PROBES``: the kernel's hooks replaced): "stream" (its page ring alone: the producer
 streams every page, the compute warpgroups only release them; GB/s of the pages) and "compute" (every step on the
 ring's first fill, no wait for memory). The kernel's time against the larger of the two shows how well it overlaps
 them. Calls are timed back to back.
-Metrics (FlashMLA's formulas, DESIGN.md):
+Metrics (FlashMLA's formulas, docs/architecture.md "FlashMLA decode contract"):
   bytes = (sum(seqlen) * h_kv * 576 + b * s_q * h_q * 576 + b * s_q * h_q * 512) * 2  -> GB/s
   FLOPs = 2 * s_q * sum(seqlen) * h_q * (576 + 512)                                  -> TFLOPS
 Published (FlashMLA README, H800 SXM5, CUDA 12.8): up to 3000 GB/s memory-bound, 580-660 TFLOPS compute-bound.
@@ -27,7 +27,12 @@ import argparse
 import datetime
 import time
 
-from kernels_pallas.mla_decode import KERNELS
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kernels_pallas.mla import KERNELS
+from kernels_pallas.mla.pallas_common import Ring
 
 PUBLISHED_H800 = "FlashMLA H800: up to 3000 GB/s (memory-bound), 580-660 TFLOPS (compute-bound)"
 
@@ -55,7 +60,6 @@ D, DV, H_KV, PAGE = 576, 512, 1, 64
 def make_inputs(b, s_k, h_q, s_q, varlen):
     """(q [b, s_q, h_q, 576] bf16, kv cache of shuffled pages, block table, seqlens [b]) and the lengths (numpy)."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     lens = seqlens_of(b, s_k, s_q, varlen)
@@ -93,28 +97,56 @@ def run_case(b, s_k, h_q, s_q, varlen, num_splits, implementation, kernel, iters
     return t, nbytes / t / 1e9, flops / t / 1e12
 
 
+# The recompute_scores kernel's probes: the kernel with half of its work taken out through its static hooks
+# (recompute_scores.decode_kernel's ring= and attend=), to show which half bounds its time on a GPU.
+# - "stream": the producer streams every page as usual and the compute warpgroups only wait for each and release it
+#   (the page ring's own rate; out 0, lse -inf).
+# - "compute": the producer fills each ring slot once and the compute warpgroups run every step on those pages (step t
+#   reads the item's page t % num_stages) without waiting for memory.
+def _skip_page(c, carry, page_start, k_page):
+    return carry
+
+
+def _wait_first_fill(k_bars, slot, t, num_stages):
+    pl.when(t < num_stages)(lambda: plgpu.barrier_wait(k_bars.at[slot]))
+
+
+FIRST_FILL = Ring(fetches=lambda n_steps, num_stages: jnp.minimum(n_steps, num_stages), wait=_wait_first_fill,
+                  release=lambda consumed_bars, slot: None, drain=lambda consumed_bars, n_steps, num_stages: None)
+PROBES = {"stream": dict(attend=_skip_page), "compute": dict(ring=FIRST_FILL)}
+
+
+def probe_hooks(name: str) -> dict:
+    """The keyword arguments (hooks) that turn recompute_scores_pallas into probe ``name`` (``PROBES``)."""
+    if name not in PROBES:
+        raise ValueError(f"probe must be one of {tuple(PROBES)}, got {name!r}")
+    return PROBES[name]
+
+
 def breakdown_case(b, s_k, h_q, s_q, varlen, num_splits, kernel, iters, interpret=None):
-    """Median seconds of the Pallas path's stages, each jitted on its own (mla_decode.py ``_decode_pallas``):
-    the schedule, the kernel alone (on that schedule), the combine (on its outputs); for recompute_scores also its
-    probes "stream" and "compute" (the kernel with its compute or its memory traffic taken out), and "page_bytes",
-    the bytes of the pages the items stream. interpret: for a CPU check."""
+    """Median seconds of the Pallas path's stages, each jitted on its own (kernels_pallas/mla/pallas.py
+    ``decode_pallas``): the schedule, the kernel alone (on that schedule), the combine (on its outputs); for
+    recompute_scores also its probes "stream" and "compute" (``PROBES``), and "page_bytes", the bytes of the pages the
+    items stream. interpret: for a CPU check."""
     import functools
 
     import jax
-    import jax.numpy as jnp
 
     from kernels_pallas import _mosaic
-    from kernels_pallas.mla_decode import _pack_rows, _recompute_scores_pallas, _run_items, _schedule
-    from kernels_pallas.mla_schedule import combine
+    from kernels_pallas.mla import MLATuning
+    from kernels_pallas.mla.pallas import pack_rows, run_items, schedule_items
+    from kernels_pallas.mla.recompute_scores import recompute_scores_pallas
+    from kernels_pallas.mla.schedule import combine
 
     (q, kv, table, seqlens), _ = make_inputs(b, s_k, h_q, s_q, varlen)
-    q_rows = _pack_rows(q, H_KV, kv.dtype)
-    sched_f = jax.jit(functools.partial(_schedule, page_size=PAGE, max_pages=table.shape[1],
-                                        num_splits=num_splits, num_sms=_mosaic.device_sm_count()))
+    q_rows = pack_rows(q, H_KV, kv.dtype)
+    tuning = MLATuning(num_splits=num_splits, num_sms=_mosaic.device_sm_count(), block_dv=256, num_stages=2,
+                       kernel=kernel)
+    sched_f = jax.jit(functools.partial(schedule_items, page_size=PAGE, max_pages=table.shape[1], tuning=tuning))
     sched = sched_f(seqlens, q_rows)
-    kw = dict(s_q=s_q, m=h_q // H_KV, head_dim_v=DV, scale=D ** -0.5, causal=s_q > 1, block_dv=256, num_stages=2,
+    kw = dict(s_q=s_q, m=h_q // H_KV, head_dim_v=DV, scale=D ** -0.5, causal=s_q > 1,
               interpret=_mosaic.interpret_params() if interpret else None)
-    run = jax.jit(functools.partial(_run_items, kernel=kernel, **kw))
+    run = jax.jit(functools.partial(run_items, tuning=tuning, **kw))
     kernel_args = (q_rows, kv, seqlens, sched.items, table)
     o_part, lse_part = run(*kernel_args)
     comb = jax.jit(functools.partial(combine, batch=b, rows=s_q * (h_q // H_KV)))
@@ -126,8 +158,9 @@ def breakdown_case(b, s_k, h_q, s_q, varlen, num_splits, kernel, iters, interpre
               "page_bytes": int(q_rows.shape[1] * (q_rows.shape[2] // 64) * jnp.sum(sched.items[2]))
               * PAGE * D * kv.dtype.itemsize}
     if kernel == "recompute_scores":
-        for probe in ("stream", "compute"):
-            f = jax.jit(functools.partial(_recompute_scores_pallas, probe=probe, **kw))
+        for probe in PROBES:
+            f = jax.jit(functools.partial(recompute_scores_pallas, block_dv=tuning.block_dv,
+                                          num_stages=tuning.num_stages, **probe_hooks(probe), **kw))
             stages[probe] = median_time(f, kernel_args, iters)
     return stages
 
@@ -146,9 +179,8 @@ def breakdown_lines(st: dict) -> list[str]:
 
 def copy_ceiling(gib: float = 2.0, iters: int = 20) -> str:
     """The device's read+write bandwidth on a bf16 array of ``gib`` GiB (x * 2: one read, one write per element),
-    the memory ceiling the MLA GB/s compare with (KINDS.md measured about 4.3 TB/s on an H200 through PyTorch)."""
+    the memory ceiling the MLA GB/s compare with."""
     import jax
-    import jax.numpy as jnp
 
     x = jnp.ones((int(gib * 2**30) // 2,), jnp.bfloat16)
     f = jax.jit(lambda x: x * 2)

@@ -3,14 +3,14 @@
     PYTHONPATH=. python benchmarks/kernels_ptxas.py [--out ptxas.txt] [--cases all|fp8|mla] [--keep DIR]
         [--only LABEL_PART]... [--no-dump] [--offline PJRT_WHEEL [--cuda-root DIR]]
 
-Why: the 2026-11-30 FP8 figures (about 10% of DeepGEMM's) were explained from arithmetic alone (a 128 x 128 tile in
-one warpgroup spills); this report shows such things directly. For every kernel configuration the entries ship at
-the benchmarks' goal shapes: one line per kernel with its registers per thread, spill stores and loads, stack
-frame, ptxas's warnings (a "wgmma ... serialized" warning means the tensor core waits for every wgmma); counts of
-the SASS instructions that matter here: HGMMA / QGMMA (bf16 / fp8 wgmma, with their shapes), local memory
+Why: registers and spills decide much of a Hopper kernel's speed, and arithmetic alone only infers them (a 128 x 128
+tile in one warpgroup spills); this report shows such things directly. For every kernel configuration the entries
+ship at the benchmarks' goal shapes: one line per kernel with its registers per thread, spill stores and loads,
+stack frame, ptxas's warnings (a "wgmma ... serialized" warning means the tensor core waits for every wgmma); counts
+of the SASS instructions that matter here: HGMMA / QGMMA (bf16 / fp8 wgmma, with their shapes), local memory
 (LDL/STL: spills), shared memory (LDS/STS), TMA (UTMALDG/UTMASTG), barriers (SYNCS, BAR), FFMA/FMUL/FADD (the
-promotion and softmax arithmetic); and for each innermost loop that holds a wgmma (the k-step or page loop) its
-size and the spill reloads (LDL) and stores (STL) it pays per iteration.
+promotion and softmax arithmetic); and for each innermost loop that holds a wgmma (the k-step or page loop) its size
+and the spill reloads (LDL) and stores (STL) it pays per iteration.
 
 How: Mosaic GPU runs ``ptxas -v`` and ``nvdisasm`` on each kernel it compiles when MOSAIC_GPU_DUMP_PTXAS and
 MOSAIC_GPU_DUMP_SASS are set, and prints both (and the PTX, MOSAIC_GPU_DUMP_PTX) to the process's stdout
@@ -269,7 +269,7 @@ def mla_cases():
 
     import kernels_mla
     from kernels_pallas import mla_decode
-    from kernels_pallas.mla_decode import KERNELS
+    from kernels_pallas.mla import KERNELS
 
     out = []
     for h_q, s_q in ((16, 1), (128, 2)):

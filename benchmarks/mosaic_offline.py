@@ -1,7 +1,6 @@
 """Compile a Mosaic GPU kernel module for sm_90a without a GPU; return what Mosaic GPU's dumps print (PTX, ptxas -v).
 
-Why: registers, spills and ptxas's warnings decide much of a Hopper kernel's speed (the 2026-11-30 FP8 figures
-came from a tiling that spills), and GPU time is scarce here. Mosaic GPU compiles a kernel at run time, inside the
+Why: registers, spills and ptxas's warnings decide much of a Hopper kernel's speed, and GPU time is scarce here. Mosaic GPU compiles a kernel at run time, inside the
 CUDA PJRT plugin (jaxlib/mosaic/gpu/custom_call.cc: ``CompileAndInit`` -> ``Compile`` -> ``DumpCompilationOutput``),
 and the plugin exports that path as ``MosaicGpuCompile(const char *module, int size)``. It needs a CUDA device only
 to read the compute capability (``cuCtxGetDevice``, ``cuDeviceGetAttribute``), and CUDA's toolkit (ptxas) to

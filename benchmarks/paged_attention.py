@@ -1,5 +1,7 @@
 """The engine's CPU attention over the paged latent cache, one layer: cached_and_new_attention by chunk size vs
-gathering every page, writing the step's latents into the copy and calling mla_decode (the XLA path) on it.
+gathering every page, writing the step's latents into the copy and calling mla_decode (the XLA path) on it. Both run
+kernels_pallas/mla/xla.py's chunked online softmax: the first over the cache without the step's keys, plus those
+keys; the second over a cache that holds them, in chunks of mla_decode's block_pages.
 
     python benchmarks/paged_attention.py [--batch 32] [--context 1024] [--tokens 1] [--heads 16]
         [--latent 512] [--rope 64] [--chunk-tokens 64,128,256,512] [--repeats 15]

@@ -50,9 +50,9 @@ NEW="warp_specialized or shared_scores or pingpong"
   python -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1; } > "$OUT/env.txt"
 # tests/conftest.py defaults JAX_PLATFORMS to cpu (8 simulated devices): the native tests need the GPU.
 JAX_PLATFORMS=cuda,cpu step kernel_tests.txt 150 python -m pytest -q -x --durations=10 -k "not ($NEW)" \
-  tests/test_kernels_gpu.py
+  tests/kernels/test_kernels_gpu.py
 JAX_PLATFORMS=cuda,cpu step kernel_tests.txt 90 python -m pytest -q --durations=5 -k "$NEW" \
-  tests/test_kernels_gpu.py
+  tests/kernels/test_kernels_gpu.py
 new_rc=$?
 fp8_kernels=both; mla_kernels=all
 if [ "$new_rc" -eq 124 ]; then fp8_kernels=pipelined; mla_kernels=recompute_scores; fi

@@ -7,7 +7,7 @@
 # interpret-mode tests, run here, check the instructions a GPU runs; cross-lowering and the ptxas report's tests
 # run on 0.11.2 as well. jax 0.11 needs Python >= 3.12, so this builds its own venv (VENV, default .venv-jax011) with
 # PYTHON (default python3.12, else pyenv's 3.12), kernel dependencies only: the kernels need nothing of jaxinfer's.
-# Usage: bash scripts/kernel_tests_jax011.sh [pytest args...]   (default: the kernel test files, 2 workers)
+# Usage: bash scripts/kernel_tests_jax011.sh [pytest args...]   (default: tests/kernels, 2 workers)
 #        bash scripts/kernel_tests_jax011.sh --all [pytest args...]: also installs jaxinfer itself (editable, with
 #        its runtime dependencies and the notebook runner) and runs the whole suite as CI does, except the modules
 #        that need torch: the torch==2.13.0 wheel on this machine is for Python 3.11 only (PyPI's torch for 3.12 is
@@ -38,7 +38,6 @@ export JAXINFER_TEST_CACHE=${JAXINFER_TEST_CACHE:-$PWD/.jax_cache_jax011}
 if [ "$all" -eq 1 ]; then
   set -- -q -n 2 --dist loadfile --continue-on-collection-errors "$@"
 elif [ "$#" -eq 0 ]; then
-  set -- -q -n 2 tests/test_fp8_gemm.py tests/test_mla_decode.py tests/test_mla_schedule.py \
-    tests/test_kernels_ptxas.py tests/test_kernels_gpu.py
+  set -- -q -n 2 tests/kernels
 fi
 PYTHONPATH=. exec "$VENV/bin/python" -m pytest "$@"

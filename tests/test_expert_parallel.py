@@ -17,7 +17,7 @@ from flax import nnx
 import hf_oracle as O
 import jaxinfer
 from jaxinfer.parallel.dispatch import expert_parallel
-from kernels_pallas.quant import per_token_cast_to_fp8
+from kernels_pallas import per_token_cast_to_fp8
 from jaxinfer.parallel.mesh import make_mesh
 
 MESHES = ["1x1", "1x8", "2x4", "4x2", "8x1"]

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from kernels_pallas.quant import dequantize_per_token, per_token_cast_to_fp8
+from kernels_pallas.fp8.quant import dequantize_per_token, per_token_cast_to_fp8
 
 EXPERT_AXIS = "expert"
 BATCH_AXES = ("data", "expert")

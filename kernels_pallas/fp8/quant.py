@@ -1,10 +1,11 @@
 """FP8 (e4m3) casts with fine-grained scales, DeepSeek-V3 / DeepGEMM style.
 
 Activations: one scale per token per 128 channels; weights: one scale per 128x128 block. Scale formula
-from DeepGEMM's tests (tests/test_core.py, per_token_cast_to_fp8 / per_block_cast_to_fp8) and DESIGN.md
-"FP8 compute": s = max(amax, 1e-4) / 448; UE8M0 (DeepGEMM ``ceil_to_ue8m0``, V3.1 ``scale_fmt``):
+from DeepGEMM's tests (tests/test_core.py, per_token_cast_to_fp8 / per_block_cast_to_fp8; docs/architecture.md
+"DeepGEMM FP8 contract"): s = max(amax, 1e-4) / 448; UE8M0 (DeepGEMM ``ceil_to_ue8m0``, V3.1 ``scale_fmt``):
 s = 2 ** ceil(log2 s). Values are clipped to +-448 before the cast because float8_e4m3fn has no inf
 (beyond ~464 the cast gives NaN). Partial last blocks are zero-padded, so padding never raises an amax.
+The inverses (``dequantize_per_token``, ``dequantize_per_block``) are exact in float32: the XLA paths' operands.
 """
 
 from __future__ import annotations
@@ -14,13 +15,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.common import cdiv
+
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = 448.0
 AMAX_EPS = 1e-4
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _scale(amax: jax.Array, ue8m0: bool) -> jax.Array:
@@ -40,7 +39,7 @@ def per_token_cast_to_fp8(x: jax.Array, *, group: int = 128, ue8m0: bool = False
     if x.ndim != 2:
         raise ValueError(f"x must be 2-D [m, k], got shape {x.shape}")
     m, k = x.shape
-    kb = _cdiv(k, group)
+    kb = cdiv(k, group)
     xp = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, kb * group - k)))           # (m, kb*group)
     xg = xp.reshape(m, kb, group)                                                # (m, kb, group)
     s = _scale(jnp.max(jnp.abs(xg), axis=-1), ue8m0)                             # (m, kb)
@@ -54,7 +53,7 @@ def per_block_cast_to_fp8(w: jax.Array, *, block: int = 128, ue8m0: bool = False
     if w.ndim != 2:
         raise ValueError(f"w must be 2-D [n, k], got shape {w.shape}")
     n, k = w.shape
-    nb, kb = _cdiv(n, block), _cdiv(k, block)
+    nb, kb = cdiv(n, block), cdiv(k, block)
     wp = jnp.pad(w.astype(jnp.float32), ((0, nb * block - n), (0, kb * block - k)))
     wg = wp.reshape(nb, block, kb, block)                                        # (nb, bn, kb, bk)
     s = _scale(jnp.max(jnp.abs(wg), axis=(1, 3)), ue8m0)                         # (nb, kb)

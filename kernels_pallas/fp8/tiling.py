@@ -1,4 +1,5 @@
-"""Tile sizes of the FP8 GEMM kernels (fp8_gemm.py, fp8_gemm_ws.py): the defaults and the checks of the knobs.
+"""The static tuning of one FP8 GEMM call (``Tiling``: kernel variant, tile sizes, pipeline depth, multicast): the
+defaults and the checks of the knobs, for both kernels (pipelined.py, warp_specialized.py).
 
 Defaults follow DeepGEMM's heuristic (deep_gemm/jit_kernels/gemm.py ``get_best_configs``, early 2025): among the
 candidate tile widths, the fewest waves of output tiles over the SMs, then the fullest last wave, then (same
@@ -11,7 +12,7 @@ do:
   from its two math warpgroups);
 - every config must keep its accumulators in registers (``check_registers``);
 - the warp-specialized kernel takes the deepest ring that divides the k-steps (at least MIN_CHAINED_STAGES deep)
-  when one fits: its pipelines then chain from one output tile to the next (``chains_tiles``, fp8_gemm_ws.py), so
+  when one fits: its pipelines then chain from one output tile to the next (``chains_tiles``, warp_specialized.py), so
   the producer loads the next tile while the consumers finish this one, as DeepGEMM's TMA warp does. DeepGEMM
   keeps its stage count and pads a tile's last round of stages with empty ones instead; emit_pipeline has no
   empty steps, hence the divisor.
@@ -19,26 +20,24 @@ do:
 Register rule: per k-step a warpgroup holds the wgmma's fresh fp32 accumulator and the promoted fp32 sum, each
 rows x block_n / 128 registers per thread (128 threads). A thread has at most 255 registers (sm90; 232 in the
 warp-specialized consumers, after setmaxnreg); with the addresses, scale vectors and loop state, two accumulators
-must stay within MAX_ACC_REGISTERS. The limit is ptxas's own verdict on our kernels (CUDA 13.0 ptxas -v for sm_90a,
-benchmarks/kernels_ptxas.py --offline, 2026-12-02): 160 accumulator registers compile without spills in both
-kernels (pipelined 64 x 160: 254 registers; warp-specialized 128 x 160), 192 spill in the k-loop in both (pipelined
-64 x 192 and 128 x 96: 284 and 232 bytes; warp-specialized 128 x 192: 228 bytes, 256 x 96: 28 bytes). The 128 x
-128 pipelined tile measured on 2026-11-30 (256 accumulator registers) spilled 112 bytes per thread. DeepGEMM's
-BLOCK_M = 128 likewise splits the rows over two math warpgroups (64 each).
+must stay within MAX_ACC_REGISTERS. The limit is ptxas's own verdict on these kernels (ptxas -v for sm_90a,
+benchmarks/kernels_ptxas.py --offline; figures in docs/benchmarks.md): 160 accumulator registers compile without
+spills in both kernels, 192 spill in the k-loop in both. DeepGEMM's BLOCK_M = 128 likewise splits the rows over two
+math warpgroups (64 each).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from kernels_pallas.common import SMEM_BYTES, cdiv
+
 BLOCK_K = 128             # one scale per 128 channels (DeepGEMM): a k-step is one scale block
 NUM_CONSUMERS = 2         # warp-specialized kernel: DeepGEMM get_num_math_warpgroups(BLOCK_M = 128) = 2
 MAX_ACC_REGISTERS = 160   # two fp32 accumulator tiles per thread; 192 spill (ptxas, module docstring)
-SMEM_BYTES = 227 * 1024   # H100/H200 dynamic shared memory per CTA (CUDA: 227 KB opt-in); DeepGEMM sizes stages to it
 SMEM_SLACK = 2048         # barriers and allocation alignment
 # Default widths: divisors of 128 and no wider, so no tile straddles two 128-column scale blocks. Explicit block_n 96
-# and 160 are valid: a straddling tile promotes 32 columns at a time with one B scale each (fp8_gemm_ws.promote),
-# without spills since 2026-12-02 (before, a per-element select spilled: 41 reloads per k-step at 128 x 160).
+# and 160 are valid: a straddling tile promotes 32 columns at a time with one B scale each (pallas_common.promote).
 # DeepGEMM's wave rule would take 160 at n = 7168 (45 column tiles: 11 waves of 132 against 14 at 128), but 160
 # divides none of the goal shapes' n, so our wrappers would copy B per call; the GPU check's tiling sweep
 # (128x160x4) says whether the fewer waves pay for it. At 64 rows, wider pipelined tiles would leave one CTA per SM;
@@ -49,25 +48,23 @@ PIPELINED_MAX_STAGES = 6
 WS_STAGES = (8, 7, 6, 5, 4, 3, 2)                 # DeepGEMM's candidates (8 .. 3), deepest that fits first
 MIN_CHAINED_STAGES = 3    # a shallower chained ring is not worth the depth it gives up (a judgement, unmeasured)
 KERNELS = ("pipelined", "warp_specialized")
-# B's block scales per k-step copy (fp8_gemm_ws.py load_scales): 32 floats = 128 bytes, from a multiple of 16, so the
+# B's block scales per k-step copy (pallas_common.load_scales): 32 floats = 128 bytes, from a multiple of 16, so the
 # window holds the one or two 128-column blocks a tile spans. Mosaic GPU (Lane semantics) splits a copy's bytes over
 # the 128 threads of a warpgroup; 64-byte copies did not lower (hence also block_n % 32 == 0).
 SCALE_WINDOW = 32
 SCALE_WINDOW_ALIGN = 16
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 @dataclasses.dataclass(frozen=True)
 class Tiling:
-    """Static tiling of one FP8 GEMM call: CTA rows and columns, TMA pipeline depth."""
+    """The static tuning of one FP8 GEMM call: CTA rows and columns, TMA pipeline depth, multicast and the kernel
+    variant (``KERNELS``)."""
 
     block_m: int
     block_n: int
     stages: int
     multicast: int = 1     # warp_specialized: 2 = CTA pairs (a cluster) share each A tile by TMA multicast
+    kernel: str = "pipelined"
 
     def stage_bytes(self) -> int:
         """Bytes one k-step's copies bring into SMEM (one ring slot): the e4m3 A and B tiles, the f32 A-row scales
@@ -100,8 +97,10 @@ def check_registers(kernel: str, block_m: int, block_n: int):
                          f"spilling in these kernels): use block_n <= {limit} at block_m={block_m}")
 
 
-def check_knobs(kernel: str, t: Tiling, out_itemsize: int) -> Tiling:
+def check_knobs(t: Tiling, out_itemsize: int) -> Tiling:
     """Raise ValueError naming the bad knob; returns the tiling."""
+    kernel = t.kernel
+    check_kernel(kernel)
     if kernel == "warp_specialized":
         if t.block_m not in (128, 256):
             raise ValueError(f"block_m must be 128 or 256 for kernel='warp_specialized' (two consumer warpgroups "
@@ -131,8 +130,8 @@ def pick_block_n(row_tiles: int, n: int, slots: int, candidates) -> int:
     exact = [bn for bn in candidates if n % bn == 0]
 
     def cost(bn):
-        tiles = row_tiles * _cdiv(n, bn)
-        waves = _cdiv(tiles, slots)
+        tiles = row_tiles * cdiv(n, bn)
+        waves = cdiv(tiles, slots)
         return waves, -(tiles - (waves - 1) * slots), bn
 
     return min(exact or candidates, key=cost)
@@ -172,8 +171,8 @@ def resolve(kernel: str, block_m, block_n, block_k: int, stages, *, rows: int, n
     if block_n is None:   # widths whose accumulators fit, and (multicast) that pair up the column tiles
         candidates = [bn for bn in (WS_BLOCK_NS if ws else PIPELINED_BLOCK_NS)
                       if accumulator_registers(rows_per_warpgroup(kernel, block_m), bn) <= MAX_ACC_REGISTERS
-                      and _cdiv(n, bn) % multicast == 0]
-        block_n = pick_block_n(_cdiv(rows, block_m), n, num_sms, candidates or [32])
+                      and cdiv(n, bn) % multicast == 0]
+        block_n = pick_block_n(cdiv(rows, block_m), n, num_sms, candidates or [32])
     if stages is None:
         t = Tiling(block_m, block_n, 1)
         if ws:
@@ -183,8 +182,8 @@ def resolve(kernel: str, block_m, block_n, block_k: int, stages, *, rows: int, n
             stages = (chained or fits or [1])[0]
         else:
             stages = _pipelined_stages(t, out_itemsize)
-    t = check_knobs(kernel, Tiling(block_m, block_n, stages, multicast), out_itemsize)
-    if multicast == 2 and _cdiv(n, block_n) % 2:
-        raise ValueError(f"multicast=2 pairs column tiles: n={n} with block_n={block_n} gives {_cdiv(n, block_n)} "
+    t = check_knobs(Tiling(block_m, block_n, stages, multicast, kernel), out_itemsize)
+    if multicast == 2 and cdiv(n, block_n) % 2:
+        raise ValueError(f"multicast=2 pairs column tiles: n={n} with block_n={block_n} gives {cdiv(n, block_n)} "
                          f"tiles, an odd number (DeepGEMM's is_tma_multicast_legal): pick another block_n")
     return t

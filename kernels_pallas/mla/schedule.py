@@ -21,22 +21,22 @@ not one per SM), so the same balance comes from the work items' sizes and their 
   "Bounds on multiprocessing timing anomalies"); rows stay sequence-major, so each sequence's items are adjacent
   rows and ``combine`` merges them with sorted segment reductions.
 
-Arrays (letters as in mla_decode.py; N work items): ``items`` [4, N] int32, column j = the j-th program launched:
+Arrays (letters as in common.py; N work items): ``items`` [4, N] int32, column j = the j-th program launched:
 (sequence, first page, pages, output row); ``row_seq`` [N] int32, the sequence of each output row (sorted).
 """
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from kernels_pallas._mosaic import HOPPER_SMS
+from kernels_pallas.common import cdiv
+from kernels_pallas.mla.common import LOG2E
 
 OVERHEAD_PAGES = 5  # a split's fixed cost in pages (FlashMLA csrc/kernels/config.h FIXED_OVERHEAD_NUM_BLOCKS)
-LOG2E = math.log2(math.e)  # the kernels' scores and lse are in log2 units (exp2 is the fast path)
 
 
 class Schedule(NamedTuple):
@@ -46,14 +46,10 @@ class Schedule(NamedTuple):
     row_seq: jax.Array
 
 
-def _cdiv(a, b):
-    return (a + b - 1) // b
-
-
 def _ranges(pages, seq, k, n):
     """Page range [start, start + count) of item k of n of sequence ``seq``: equal ranges of cdiv(p, n) pages."""
     p = pages[seq]
-    per = _cdiv(p, n)
+    per = cdiv(p, n)
     start = jnp.minimum(k * per, p)
     return start, jnp.minimum(start + per, p) - start
 
@@ -82,9 +78,9 @@ def balanced_schedule(cache_seqlens, *, page_size: int, programs_per_item: int, 
     n_rows = slots + b  # sum_i max(1, cdiv(p_i, chunk)) <= sum_i (p_i / chunk + 1) <= slots + b
     if max_pages is not None:  # and n_i <= max(1, p_i) <= max(1, P): small batches of short sequences
         n_rows = min(n_rows, b * max(1, max_pages))
-    pages = _cdiv(cache_seqlens.astype(jnp.int32), page_size)  # [B]
-    chunk = jnp.maximum(1, _cdiv(jnp.sum(pages) + OVERHEAD_PAGES * b, slots))
-    n = jnp.maximum(1, _cdiv(pages, chunk))  # [B] items per sequence
+    pages = cdiv(cache_seqlens.astype(jnp.int32), page_size)  # [B]
+    chunk = jnp.maximum(1, cdiv(jnp.sum(pages) + OVERHEAD_PAGES * b, slots))
+    n = jnp.maximum(1, cdiv(pages, chunk))  # [B] items per sequence
     ends = jnp.cumsum(n)  # [B] one past each sequence's last row
     rows = jnp.arange(n_rows, dtype=jnp.int32)
     seq = jnp.minimum(jnp.searchsorted(ends, rows, side="right"), b - 1).astype(jnp.int32)  # [N]
@@ -97,7 +93,7 @@ def balanced_schedule(cache_seqlens, *, page_size: int, programs_per_item: int, 
 def even_schedule(cache_seqlens, *, page_size: int, num_splits: int) -> Schedule:
     """Every sequence cut into ``num_splits`` equal page ranges (rows i * num_splits .. + num_splits - 1)."""
     b = cache_seqlens.shape[0]
-    pages = _cdiv(cache_seqlens.astype(jnp.int32), page_size)  # [B]
+    pages = cdiv(cache_seqlens.astype(jnp.int32), page_size)  # [B]
     rows = jnp.arange(b * num_splits, dtype=jnp.int32)
     seq, k = rows // num_splits, rows % num_splits
     start, count = _ranges(pages, seq, k, num_splits)

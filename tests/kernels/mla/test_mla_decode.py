@@ -1,6 +1,6 @@
-"""MLA decode (kernels_pallas.mla_decode): reference vs independent numpy math, XLA path vs reference, both Mosaic GPU
-kernel variants (kernel="recompute_scores" | "shared_scores") in GPU interpret mode vs reference, cross-lowering of
-the shipped kernel configurations, bad input and knobs.
+"""MLA decode (kernels_pallas.mla): reference vs independent numpy math, XLA path vs reference, every Mosaic GPU
+kernel variant (kernel="recompute_scores" | "shared_scores" | "pingpong") in GPU interpret mode vs reference,
+cross-lowering of the shipped kernel configurations, bad input and knobs.
 
 Metric: FlashMLA's cal_diff(x, y) = 1 - 2 sum(x y) / sum(x^2 + y^2) (tests/test_flash_mla.py), < 1e-5 for out and
 lse against fp32 math.
@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from kernels_pallas import _mosaic, mla_decode, mla_decode_reference
-from kernels_pallas.mla_decode import KERNELS, _pallas_unsupported, choose_implementation
+from kernels_pallas.common import choose_implementation
+from kernels_pallas.mla import KERNELS
+from kernels_pallas.mla.pallas import pallas_unsupported
 
 PAGE = 64
 # A kernel whose barriers deadlock hangs GPU interpret mode (and the worker's later interpret calls); the thread
@@ -110,7 +112,7 @@ def test_default_implementation_on_cpu_is_xla():
 # both kernel variants. block_dv=64 with dv=128 runs the two-compute-warpgroup structure of V3 (d=576, dv=512,
 # block_dv=256); block_dv=128 runs one compute warpgroup (shared_scores then has no P hand-off).
 # The balanced schedule (num_splits=None) with num_sms=6 keeps the grid small (6 + B items): the lengths (300, 1, 70)
-# are 5, 1 and 2 pages, so items hold at most cdiv(8 + 5 * 3, 6) = 4 pages (mla_schedule.py): the first sequence
+# are 5, 1 and 2 pages, so items hold at most cdiv(8 + 5 * 3, 6) = 4 pages (schedule.py): the first sequence
 # spans 2 items (3 + 2 pages), launched first, and 5 items are empty.
 PALLAS_CASES = [
     # >1 item per sequence, partial last pages, a length of 1, empty items, 2 compute WGs
@@ -135,7 +137,7 @@ def test_pallas_interpret_matches_reference(seqlens, s_q, h_q, causal, num_split
 # DeepSeek-V3's configuration as the entry ships it (d = 576, dv = 512, default block_dv = 256: two compute warpgroups
 # whose V zeroing runs over 4 x 64 columns each, 2-stage ring of full pages), against float64 math: FlashMLA's MTP
 # step (s_q = 2, causal) with h_q = 32 (one 64-row block) on a varlen batch under the balanced schedule with 6 SMs:
-# 5 + 1 + 2 pages in items of at most cdiv(8 + 5 * 3, 6) = 4 (mla_schedule.py), so sequence 0 spans two items, and
+# 5 + 1 + 2 pages in items of at most cdiv(8 + 5 * 3, 6) = 4 (schedule.py), so sequence 0 spans two items, and
 # 5 of the 9 items are empty; a length of 2 and partial pages. ~10 s per call in jax 0.10.2's interpreter, ~1.5 s
 # in 0.11.2's (which runs the score wgmma itself).
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -148,32 +150,38 @@ def test_pallas_interpret_v3_configuration(kernel):
 
 
 @INTERPRET_TIMEOUT
-def test_kernel_probes_interpret():
-    """The recompute_scores kernel's benchmark probes (``_decode_kernel`` probe=, benchmarks/kernels_mla.py
-    --breakdown). "compute" runs every step on the ring's first fill: it must equal attention over a block table
-    whose page t is the item's page t % num_stages (float64 numpy). "stream" visits every page of every item (no
-    barrier left waiting) and computes nothing: each item's rows come out 0 with lse -inf."""
-    from kernels_pallas.mla_decode import _pack_rows, _recompute_scores_pallas, _unpack_rows
-    from kernels_pallas.mla_schedule import combine, even_schedule
+def test_kernel_probes_interpret(benchmark_script):
+    """The recompute_scores kernel's benchmark probes (benchmarks/kernels_mla.py ``PROBES``, --breakdown: hooks that
+    replace the kernel's page ring or its page step). "compute" runs every step on the ring's first fill: it must
+    equal attention over a block table whose page t is the item's page t % num_stages (float64 numpy). "stream"
+    visits every page of every item (no barrier left waiting) and computes nothing: each item's rows come out 0
+    with lse -inf."""
+    from kernels_pallas.mla.common import from_rows
+    from kernels_pallas.mla.pallas import pack_rows
+    from kernels_pallas.mla.recompute_scores import recompute_scores_pallas
+    from kernels_pallas.mla.schedule import combine, even_schedule
 
+    km = benchmark_script("kernels_mla")
     seqlens, h_q, d, dv, stages = (300, 70), 16, 128, 128, 2          # 5 and 2 pages, both last ones partial
     (qj, kvj, tablej, lensj), (q, kv, table) = make_case(11, seqlens, 1, h_q, d)
     sched = even_schedule(lensj, page_size=PAGE, num_splits=1)           # one item per sequence
-    q_rows = _pack_rows(qj, 1, kvj.dtype)
+    q_rows = pack_rows(qj, 1, kvj.dtype)
     kw = dict(s_q=1, m=h_q, head_dim_v=dv, scale=d ** -0.5, causal=False, block_dv=64, num_stages=stages,
               interpret=_mosaic.interpret_params())
-    o_part, lse_part = _recompute_scores_pallas(q_rows, kvj, lensj, sched.items, tablej, probe="compute", **kw)
-    out, lse = _unpack_rows(*combine(o_part, lse_part, sched.row_seq, batch=len(seqlens), rows=h_q), 1)
+    o_part, lse_part = recompute_scores_pallas(q_rows, kvj, lensj, sched.items, tablej, **km.probe_hooks("compute"),
+                                               **kw)
+    out, lse = from_rows(*combine(o_part, lse_part, sched.row_seq, batch=len(seqlens), rows=h_q), 1)
     reused = table.copy()
     for i, s in enumerate(seqlens):
         reused[i, : -(-s // PAGE)] = table[i, np.arange(-(-s // PAGE)) % stages]
     check(out.astype(jnp.bfloat16), lse, *numpy_mla(q, kv, reused, seqlens, dv, False), (len(seqlens), 1, h_q, dv))
 
-    o_part, lse_part = _recompute_scores_pallas(q_rows, kvj, lensj, sched.items, tablej, probe="stream", **kw)
+    o_part, lse_part = recompute_scores_pallas(q_rows, kvj, lensj, sched.items, tablej, **km.probe_hooks("stream"),
+                                               **kw)
     np.testing.assert_array_equal(np.asarray(o_part)[:, :, :h_q], 0.0)
     assert np.isneginf(np.asarray(lse_part)[:, :, :h_q]).all()
     with pytest.raises(ValueError, match="probe must be"):
-        _recompute_scores_pallas(q_rows, kvj, lensj, sched.items, tablej, probe="memory", **kw)
+        km.probe_hooks("memory")
 
 
 def test_benchmark_breakdown_lines(benchmark_script):
@@ -239,7 +247,7 @@ def test_shipped_configs_lower_to_mosaic_gpu(s_q, h_q, causal, num_splits, dtype
 
 # The CUDA launch Mosaic GPU builds (read from the kernel module before serialization): the row blocks that read
 # the same pages are blockIdx.x, launched fastest (Pallas reverses the grid onto CUDA's), the work items blockIdx.y;
-# 2 compute + 1 producer warpgroups; and the shared memory our _smem_bytes accounting (and the docs) state for V3:
+# 2 compute + 1 producer warpgroups; and the shared memory our smem_bytes accounting (and the docs) state for V3:
 # q [64, 576] bf16 73728 + ring 2 x [64, 576] bf16 147456, 8 bytes per mbarrier, then recompute_scores: the default
 # reduction scratch 2048 + 6 barriers; shared_scores: P [64, 64] bf16 8192 + alpha and l (1024 each, aligned) +
 # 8 barriers, no reduction scratch.
@@ -300,9 +308,9 @@ def test_bad_pallas_knobs_raise():
 def test_float32_cache_decodes_with_xla_on_gpu_and_pallas_refuses_it():
     """The kernels take 16-bit caches (wgmma operands): on a GPU implementation=None falls back to the XLA path for
     float32 (a float32 model still decodes); an explicit implementation='pallas' says why it cannot."""
-    reason = _pallas_unsupported(576, 512, PAGE, jnp.float32, 256)
+    reason = pallas_unsupported(576, 512, PAGE, jnp.float32, 256)
     assert "bfloat16 or float16 cache" in reason and "float32" in reason
-    assert _pallas_unsupported(576, 512, PAGE, jnp.bfloat16, 256) is None
+    assert pallas_unsupported(576, 512, PAGE, jnp.bfloat16, 256) is None
     assert choose_implementation(None, gpu=True, unsupported=reason) == "xla"
     assert choose_implementation(None, gpu=True, unsupported=None) == "pallas"
     assert choose_implementation(None, gpu=False, unsupported=None) == "xla"

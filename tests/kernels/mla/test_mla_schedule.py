@@ -1,7 +1,7 @@
-"""MLA decode work items (kernels_pallas.mla_schedule): the schedules' invariants over random batches (hypothesis),
+"""MLA decode work items (kernels_pallas.mla.schedule): the schedules' invariants over random batches (hypothesis),
 and the split combine against independent float64 attention over the whole sequence.
 
-The kernels that read these schedules are checked against mla_decode_reference in tests/test_mla_decode.py (GPU
+The kernels that read these schedules are checked against mla_decode_reference in test_mla_decode.py (GPU
 interpret mode, num_splits=None with a small num_sms so a sequence spans several items).
 """
 
@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels_pallas import mla_schedule
-from kernels_pallas.mla_schedule import OVERHEAD_PAGES, num_slots
+from kernels_pallas.mla import schedule as mla_schedule
+from kernels_pallas.mla.schedule import OVERHEAD_PAGES, num_slots
 
 PAGE = 64
 # jitted once per batch size (as inside mla_decode), so the examples do not re-trace every op eagerly

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-_PATH = pathlib.Path(__file__).parent.parent / "benchmarks" / "kernels_ptxas.py"
+_PATH = pathlib.Path(__file__).parents[2] / "benchmarks" / "kernels_ptxas.py"
 _spec = importlib.util.spec_from_file_location("kernels_ptxas", _PATH)
 kp = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = kp   # dataclasses look their module up there

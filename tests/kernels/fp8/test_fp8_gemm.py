@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kernels_pallas import _mosaic, fp8_tiling
-from kernels_pallas.fp8_gemm import KERNELS, fp8_gemm, fp8_gemm_reference
-from kernels_pallas.fp8_grouped_gemm import (fp8_grouped_gemm_contiguous, fp8_grouped_gemm_contiguous_reference,
-                                             fp8_grouped_gemm_masked, fp8_grouped_gemm_masked_reference)
-from kernels_pallas.quant import per_block_cast_to_fp8, per_token_cast_to_fp8
+from kernels_pallas import _mosaic
+from kernels_pallas.fp8 import (KERNELS, fp8_gemm, fp8_gemm_reference, fp8_grouped_gemm_contiguous,
+                                fp8_grouped_gemm_contiguous_reference, fp8_grouped_gemm_masked,
+                                fp8_grouped_gemm_masked_reference, per_block_cast_to_fp8, per_token_cast_to_fp8)
+from kernels_pallas.fp8 import tiling as fp8_tiling
 
 F32 = jnp.float32
 NATIVE_INTERPRETER = jax.__version_info__ >= (0, 11, 2)   # runs wgmma, layout loads, cluster barriers (_mosaic.py)
@@ -419,25 +419,25 @@ def test_grouped_masked_pallas_interpret(kernel):
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @INTERPRET_TIMEOUT
-def test_benchmark_probes_interpret(kernel):
-    """The benchmark probes (fp8_gemm_ws.py ``PROBES``, benchmarks/kernels_fp8.py --breakdown), both kernels: "mma"
-    is the product without scales, sum over k of A B^T in fp32 (against float64 numpy of the fp8 values);
-    "stream" computes nothing and writes zeros. 4 k-steps over a 2-deep ring,
+def test_benchmark_probes_interpret(kernel, benchmark_script):
+    """The benchmark probes (benchmarks/kernels_fp8.py ``PROBES``, --breakdown: the kernels' accumulation hook
+    replaced), both kernels: "mma" is the product without scales, sum over k of A B^T in fp32 (against float64
+    numpy of the fp8 values); "stream" computes nothing and writes zeros. 4 k-steps over a 2-deep ring,
     3 x 2 output tiles (the warp-specialized kernel's 2 CTAs each run several, their pipelines chained, as the
     headline shape's default tiling runs)."""
-    from kernels_pallas.fp8_gemm import dense_pallas, resolve_tiling
+    from kernels_pallas.fp8.pallas import dense_pallas, resolve_tiling
 
+    km = benchmark_script("kernels_fp8")
     m, n, k = 3 * _rows(kernel, 64) - 5, 2 * 64 - 3, 4 * 128 - 7
     assert fp8_tiling.chains_tiles(4, 2)
     _, _, a, a_s, b, b_s = make_dense(m, n, k, seed=9)
     tiling = resolve_tiling(kernel, _rows(kernel, 64), 64, 128, 2, rows=m, n=n, k=k, out_dtype=F32, interpret=True)
-    run = functools.partial(dense_pallas, a, a_s, b, b_s, kernel=kernel, tiling=tiling, out_dtype=F32,
-                            interpret=True)
+    run = functools.partial(dense_pallas, a, a_s, b, b_s, tiling=tiling, out_dtype=F32, interpret=True)
     exact = np.asarray(a.astype(F32), np.float64) @ np.asarray(b.astype(F32), np.float64).T          # (m, n)
-    assert rel_err(run(probe="mma"), exact) < 1e-5
-    np.testing.assert_array_equal(np.asarray(run(probe="stream")), 0.0)
+    assert rel_err(run(accumulation=km.probe_accumulation("mma")), exact) < 1e-5
+    np.testing.assert_array_equal(np.asarray(run(accumulation=km.probe_accumulation("stream"))), 0.0)
     with pytest.raises(ValueError, match="probe must be None or one of"):
-        run(probe="promote")
+        km.probe_accumulation("promote")
 
 
 @INTERPRET_TIMEOUT
@@ -566,10 +566,12 @@ def test_straddling_tilings_lower_for_cuda(kernel, block_m, block_n):
 
 @pytest.mark.parametrize("probe", ["mma", "stream"])
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_benchmark_probes_lower_for_cuda(kernel, probe):
+def test_benchmark_probes_lower_for_cuda(kernel, probe, benchmark_script):
     """The probes the GPU run's --breakdown times, in the headline shape's default tiling (m=4096 n=7168 k=16384),
     lower for cuda to one Mosaic GPU kernel (so an XLA fallback or a kernel that cannot compile fails here)."""
-    from kernels_pallas.fp8_gemm import dense_pallas, resolve_tiling
+    from kernels_pallas.fp8.pallas import dense_pallas, resolve_tiling
+
+    km = benchmark_script("kernels_fp8")
 
     m, n, k = 4096, 7168, 16384
     S = jax.ShapeDtypeStruct
@@ -577,8 +579,8 @@ def test_benchmark_probes_lower_for_cuda(kernel, probe):
             S((n // 128, k // 128), F32))
     tiling = resolve_tiling(kernel, None, None, 128, None, rows=m, n=n, k=k, out_dtype=jnp.bfloat16,
                             interpret=False)
-    text = _mosaic.lower_for_cuda(dense_pallas, *args, kernel=kernel, tiling=tiling, out_dtype=jnp.bfloat16,
-                                  interpret=False, probe=probe)
+    text = _mosaic.lower_for_cuda(dense_pallas, *args, tiling=tiling, out_dtype=jnp.bfloat16, interpret=False,
+                                  accumulation=km.probe_accumulation(probe))
     assert _mosaic.has_mosaic_gpu_call(text)
 
 

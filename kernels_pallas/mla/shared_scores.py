@@ -5,7 +5,7 @@ two warpgroups, kBlockM = kBlockN = 64) computes S = Q K^T only in warpgroup 0, 
 writes P (bf16) to ``sP`` and the per-row rescale factor to ``sScale_o`` and signals ``NamedBarriers::SReady``;
 warpgroup 1 waits, rescales its accumulator and both do O += P V for their half of the 512 V columns; at the end
 warpgroup 0 hands over the row sums (``sRow_sum``, ``SoftmaxReady``). This kernel does the same on the grid, the
-producer warpgroup and the SMEM page ring of mla_decode.py's ``_decode_kernel`` (whose pieces it reuses):
+producer warpgroup and the SMEM page ring of recompute_scores.py's ``decode_kernel`` (pallas_common.py):
 
 - warpgroup 0, the scorer (``_score_wg``), per page: S = Q K^T (one wgmma), on the sequence's partial last page
   zero the V rows past seqlen for all V columns, mask, online softmax; P -> ``p_smem`` [64, S] (cache dtype, the
@@ -20,7 +20,7 @@ Barriers (every barrier is waited on by each of its waiters once per phase, so p
 - ``p_free`` (num_wg - 1 arrivals, once per page): that warpgroup's P V wgmma of the page completed, so P and alpha
   may be overwritten. The scorer waits before writing the next page's P (pages 1..n-1) and once after the loop.
 - ``l_bar`` (1 arrival: the scorer, after the loop): l is in ``l_smem``; each other compute warpgroup waits once.
-- q_bar, k_bars, consumed_bars as in ``_decode_kernel`` (consumed_bars: num_wg arrivals per page; every compute
+- q_bar, k_bars, consumed_bars as in ``decode_kernel`` (consumed_bars: num_wg arrivals per page; every compute
   warpgroup waits on k_bars, the scorer alone on q_bar).
 With num_wg == 1 none of the sharing state is allocated: the scorer is the only compute warpgroup. GPU interpret
 mode raises at the end of a kernel whose waiter missed a phase ("did not observe all phases").
@@ -47,10 +47,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas import _mosaic
-from kernels_pallas.mla_decode import (_BLOCK_M, _accumulate_pv, _check_smem, _compute_registers, _init_carry,
-                                       _launch, _online_softmax, _produce, _program, _rescale, _ring_scratch,
-                                       _scores, _score_mask, _smem_bytes, _store_lse, _store_out, _tiled,
-                                       _wait_page, _wait_q, _zero_rows_past)
+from kernels_pallas.mla.pallas_common import (BLOCK_M, accumulate_pv, check_smem, compute_registers, init_carry,
+                                              launch, online_softmax, produce, program, rescale, ring_scratch,
+                                              score_mask, scores, smem_bytes, store_lse, store_out, tiled, wait_page,
+                                              wait_q, zero_rows_past)
 
 # The only reductions here (row max and row sum of a WGMMA-layout [64, S] tile) stay inside each warp, so they need
 # no reduction scratch; the default 2048 bytes would push the V3 configuration (d = 576, num_stages = 2) past 227 KB.
@@ -76,22 +76,22 @@ def _score_wg(prog, refs, sharing, *, ps, s_q, m, dv, block_dv, num_wg, num_stag
     """Compute warpgroup 0: scores, softmax and the P hand-off (module docstring); its own columns [0, block_dv)."""
     q_smem, k_smem, q_bar, k_bars, consumed_bars, o_ref, lse_ref = refs
     vcols = pl.ds(0, block_dv)
-    _wait_q(prog, q_bar)
-    cols, limit = _score_mask(prog, ps, s_q, m, causal)
+    wait_q(prog, q_bar)
+    cols, limit = score_mask(prog, ps, s_q, m, causal)
 
     def step(t, carry):
         acc, m_i, l_i = carry
-        slot, page_start, k_page = _wait_page(prog, k_smem, k_bars, t, num_stages, ps)
-        s = _scores(q_smem, k_page, interpret)  # [64, S] f32; the QK wgmma has completed
+        slot, page_start, k_page = wait_page(prog, k_smem, k_bars, t, num_stages, ps)
+        s = scores(q_smem, k_page, interpret)  # [64, S] f32; the QK wgmma has completed
 
         @pl.when(prog.seqlen - page_start < ps)  # the sequence's last, partial page: zero V rows past seqlen
         def _():  # all V columns: the other warpgroups read them only after p_full
             for c in range(0, dv, 64):
-                _zero_rows_past(k_page.at[:, pl.ds(c, 64)], prog.seqlen - page_start)
+                zero_rows_past(k_page.at[:, pl.ds(c, 64)], prog.seqlen - page_start)
             plgpu.commit_smem()  # order the stores before the tensor cores read them
 
-        p, alpha, m_new, l_i = _online_softmax(s, cols + page_start < limit, m_i, l_i, scale)
-        acc = _rescale(acc, alpha)
+        p, alpha, m_new, l_i = online_softmax(s, cols + page_start < limit, m_i, l_i, scale)
+        acc = rescale(acc, alpha)
         p16 = p.astype(k_smem.dtype)  # [64, S]
         if num_wg > 1:
             p_smem, alpha_smem, _, p_full, p_free, _ = sharing
@@ -104,11 +104,11 @@ def _score_wg(prog, refs, sharing, *, ps, s_q, m, dv, block_dv, num_wg, num_stag
             alpha_smem[...] = alpha
             plgpu.commit_smem()  # P is read by the other warpgroups' wgmmas
             plgpu.barrier_arrive(p_full)
-        acc = _accumulate_pv(acc, p16, k_page.at[:, vcols], interpret)
+        acc = accumulate_pv(acc, p16, k_page.at[:, vcols], interpret)
         plgpu.barrier_arrive(consumed_bars.at[slot])
         return acc, m_new, l_i
 
-    acc, m_i, l_i = lax.fori_loop(0, prog.n_steps, step, _init_carry(block_dv))
+    acc, m_i, l_i = lax.fori_loop(0, prog.n_steps, step, init_carry(block_dv))
     if num_wg > 1:
         _, _, l_smem, _, p_free, l_bar = sharing
 
@@ -118,8 +118,8 @@ def _score_wg(prog, refs, sharing, *, ps, s_q, m, dv, block_dv, num_wg, num_stag
 
         l_smem[...] = l_i
         plgpu.barrier_arrive(l_bar)
-    _store_out(o_ref, prog, vcols, acc, l_i)
-    _store_lse(lse_ref, prog, m_i, l_i)
+    store_out(o_ref, prog, vcols, acc, l_i)
+    store_lse(lse_ref, prog, m_i, l_i)
 
 
 def _pv_wg(w, prog, refs, sharing, *, block_dv, num_stages, interpret):
@@ -132,36 +132,36 @@ def _pv_wg(w, prog, refs, sharing, *, block_dv, num_stages, interpret):
         slot = lax.rem(t, num_stages)
         plgpu.barrier_wait(k_bars.at[slot])  # the page landed (already seen by the scorer)
         plgpu.barrier_wait(p_full)  # P, alpha and the zeroed V rows of this page are in SMEM
-        acc = _rescale(acc, _load_rows(alpha_smem, interpret))
+        acc = rescale(acc, _load_rows(alpha_smem, interpret))
         acc = _accumulate_pv_smem(acc, p_smem, k_smem.at[slot, :, vcols], interpret)  # wgmma completed
         plgpu.barrier_arrive(p_free)
         plgpu.barrier_arrive(consumed_bars.at[slot])
         return acc
 
-    acc, _, _ = _init_carry(block_dv)
+    acc, _, _ = init_carry(block_dv)
     acc = lax.fori_loop(0, prog.n_steps, step, acc)
     plgpu.barrier_wait(l_bar)
-    _store_out(o_ref, prog, vcols, acc, _load_rows(l_smem, interpret))
+    store_out(o_ref, prog, vcols, acc, _load_rows(l_smem, interpret))
 
 
 def _shared_kernel(seqlens_ref, items_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref, q_smem, k_smem, q_bar,
                    k_bars, consumed_bars, sharing, *, s_q, m, block_dv, num_wg, num_stages, scale, causal,
                    interpret):
     """One program = one (64-row block of one kv head's R = Q * M query rows, work item), as
-    ``_decode_kernel``: warpgroup 0 scores (``_score_wg``), 1..num_wg-1 accumulate (``_pv_wg``), num_wg produces.
+    ``decode_kernel``: warpgroup 0 scores (``_score_wg``), 1..num_wg-1 accumulate (``_pv_wg``), num_wg produces.
 
-    Refs as ``_decode_kernel``; sharing = (p_smem [64, S], alpha_smem [64] f32, l_smem [64] f32, p_full, p_free,
+    Refs as ``decode_kernel``'s; sharing = (p_smem [64, S], alpha_smem [64] f32, l_smem [64] f32, p_full, p_free,
     l_bar) when num_wg > 1, else ().
     """
     wg = lax.axis_index("wg")
     ps = kv_ref.shape[1]
-    prog = _program(seqlens_ref, items_ref, q_ref)
-    compute_regs = _compute_registers(num_wg)
+    prog = program(seqlens_ref, items_ref, q_ref)
+    compute_regs = compute_registers(num_wg)
     refs = (q_smem, k_smem, q_bar, k_bars, consumed_bars, o_ref, lse_ref)
 
     @pl.when(wg == num_wg)
     def _producer():
-        _produce(prog, table_ref, q_ref, kv_ref, q_smem, k_smem, q_bar, k_bars, consumed_bars, num_stages)
+        produce(prog, table_ref, q_ref, kv_ref, q_smem, k_smem, q_bar, k_bars, consumed_bars, num_stages)
 
     @pl.when(wg == 0)
     def _scorer():
@@ -179,18 +179,18 @@ def _shared_kernel(seqlens_ref, items_ref, table_ref, q_ref, kv_ref, o_ref, lse_
 
 def shared_scores_pallas(q_rows, kv_cache, seqlens, items, table, *, s_q, m, head_dim_v, scale, causal, block_dv,
                          num_stages, interpret):
-    """``plgpu.kernel`` wrapper of ``_shared_kernel``, same operands and results as mla_decode.py's
-    ``_recompute_scores_pallas``: q_rows [B, G, R_pad, D], items [4, N] -> (o_part [N, G, R_pad, V] f32, lse_part
+    """``plgpu.kernel`` wrapper of ``_shared_kernel``, same operands and results as recompute_scores.py's
+    ``recompute_scores_pallas``: q_rows [B, G, R_pad, D], items [4, N] -> (o_part [N, G, R_pad, V] f32, lse_part
     [N, G, R_pad] f32 log2). Raises ValueError naming num_stages if the SMEM does not fit in 227 KB."""
     ps, dt = kv_cache.shape[1], kv_cache.dtype
     num_wg = head_dim_v // block_dv
-    buffers, barriers = _ring_scratch(q_rows, kv_cache, num_stages, num_wg)
+    buffers, barriers = ring_scratch(q_rows, kv_cache, num_stages, num_wg)
     sharing, shared_buffers, n_barriers = (), (), 1 + 2 * num_stages  # q_bar, k_bars and consumed_bars per slot
     if num_wg > 1:
         shared_buffers = (
-            plgpu.SMEM((_BLOCK_M, ps), dt, transforms=_tiled()),  # p_smem: P of the page (wgmma A operand)
-            plgpu.SMEM((_BLOCK_M,), jnp.float32),  # alpha_smem: the page's per-row rescale factor
-            plgpu.SMEM((_BLOCK_M,), jnp.float32),  # l_smem: the final row sums
+            plgpu.SMEM((BLOCK_M, ps), dt, transforms=tiled()),  # p_smem: P of the page (wgmma A operand)
+            plgpu.SMEM((BLOCK_M,), jnp.float32),  # alpha_smem: the page's per-row rescale factor
+            plgpu.SMEM((BLOCK_M,), jnp.float32),  # l_smem: the final row sums
         )
         sharing = shared_buffers + (
             plgpu.Barrier(num_arrivals=1),  # p_full: P and alpha written
@@ -198,10 +198,10 @@ def shared_scores_pallas(q_rows, kv_cache, seqlens, items, table, *, s_q, m, hea
             plgpu.Barrier(num_arrivals=1),  # l_bar: l written
         )
         n_barriers += 3
-    _check_smem(_smem_bytes(buffers + shared_buffers, n_barriers, _REDUCTION_SCRATCH), "shared_scores",
-                num_stages, q_rows.shape[-1])
+    check_smem(smem_bytes(buffers + shared_buffers, n_barriers, _REDUCTION_SCRATCH), "shared_scores", num_stages,
+               q_rows.shape[-1])
     kernel = functools.partial(_shared_kernel, s_q=s_q, m=m, block_dv=block_dv, num_wg=num_wg,
                                num_stages=num_stages, scale=scale, causal=causal, interpret=interpret is not None)
     params = plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=_REDUCTION_SCRATCH)
-    return _launch(kernel, q_rows, kv_cache, seqlens, items, table, head_dim_v=head_dim_v, num_wg=num_wg,
+    return launch(kernel, q_rows, kv_cache, seqlens, items, table, head_dim_v=head_dim_v, num_wg=num_wg,
                    scratch=buffers + barriers + (sharing,), params=params, interpret=interpret)

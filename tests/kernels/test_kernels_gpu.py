@@ -1,6 +1,6 @@
 """Native Mosaic GPU kernels against their references, at DeepSeek-V3 shapes: runs only on a CUDA GPU
-(the CPU suite checks the same kernels in GPU interpret mode and by cross-lowering; see test_mla_decode.py and
-test_fp8_gemm.py). Run on the GPU machine by scripts/gpu_check.sh (the warp-specialized FP8 cases in a step of
+(the CPU suite checks the same kernels in GPU interpret mode and by cross-lowering; see mla/test_mla_decode.py and
+fp8/test_fp8_gemm.py). Run on the GPU machine by scripts/gpu_check.sh (the warp-specialized FP8 cases in a step of
 their own).
 
 Metrics: FlashMLA's cal_diff < 1e-5 against the fp32 reference (tests/test_flash_mla.py); DeepGEMM's calc_diff
@@ -67,7 +67,7 @@ def test_fp8_gemm_native(m, n, k):
 
 
 def test_fp8_gemm_native_straddling_tiles():
-    """block_n=96: tiles straddle 128-column scale blocks (promoted in 32-column chunks, fp8_gemm_ws.promote)."""
+    """block_n=96: tiles straddle 128-column scale blocks (promoted in 32-column chunks, fp8 pallas_common.promote)."""
     _check_dense(4096, 7168, 2048, block_n=96)
 
 
@@ -94,11 +94,11 @@ def test_fp8_grouped_native():
     _check_grouped()
 
 
-# The warp-specialized variant (kernel="warp_specialized", fp8_gemm_ws.py), same oracles. Kept last and selected by
+# The warp-specialized variant (kernel="warp_specialized", fp8/warp_specialized.py), same oracles. Kept last and selected by
 # name (-k warp_specialized) so that scripts/gpu_check.sh runs it in its own step after everything else.
-# The defaults chain the tiles' pipelines (fp8_tiling.chains_tiles: a 4-deep ring over 16 k-steps at
+# The defaults chain the tiles' pipelines (fp8/tiling.py chains_tiles: a 4-deep ring over 16 k-steps at
 # (4096, 7168, 2048), ~14 tiles per CTA); stages=5 does not divide 16, so each tile fills and drains its own ring.
-# block_n=160: tiles straddle 128-column scale blocks (promoted in 32-column chunks, fp8_gemm_ws.promote).
+# block_n=160: tiles straddle 128-column scale blocks (promoted in 32-column chunks, fp8 pallas_common.promote).
 @pytest.mark.parametrize("m, n, k, stages, block_n", [(64, 2112, 7168, None, None), (4096, 7168, 2048, None, None),
                                                       (70, 200, 300, None, None), (4096, 7168, 2048, 5, None),
                                                       (4096, 7168, 2048, 4, 160)])
