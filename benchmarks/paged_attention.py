@@ -35,7 +35,7 @@ def main() -> None:
     import numpy as np
 
     from jaxinfer.kv.paged_cache import write
-    from jaxinfer.models.paged_attention import cached_and_new_attention
+    from jaxinfer.models.attention import cached_and_new_attention
     from kernels_pallas import mla_decode
 
     b, t, h, c, d = args.batch, args.tokens, args.heads, args.latent, args.latent + args.rope

@@ -141,7 +141,7 @@ class Model:
         def run(state, ids):
             model = nnx.merge(graphdef, state)
             positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
-            return model(ids, positions)[0]
+            return model(ids, positions)
 
         return run
 
@@ -153,7 +153,7 @@ class Model:
         def run(state, ids, next_ids):
             model = nnx.merge(graphdef, state)
             positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
-            h, _ = model.hidden_states(ids, positions)
+            h = model.hidden_states(ids, positions)
             return model.mtp_logits(h, next_ids, positions)
 
         return run

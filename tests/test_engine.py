@@ -211,7 +211,7 @@ def test_multi_step_decode_equals_single_step(case):
     assert ref[5][0][1] == "stop" and ref[6][0][1] == "length" and len(ref[6][0][0]) == 45 - 20
     for backend in ("xla", "pallas"):
         four = LLM(case.path, num_scheduler_steps=4, attention_backend=backend, **kw)
-        assert four.runner.write_in_step == (backend == "pallas")
+        assert four.runner.backend.writes_in_step == (backend == "pallas")
         got = _outputs(four, prompts[:5] + [prompts[6]], params[:5] + [params[6]])
         assert four.stats.steps < steps_one
         got.insert(5, _outputs(four, [prompts[5]], [params[5]])[0])

@@ -1,4 +1,5 @@
-"""The engine's read-only paged attention (cached_and_new_attention, paged_mla(write_cache=False)) against
+"""The engine's paged attention backends (models/attention.py; the XLA backend's read-only
+cached_and_new_attention) against
 kernels_pallas.mla_decode_reference (FlashMLA's causal contract, itself tested against fp32 math) on a cache with
 the step's latents written. Every cache slot no sequence owns holds NaN."""
 
@@ -8,14 +9,26 @@ import numpy as np
 import pytest
 
 from jaxinfer.kv.paged_cache import write
-from jaxinfer.models import paged_attention
+from jaxinfer.models import attention
+from jaxinfer.models.attention import BACKENDS, AttentionMetadata
 from kernels_pallas import mla_decode_reference as _reference
 
 PS = 64  # page size
 _STATIC = ("head_dim_v", "softmax_scale")
-cached_and_new_attention = jax.jit(paged_attention.cached_and_new_attention,
-                                   static_argnames=_STATIC + ("chunk_tokens",))
-paged_mla = jax.jit(paged_attention.paged_mla, static_argnums=0, static_argnames=_STATIC + ("write_cache",))
+cached_and_new_attention = jax.jit(attention.cached_and_new_attention, static_argnames=_STATIC + ("chunk_tokens",))
+
+
+@jax.jit
+def both_backends(q, new, cache, table, seqlens, slots):
+    """(XLA backend's output and cache, Pallas backend's output) over the same inputs (no mesh)."""
+    md = AttentionMetadata(jnp.zeros_like(slots), table, seqlens, slots)  # positions: unused by attention
+    kw = {"head_dim_v": 32, "softmax_scale": 0.2}
+    out, kept = BACKENDS["xla"](None, q, new, cache, md, None, **kw)
+    ref, _ = BACKENDS["pallas"](None, q, new, cache, md, None, **kw)
+    return out, kept, ref
+
+
+
 mla_decode_reference = jax.jit(_reference, static_argnames=_STATIC + ("causal",))
 
 
@@ -74,12 +87,10 @@ def test_matches_reference_on_written_cache(ends, counts, t, chunk_tokens):
     assert np.isfinite(out).all()
 
 
-def test_paged_mla_read_only_leaves_cache_and_matches_writing_path():
+def test_xla_backend_leaves_cache_and_matches_the_writing_backend():
     ends, counts, t = [3, 66, 190], [1, 1, 1], 1
     (q, new, cache, table, seqlens, slots), _ = _case(1, ends, counts, t, 4, 40, 16, jnp.float32)
-    kw = {"head_dim_v": 32, "softmax_scale": 0.2}
-    out, kept = paged_mla(None, q, new, cache, table, seqlens, slots, write_cache=False, **kw)
-    ref, _ = paged_mla(None, q, new, cache, table, seqlens, slots, write_cache=True, **kw)
+    out, kept, ref = both_backends(q, new, cache, table, seqlens, slots)
     np.testing.assert_array_equal(np.asarray(kept), np.asarray(cache))  # NaNs included
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-5)
 
@@ -108,7 +119,7 @@ def test_rejects_multi_head_cache():
 @pytest.mark.parametrize("length", [0, 1, 5])
 @pytest.mark.parametrize("chunk_tokens", [64, 256])
 def test_window_reads_like_the_written_cache(length, chunk_tokens):
-    """A multi-step decode iteration (engine/runner.py) reads its earlier iterations' latents from a DecodeWindow;
+    """A multi-step decode iteration (engine/step_program.py) reads its earlier iterations' latents from a DecodeWindow;
     the result must be bit-identical to reading them from the cache, and the cache slots it stands in for (NaN
     here) and the window's entries past ``length`` (NaN too) must not leak in."""
     ends, w = [7, 66, 130, 200], 8  # windows across page (64) and chunk boundaries
@@ -122,7 +133,7 @@ def test_window_reads_like_the_written_cache(length, chunk_tokens):
             page, offset = table_np[row, (s + i) // PS], (s + i) % PS
             latents[row, i] = cache_np[page, offset, 0]
             cache_np[page, offset, 0] = np.nan  # not written yet
-    window = paged_attention.DecodeWindow(jnp.asarray(latents), jnp.asarray(start, jnp.int32), jnp.int32(length))
+    window = attention.DecodeWindow(jnp.asarray(latents), jnp.asarray(start, jnp.int32), jnp.int32(length))
     out = cached_and_new_attention(q, new, jnp.asarray(cache_np), table, seqlens, slots, window=window, **kw)
     same = cached_and_new_attention(q, new, cache, table, seqlens, slots, **kw)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(same))
@@ -130,9 +141,9 @@ def test_window_reads_like_the_written_cache(length, chunk_tokens):
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-5)
 
 
-def test_window_is_for_the_read_only_path():
+def test_window_is_for_the_read_only_backend():
     (q, new, cache, table, seqlens, slots), _ = _case(4, [5], [1], 1, 4, 40, 4, jnp.float32)
-    window = paged_attention.DecodeWindow(jnp.zeros((1, 2, 40)), jnp.zeros((1,), jnp.int32), jnp.int32(0))
-    with pytest.raises(ValueError, match="write_cache=False"):
-        paged_attention.paged_mla(None, q, new, cache, table, seqlens, slots, head_dim_v=32, softmax_scale=0.3,
-                                  write_cache=True, window=window)
+    window = attention.DecodeWindow(jnp.zeros((1, 2, 40)), jnp.zeros((1,), jnp.int32), jnp.int32(0))
+    md = AttentionMetadata(jnp.zeros_like(slots), table, seqlens, slots)
+    with pytest.raises(ValueError, match="reads no DecodeWindow"):
+        BACKENDS["pallas"](None, q, new, cache, md, window, head_dim_v=32, softmax_scale=0.3)

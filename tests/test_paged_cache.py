@@ -1,4 +1,4 @@
-"""Paged latent cache: write / gather against numpy, padding slots, NaN isolation, sizing, DP sharding."""
+"""Paged latent cache: write / take_pages against numpy, padding slots, NaN isolation, sizing, DP sharding."""
 
 import functools
 
@@ -15,11 +15,9 @@ from jaxinfer.kv import (
     bytes_per_page,
     cache_sharding,
     default_num_pages,
-    gather,
     holds_bits,
     init_paged_cache,
     latent_width,
-    slot_mapping,
     take_pages,
     value_dtype,
     write,
@@ -31,7 +29,14 @@ W = latent_width(CFG)          # 40 = 32 + 8
 NP, S = 6, 64                  # pages (page 0 = null page), tokens per page
 
 write_jit = jax.jit(write, donate_argnums=0)
-gather_jit = jax.jit(gather)
+# Each row's contiguous latents: the pages of its block table, one after the other ([B, M * S, W]).
+gather_jit = jax.jit(lambda cache, table: take_pages(cache, table, cache.dtype).reshape(table.shape[0], -1, W))
+
+
+def slot_mapping(row, positions):
+    """Slots of a sequence's positions (the engine's rule, engine/inputs.py): row[pos // S] * S + pos % S."""
+    pos = np.asarray(positions)
+    return (np.asarray(row)[pos // S] * S + pos % S).astype(np.int32)
 
 
 def np_write(cache, latents, slots):
@@ -153,16 +158,6 @@ def test_nan_in_untouched_pages_does_not_leak():
     out = np.asarray(out)[0]                                           # [M*S, W]
     np.testing.assert_array_equal(out[:length], latents)               # valid slots exact and finite
     assert np.isnan(out[length:]).all()                                # the rest is masked by length downstream
-
-
-def test_slot_mapping():
-    row = [5, 2, 7]
-    np.testing.assert_array_equal(slot_mapping(row, [0, 63, 64, 130, -1]), [320, 383, 128, 450, -1])
-    assert slot_mapping(row, [1]).dtype == np.int32
-    np.testing.assert_array_equal(slot_mapping([], [-1, -1]), [-1, -1])
-    np.testing.assert_array_equal(slot_mapping([4, 9], [5, 2], page_size=4), [37, 18])
-    with pytest.raises(ValueError, match="position 192 needs page 3"):
-        slot_mapping(row, [192])
 
 
 def test_default_num_pages():

@@ -1,6 +1,7 @@
-"""The model over the paged latent cache (chunked prefill, then decode, through kernels_pallas.mla_decode)
-gives the logits of the plain full-sequence forward (the form checked against transformers), on one device and
-with every device a DP rank holding its own pages."""
+"""The model over the paged latent cache (chunked prefill, then decode, absorbed MLA) gives the logits of the plain
+full-sequence forward (the expanded form checked against transformers in test_parity_hf.py), with either attention
+backend (the cache written inside the step and read by mla_decode; or only read, the latents written after it), on
+one device and with every device a DP rank holding its own pages, for a V3 and a V2 (no q_lora) configuration."""
 
 import jax
 import jax.numpy as jnp
@@ -11,15 +12,38 @@ from jax.sharding import NamedSharding
 
 import jaxinfer
 from hlo_buffers import materialized_shapes
-from jaxinfer.kv.paged_cache import cache_sharding, init_paged_cache, slot_mapping
+from jaxinfer.kv.paged_cache import cache_sharding, init_paged_cache
+from jaxinfer.models.attention import BACKENDS, AttentionMetadata, write_latents
 from jaxinfer.parallel.dispatch import BATCH_AXES
 
-PAGES_PER_RANK, LENGTH = 4, 70  # 70 tokens: a full page and a partial one
+PAGES_PER_RANK, LENGTH, PS = 4, 70, 64  # 70 tokens: a full page and a partial one
+CONFIGS = {
+    "v3": jaxinfer.ModelConfig.tiny(num_nextn_predict_layers=0),
+    "v2-no-qlora": jaxinfer.ModelConfig.tiny(model_type="deepseek_v2", q_lora_rank=None, scoring_func="softmax",
+                                             topk_method="group_limited_greedy", num_attention_heads=5,
+                                             v_head_dim=24, first_k_dense_replace=0, num_nextn_predict_layers=0),
+}
 
 
-@pytest.mark.parametrize("mesh", ["1x1", "2x4"])
-def test_chunked_prefill_and_decode_match_full_forward(mesh):
-    config = jaxinfer.ModelConfig.tiny(num_nextn_predict_layers=0)
+def paged_step(model, backend):
+    """One engine step's model part, jitted: (state, layers, ids, metadata) -> (logits, layers written)."""
+    graphdef, attention = model.graphdef, BACKENDS[backend]
+
+    @jax.jit
+    def step(state, layers, ids, md):
+        m = nnx.merge(graphdef, state)
+        h, out, _ = m.paged_hidden_states(ids, layers, md, attention)
+        if not attention.writes_in_step:  # the XLA backend: the engine writes the latents after the step
+            out = tuple(write_latents(model.mesh, c, new, md.slots) for c, new in zip(layers, out))
+        return m.head(h), out
+
+    return step
+
+
+@pytest.mark.parametrize("mesh,name,backend", [("1x1", "v3", "xla"), ("2x4", "v3", "xla"), ("2x4", "v3", "pallas"),
+                                               ("1x1", "v2-no-qlora", "pallas")])
+def test_chunked_prefill_and_decode_match_full_forward(mesh, name, backend):
+    config = CONFIGS[name]
     model = jaxinfer.Model.random(config, mesh=mesh, dtype="float32", seed=2)
     batch = model.dp_size  # one sequence per DP rank
     ids = np.random.default_rng(0).integers(0, config.vocab_size, (batch, LENGTH)).astype(np.int32)
@@ -29,21 +53,16 @@ def test_chunked_prefill_and_decode_match_full_forward(mesh):
     # Unwritten slots hold NaN (each rank's page 0, the null page, stays zero): results must not depend on them.
     cache = jax.tree.map(lambda a: jnp.full_like(a, jnp.nan).at[::PAGES_PER_RANK].set(0.0), cache)
     block_table = np.tile(np.array([[1, 2]], np.int32), (batch, 1))  # rank-local page ids
-    graphdef = model.graphdef
     spec = NamedSharding(model.mesh, jax.sharding.PartitionSpec(BATCH_AXES))
-
-    @jax.jit
-    def step(state, layers, ids, positions, block_table, seqlens, slots):
-        return nnx.merge(graphdef, state).forward_paged(ids, positions, layers, block_table, seqlens, slots)
-
+    step = paged_step(model, backend)
     layers = cache.layers
     got = []
     for start, stop in [(0, 40), (40, 67), (67, 68), (68, 69), (69, 70)]:  # two prefill chunks, three decodes
         positions = np.tile(np.arange(start, stop, dtype=np.int32), (batch, 1))
-        slots = np.stack([slot_mapping(block_table[b], positions[b]) for b in range(batch)])
-        args = [jax.device_put(a, spec) for a in (ids[:, start:stop], positions, block_table,
-                                                   np.full(batch, stop, np.int32), slots)]
-        logits, layers = step(model.state, layers, *args)
+        slots = np.take_along_axis(block_table, positions // PS, axis=1) * PS + positions % PS
+        md = AttentionMetadata(*(jax.device_put(a, spec) for a in (positions, block_table,
+                                                                   np.full(batch, stop, np.int32), slots)))
+        logits, layers = step(model.state, layers, jax.device_put(ids[:, start:stop], spec), md)
         got.append(np.asarray(jax.device_get(logits)))
     got = np.concatenate(got, axis=1)
     assert np.isfinite(got).all()
@@ -72,14 +91,14 @@ def test_single_token_decode_reads_weights_in_place():
     graphdef = model.graphdef
     cache = init_paged_cache(config, PAGES_PER_RANK, jnp.float32).layers
 
-    def step(state, layers, ids, positions, block_table, seqlens, slots):  # the engine's CPU step (step_program.py)
+    def step(state, layers, ids, md):  # the engine's CPU step (step_program.py)
         m = nnx.merge(graphdef, state)
-        h, latents, _ = m.paged_hidden_states(ids, positions, layers, block_table, seqlens, slots, False)
+        h, latents, _ = m.paged_hidden_states(ids, layers, md, BACKENDS["xla"])
         return m.head(h), latents
 
-    args = (np.ones((1, 1), np.int32), np.full((1, 1), 5, np.int32), np.array([[1, 2]], np.int32),
-            np.array([6], np.int32), np.array([[5]], np.int32))
-    hlo = jax.jit(step).lower(model.state, cache, *args).compile().as_text()
+    md = AttentionMetadata(np.full((1, 1), 5, np.int32), np.array([[1, 2]], np.int32), np.array([6], np.int32),
+                           np.array([[5]], np.int32))
+    hlo = jax.jit(step).lower(model.state, cache, np.ones((1, 1), np.int32), md).compile().as_text()
     assert not materialized_shapes(hlo) & weight_shapes
     w = weights[0]
     copying = jax.jit(lambda x, w: (x @ w.T, w.T * 2.0)).lower(jnp.zeros((1, w.shape[1])), w).compile().as_text()

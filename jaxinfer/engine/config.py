@@ -18,9 +18,10 @@ import numpy as np
 from jaxinfer import default_model, platform
 from jaxinfer.kv.page_allocator import PAGE_SIZE
 from jaxinfer.kv.paged_cache import default_num_pages
+from jaxinfer.models.attention import BACKENDS
 
 DTYPES = ("float32", "bfloat16")
-ATTENTION_BACKENDS = ("pallas", "xla")
+ATTENTION_BACKENDS = tuple(BACKENDS)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -71,7 +71,7 @@ class LLMEngine:
                                    max_model_len=config.max_model_len,
                                    enable_prefix_caching=config.enable_prefix_caching, eos_token_id=eos,
                                    num_scheduler_steps=config.num_scheduler_steps)
-        self.runner = ModelRunner(self.model, config.num_kv_pages, write_in_step=config.attention_backend == "pallas",
+        self.runner = ModelRunner(self.model, config.num_kv_pages, attention_backend=config.attention_backend,
                                   max_num_seqs=config.max_num_seqs, prefill_capacity=self.scheduler.prefill_capacity,
                                   min_prefill_t=self.scheduler.min_prefill_t, engine_seed=config.seed,
                                   max_logprobs=config.max_logprobs, expert_load_window=config.expert_load_window,

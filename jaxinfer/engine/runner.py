@@ -25,6 +25,7 @@ from jaxinfer.engine.buckets import MIN_PREFILL_T, bucket
 from jaxinfer.engine.scheduler_output import RunnerOutput, SchedulerOutput
 from jaxinfer.engine.step_program import StepProgram
 from jaxinfer.kv.paged_cache import init_paged_cache
+from jaxinfer.models.attention import BACKENDS
 from jaxinfer.models.screened_head import HeadScreen, build_head_screen
 from jaxinfer.parallel.dispatch import BATCH_AXES
 from jaxinfer.parallel.multihost import global_array, to_host
@@ -45,8 +46,8 @@ class ModelRunner:
     Args:
       model: a jaxinfer Model.
       num_pages_per_rank: KV pages per DP rank (the null page 0 included).
-      write_in_step: the attention reads a cache written inside the step (the Pallas kernel); else the step's
-        latents are written by a second program after it (the XLA path; paged_attention.paged_mla).
+      attention_backend: "pallas" (the cache written inside the step, read by mla_decode) or "xla" (the cache only
+        read inside the step, the latents written by a second program after it); models/attention.py.
       max_num_seqs: running sequences per rank at most (sizes the token buffer).
       prefill_capacity, min_prefill_t: the prefill grid (Scheduler.prefill_capacity, Scheduler.min_prefill_t).
       engine_seed: seed of unseeded requests (sampler.request_seed).
@@ -59,12 +60,12 @@ class ModelRunner:
         (head.py; the same tokens, a quarter of a float32 head's bytes, an int8 copy of the head kept).
     """
 
-    def __init__(self, model, num_pages_per_rank: int, *, write_in_step: bool, max_num_seqs: int = 64,
+    def __init__(self, model, num_pages_per_rank: int, *, attention_backend: str, max_num_seqs: int = 64,
                  prefill_capacity: int = 1024, min_prefill_t: int = MIN_PREFILL_T, page_size: int = 64,
                  engine_seed: int = 0, max_logprobs: int = 20, expert_load_window: int = 1000,
                  num_scheduler_steps: int = 1, eos_token_id: int | None = None, greedy_screening: bool = False):
         self.model = model
-        self.write_in_step = write_in_step
+        self.backend = BACKENDS[attention_backend]
         self.greedy_screening = greedy_screening
         ranks = model.dp_size
         max_rows = bucket(max_num_seqs)  # a rank's sampling rows: one per running sequence at most
@@ -73,10 +74,10 @@ class ModelRunner:
                                  eos_token_id=eos_token_id, vocab_size=model.config.vocab_size,
                                  engine_seed=engine_seed, max_logprobs=max_logprobs)
         self._batch = NamedSharding(model.mesh, P(BATCH_AXES))
-        # The XLA path's cache holds bit patterns (paged_cache's module doc: XLA:CPU upcasts bf16 scatters and
+        # The XLA backend's cache holds bit patterns (paged_cache's module doc: XLA:CPU upcasts bf16 scatters and
         # gathers over the whole cache); the Pallas kernel reads its own dtype.
         self.layers = init_paged_cache(model.config, num_pages_per_rank, model.dtype, mesh=model.mesh,
-                                       page_size=page_size, as_bits=not write_in_step).layers
+                                       page_size=page_size, as_bits=not self.backend.writes_in_step).layers
         self.tokens = global_array(np.zeros(ranks * max_rows, np.int32), self._batch)
         load_shape = (ranks, model.config.num_moe_layers, model.config.n_routed_experts)
         self.load = ExpertLoadWindow(load_shape, self._batch, expert_load_window)
@@ -97,7 +98,7 @@ class ModelRunner:
 
     @functools.cached_property
     def program(self) -> StepProgram:
-        return StepProgram(self.model, self._state_leaves[1], write_in_step=self.write_in_step,
+        return StepProgram(self.model, self._state_leaves[1], backend=self.backend,
                            ranks=self.inputs.ranks, max_rows=self.inputs.max_rows,
                            prefill_capacity=self.inputs.prefill_capacity, batch_sharding=self._batch)
 
@@ -122,7 +123,7 @@ class ModelRunner:
             self._state_leaves[0], self.layers, self.tokens, self.load.total, self.load.evicted(), packed, layout,
             self.head_screen)
         self.load.push(total, load)
-        self.layers = new if self.write_in_step else self.program.write(self.layers, *new)
+        self.layers = new if self.backend.writes_in_step else self.program.write(self.layers, *new)
         return out
 
     def fetch(self, step: InFlight) -> RunnerOutput:

@@ -1,6 +1,7 @@
 """The jitted engine step: unpack the step's inputs, run the model over the paged latent cache
-(DeepseekForCausalLM.paged_hidden_states -> kernels_pallas.mla_decode), the head and the sampler on each row's
-last token (head.py), all on device; and the XLA path's second program that writes the step's latents.
+(DeepseekForCausalLM.paged_hidden_states with one AttentionMetadata, models/attention.py), the head and the sampler
+on each row's last token (head.py), all on device; and the XLA backend's second program that writes the step's
+latents.
 
 One transfer per step: the step's host arrays and sampling tensors travel packed in one int32 array, unpacked
 inside the jitted step (packing.py).
@@ -10,14 +11,15 @@ cover several tokens runs up to k iterations in one program (a ``lax.while_loop`
 computes position start + j of every row (its input: the token iteration j - 1 sampled) and samples the next
 token; a row with fewer tokens than k is masked after its last one (no slot, no token to the buffer, outputs
 dropped by the host), and so is a row once it samples a stop token. The loop ends when no row is active: a step
-does not compute iterations whose tokens would all be thrown away. On the XLA path the latents of the earlier
-iterations are read from a per-layer window (paged_attention.DecodeWindow) and written after the program with the
+does not compute iterations whose tokens would all be thrown away. With the XLA backend the latents of the earlier
+iterations are read from a per-layer window (AttentionMetadata.window_latents) and written after the program with the
 others, so an iteration computes what a one-token step over the written cache would; the host's work per step is
 then paid once per k tokens.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -27,7 +29,7 @@ from flax import nnx
 from jaxinfer.engine import packing
 from jaxinfer.engine.head import head_sample
 from jaxinfer.engine.sampler import advance, sample
-from jaxinfer.models.paged_attention import DecodeWindow, write_latents
+from jaxinfer.models.attention import AttentionBackend, AttentionMetadata, write_latents
 
 
 def is_stop(token_ids: jax.Array, stop_ids: jax.Array) -> jax.Array:
@@ -38,16 +40,16 @@ def is_stop(token_ids: jax.Array, stop_ids: jax.Array) -> jax.Array:
 class StepProgram:
     """The step and write programs of one model and cache layout.
 
-    write_in_step: the Pallas kernel (GPU) reads the cache written inside the step; the XLA path writes it
-    afterwards in a second program (``write``; paged_attention.paged_mla explains why). ranks, max_rows: the
-    token buffer's layout (slot rank * max_rows + row); prefill_capacity: a prefill step's tokens per rank at most.
+    backend: the attention backend (models/attention.py): "pallas" reads the cache written inside the step; "xla"
+    writes it afterwards in a second program (``write``). ranks, max_rows: the token buffer's layout (slot rank *
+    max_rows + row); prefill_capacity: a prefill step's tokens per rank at most.
     """
 
-    def __init__(self, model, treedef, *, write_in_step: bool, ranks: int, max_rows: int, prefill_capacity: int,
-                 batch_sharding):
+    def __init__(self, model, treedef, *, backend: AttentionBackend, ranks: int, max_rows: int,
+                 prefill_capacity: int, batch_sharding):
         self.model = model
         self.treedef = treedef
-        self.write_in_step = write_in_step
+        self.backend = backend
         self.ranks = ranks
         self.max_rows = max_rows
         self.prefill_capacity = prefill_capacity
@@ -57,9 +59,10 @@ class StepProgram:
     @functools.cached_property
     def step(self):
         """step(state_leaves, layers, tokens, load_total, load_evict, packed, layout, screen) -> (sample output,
-        layers (write_in_step) or (latents, slots) to write, tokens, (load_total, load))."""
+        layers (a backend that writes in the step) or (latents, slots) to write, tokens, (load_total, load))."""
         graphdef, treedef = self.model.graphdef, self.treedef
-        write_cache = self.write_in_step
+        backend = self.backend
+        write_cache = backend.writes_in_step
         # XLA hoists loop-invariant work out of a multi-step decode loop, the weights' converts and transposes
         # included: a bf16 decode on CPU then reads float32 copies of every weight in every iteration
         # (tests/test_paged_forward.py). Only the XLA path compiles with that pass off.
@@ -71,17 +74,16 @@ class StepProgram:
             ids, src, positions, block_table, seqlens, slots, dest, stop_ids, tensors = packing.unpack(packed, layout)
             ids = jnp.where(src >= 0, tokens[jnp.maximum(src, 0)], ids)  # [R, T] placeholders from the buffer
             model = nnx.merge(graphdef, jax.tree.unflatten(treedef, state_leaves))
+            md = AttentionMetadata(positions, block_table, seqlens, slots)
             if ids.shape[1] == 1 and slots.shape[1] > 1:  # a multi-step decode step: slots [R, k]
                 # A row whose input token, sampled by the previous step, is a stop token has finished (the host
                 # does not know yet: it dispatched this step first): it computes nothing here.
                 stopped = (src[:, -1] >= 0) & is_stop(ids[:, -1], stop_ids)  # [R]
                 out, layers, tokens, load, latents = self.decode_loop(
-                    model, layers, tokens, ids, positions, block_table, seqlens, slots, dest, tensors,
-                    load_total.shape, stop_ids, stopped, screen)
+                    model, layers, tokens, ids, md, dest, tensors, load_total.shape, stop_ids, stopped, screen)
                 n = self.max_rows * slots.shape[1]
             else:
-                h, layers, load = model.paged_hidden_states(ids, positions, layers, block_table, seqlens, slots,
-                                                            write_cache)
+                h, layers, load = model.paged_hidden_states(ids, layers, md, backend)
                 out = head_sample(model, h[:, -1], tensors, screen)  # the last column: each row's last real token
                 tokens = tokens.at[dest].set(out.token_ids, mode="drop")  # dest past the buffer: padding rows
                 latents = layers
@@ -98,21 +100,24 @@ class StepProgram:
 
         return step
 
-    def decode_loop(self, model, layers, tokens, ids, positions, block_table, seqlens, slots, dest, tensors,
+    def decode_loop(self, model, layers, tokens, ids, md: AttentionMetadata, dest, tensors,
                     load_shape: tuple[int, ...], stop_ids, stopped, screen):
-        """k decode iterations (slots [R, k]; see the module doc). ids, positions [R, 1]: each row's first
-        token and its position; seqlens [R]: tokens in the cache after iteration 0 (0: padding row); stop_ids
+        """k decode iterations (md.slots [R, k]; see the module doc). ids [R, 1] and md.positions [R, 1]: each
+        row's first token and its position; md.seqlens [R]: tokens in the cache after iteration 0 (0: padding
+        row); stop_ids
         [R, S]: each row's stop tokens (-1: none); stopped [R]: rows finished before the step; screen: the
         head's int8 screen or None (``head_sample``). Returns
         (SampleOutput with a leading [k] axis, layers, tokens, expert load [load_shape] summed over the
-        iterations, per layer the latents [R, k, C+R] of all iterations (XLA path; else None)).
+        iterations, per layer the latents [R, k, C+R] of all iterations (the XLA backend; else None)).
 
         A row is active in iteration j while j < its token count and it has not sampled a stop token; the loop
         ends when no row is active (all rows at max_tokens before k, or all stopped, e.g. at EOS). Outputs of
         iterations not run are zeros and an inactive row writes no token to the buffer; the host reads a row's
         outputs up to its last token or its stop token only (Scheduler.update_from_output), and its tokens after
         a stop token are garbage either way."""
-        write_cache = self.write_in_step
+        backend = self.backend
+        write_cache = backend.writes_in_step
+        positions, seqlens, slots = md.positions, md.seqlens, md.slots
         r, k = slots.shape
         live = jnp.sum(slots >= 0, axis=1)  # [R] iterations with a token of the row's own
         start = positions[:, 0]  # [R]
@@ -131,12 +136,12 @@ class StepProgram:
             j, ids, layers, windows, tokens, tensors, outs, load_sum, stopped = carry  # layers: with write_cache
             slot = jax.lax.dynamic_slice_in_dim(slots, j, 1, axis=1)  # [R, 1]
             lens = jnp.where(seqlens > 0, seqlens + j, 0)  # [R]
+            step_md = dataclasses.replace(md, positions=positions + j, seqlens=lens, slots=slot)
             if write_cache:
-                h, layers, load = model.paged_hidden_states(ids, positions + j, layers, block_table, lens, slot, True)
+                h, layers, load = model.paged_hidden_states(ids, layers, step_md, backend)
             else:
-                views = tuple(DecodeWindow(w, start, j) for w in windows)
-                h, new, load = model.paged_hidden_states(ids, positions + j, cache, block_table, lens, slot, False,
-                                                         views)
+                step_md = dataclasses.replace(step_md, window_latents=windows, window_start=start, window_length=j)
+                h, new, load = model.paged_hidden_states(ids, cache, step_md, backend)
                 windows = tuple(jax.lax.dynamic_update_slice_in_dim(w, x.astype(w.dtype), j, axis=1)
                                 for w, x in zip(windows, new))  # [R, k, C+R]
             out = head_sample(model, h[:, 0], tensors, screen)  # [R]

@@ -10,11 +10,9 @@ from jaxinfer.kv.paged_cache import (
     bytes_per_page,
     cache_sharding,
     default_num_pages,
-    gather,
     holds_bits,
     init_paged_cache,
     latent_width,
-    slot_mapping,
     take_pages,
     value_dtype,
     write,
@@ -23,6 +21,6 @@ from jaxinfer.kv.prefix_cache import PrefixCache, PrefixCacheStats, page_hashes
 
 __all__ = [
     "NULL_PAGE", "PAGE_SIZE", "OutOfPages", "PageAllocator", "PagedLatentCache", "PrefixCache", "PrefixCacheStats",
-    "bits_dtype", "bytes_per_page", "cache_sharding", "default_num_pages", "gather", "holds_bits", "init_paged_cache",
-    "latent_width", "page_hashes", "slot_mapping", "take_pages", "value_dtype", "write",
+    "bits_dtype", "bytes_per_page", "cache_sharding", "default_num_pages", "holds_bits", "init_paged_cache",
+    "latent_width", "page_hashes", "take_pages", "value_dtype", "write",
 ]

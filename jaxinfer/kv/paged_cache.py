@@ -148,36 +148,6 @@ def write(cache_layer: jax.Array, latents: jax.Array, slot_mapping: jax.Array) -
     return cache_layer.at[page, slot_mapping % s, 0].set(values, mode="drop")
 
 
-def gather(cache_layer: jax.Array, block_table: jax.Array) -> jax.Array:
-    """Contiguous latents of each sequence (a float cache; a bit-pattern one: ``take_pages``); jittable.
-
-    cache_layer [P, S, 1, W]; block_table [B, M] int32 (pad with the null page 0) -> [B, M * S, W]; row b, token t
-    is slot block_table[b, t // S] * S + t % S. Slots past a sequence's length hold whatever their page holds: mask
-    them by length (values too, not only scores).
-    """
-    b, m = block_table.shape
-    _, s, _, w = cache_layer.shape
-    pages = cache_layer[block_table]                     # [B, M, S, 1, W]
-    return pages.reshape(b, m * s, w)                    # [B, M*S, W]
-
-
-def slot_mapping(block_table_row, positions, page_size: int = PAGE_SIZE) -> np.ndarray:
-    """Host-side slots of tokens at ``positions`` [N] of one sequence: row[pos // S] * S + pos % S, int32 [N].
-
-    block_table_row [M] (rank-local page ids); a negative position marks a padding token and maps to -1.
-    Raises ValueError when a position lies past the row's pages.
-    """
-    row = np.asarray(block_table_row, dtype=np.int64)                 # [M]
-    pos = np.asarray(positions, dtype=np.int64)                       # [N]
-    valid = pos >= 0
-    page_idx = np.where(valid, pos // page_size, 0)
-    if valid.any() and page_idx[valid].max() >= row.shape[0]:
-        raise ValueError(f"position {pos[valid].max()} needs page {page_idx[valid].max()}, "
-                         f"but the block table row has {row.shape[0]} pages of {page_size}")
-    slots = row[page_idx] * page_size + pos % page_size if row.size else np.zeros_like(pos)
-    return np.where(valid, slots, -1).astype(np.int32)
-
-
 def bytes_per_page(config: ModelConfig, dtype, num_layers: int | None = None, page_size: int = PAGE_SIZE) -> int:
     """Device bytes of one page over all layers: layers * S * W * itemsize (V3, bf16: 61*64*576*2 = 4.5 MB)."""
     num_layers = config.num_hidden_layers if num_layers is None else num_layers

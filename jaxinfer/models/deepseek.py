@@ -1,25 +1,22 @@
 """The DeepSeek-V2/V3 causal LM (HF ``DeepseekV3ForCausalLM``) with its MTP module, in Flax NNX.
 
-One implementation serves inference and (later) training: the forward is a pure function of parameters,
-token ids and positions, plus an optional latent cache (one [B, S, C+R] array per layer, slot = position).
+One implementation serves the engine and training: ``hidden_states`` is the cache-free forward (Model.logits, the
+training step), ``paged_hidden_states`` one engine step over the paged latent cache (models/attention.py).
 """
 
 from __future__ import annotations
-
-
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.models.attention import AttentionBackend, AttentionMetadata
 from jaxinfer.models.layers import MLP, Linear, RMSNorm, matmul_nt, normal_init
-from jaxinfer.models.mla import MLA, AttnForm
+from jaxinfer.models.mla import MLA
 from jaxinfer.models.moe import MoE
 from jaxinfer.models.rope import rope_cos_sin
 from jaxinfer.parallel.plan import ParallelPlan, batch_shards
-
-Cache = tuple[jax.Array, ...]  # per layer [B, S, C+R]: [rms(c_kv) | roped k_pe], slot s holds position s
 
 
 class DecoderLayer(nnx.Module):
@@ -38,31 +35,21 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size, **kw, **rows)
 
-    def __call__(self, x, positions, cos, sin, cache: jax.Array | None, form: AttnForm):
-        """x [B, T, D], positions [B, T]; cache [B, S, C+R] or None. Returns (x, updated cache or None)."""
-        h = self.input_layernorm(x)
-        new = self.self_attn.latents(h, cos, sin)  # [B, T, C+R]
-        if cache is None:
-            kv = new
-            key_pos = positions  # [B, S=T]
-        else:
-            rows = jnp.arange(x.shape[0])[:, None]
-            kv = cache.at[rows, positions].set(new.astype(cache.dtype))
-            key_pos = jnp.broadcast_to(jnp.arange(cache.shape[1]), (x.shape[0], cache.shape[1]))
-        mask = key_pos[:, None, :] <= positions[:, :, None]  # [B, T, S] causal over positions
-        x = x + self.self_attn(h, cos, sin, kv, mask, form)
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, (None if cache is None else kv)
+    def __call__(self, x, positions, cos, sin):
+        """x [B, T, D], positions [B, T]: the block over the T tokens themselves (causal). Returns x."""
+        mask = positions[:, None, :] <= positions[:, :, None]  # [B, T, T] causal over positions
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
-    def paged(self, x, cos, sin, cache, block_table, seqlens, slots, write_cache: bool = True, window=None):
+    def paged(self, x, cos, sin, cache, md: AttentionMetadata, backend: AttentionBackend, window=None):
         """The block over the paged latent cache (see MLA.paged). Returns (x, cache, this step's latents, expert
         load: int32 [P, E] per DP rank from the real tokens (slot >= 0), see MoE.forward; None for a dense MLP)."""
-        attn, cache, new = self.self_attn.paged(self.input_layernorm(x), cos, sin, cache, block_table, seqlens,
-                                                slots, self.plan, write_cache, window)
+        attn, cache, new = self.self_attn.paged(self.input_layernorm(x), cos, sin, cache, md, backend, window,
+                                                self.plan)
         x = x + attn
         h = self.post_attention_layernorm(x)
         if isinstance(self.mlp, MoE):
-            y, load = self.mlp.forward(h, slots >= 0)
+            y, load = self.mlp.forward(h, md.slots >= 0)
             return x + y, cache, new, load
         return x + self.mlp(h), cache, new, None
 
@@ -118,52 +105,38 @@ class DeepseekForCausalLM(nnx.Module):
         # the whole [V, D] head to float32 at every step (batch 32: a 4.2 M-element convert per decode step).
         return matmul_nt(h.astype(self.dtype), w, self.row_shards)  # [B, T, V]
 
-    def hidden_states(self, ids: jax.Array, positions: jax.Array, cache: Cache | None = None,
-                      form: AttnForm = "expanded") -> tuple[jax.Array, Cache | None]:
-        """ids, positions [B, T] -> (final-normed hidden states [B, T, D], updated cache)."""
+    def hidden_states(self, ids: jax.Array, positions: jax.Array) -> jax.Array:
+        """ids, positions [B, T] -> final-normed hidden states [B, T, D] (causal over the T tokens)."""
         cos, sin = rope_cos_sin(self.config, positions)
         # The residual stream stays in float32 (sublayers still take bf16 inputs): cheap, and it keeps bf16
         # rounding from accumulating over the layers.
         x = self.embed(ids).astype(jnp.float32)
-        new_cache = []
-        for i, layer in enumerate(self.layers):
-            x, layer_cache = layer(x, positions, cos, sin, None if cache is None else cache[i], form)
-            new_cache.append(layer_cache)
-        return self.norm(x), (None if cache is None else tuple(new_cache))
+        for layer in self.layers:
+            x = layer(x, positions, cos, sin)
+        return self.norm(x)
 
-    def __call__(self, ids, positions, cache: Cache | None = None, form: AttnForm = "expanded"):
-        """ids, positions [B, T] -> (float32 logits [B, T, V], updated cache)."""
-        h, cache = self.hidden_states(ids, positions, cache, form)
-        return self.head(h), cache
+    def __call__(self, ids, positions):
+        """ids, positions [B, T] -> float32 logits [B, T, V]."""
+        return self.head(self.hidden_states(ids, positions))
 
-    def paged_hidden_states(self, ids, positions, cache: tuple[jax.Array, ...], block_table, seqlens, slots,
-                            write_cache: bool = True, windows=None):
-        """One engine step over the paged latent cache: ids, positions, slots [B, T] (the last T tokens of each
-        sequence; slot -1 = padding), cache: per layer [pages, 64, 1, C+R], block_table [B, max_pages],
-        seqlens [B] (tokens in the cache after this step). Returns (final-normed hidden states [B, T, D], the
-        updated cache, expert load) with write_cache, else (hidden states, per layer this step's latents
-        [B, T, C+R], expert load) for the caller to write (paged_attention.write_latents; the XLA path, see
-        paged_attention.paged_mla). Expert load: int32 [P, L, E], the real tokens' (slot >= 0) choices of each
-        logical expert in each of the L MoE layers, per DP rank P (MoE.forward; sum over P to read it).
-        windows: None, or per layer the paged_attention.DecodeWindow of a multi-step decode program (cached
-        positions whose latents are not written yet; write_cache=False only)."""
-        cos, sin = rope_cos_sin(self.config, positions)
+    def paged_hidden_states(self, ids, cache: tuple[jax.Array, ...], md: AttentionMetadata,
+                            backend: AttentionBackend):
+        """One engine step over the paged latent cache: ids [B, T] (the last T tokens of each sequence; slot -1 =
+        padding), cache: per layer [pages, 64, 1, C+R], md: where the tokens sit (models/attention.py), backend:
+        how the cache is read and written. Returns (final-normed hidden states [B, T, D], per layer the updated
+        cache (a backend that writes in the step) or this step's latents [B, T, C+R] for the caller to write
+        (attention.write_latents), expert load). Expert load: int32 [P, L, E], the real tokens' choices of each
+        logical expert in each of the L MoE layers, per DP rank P (MoE.forward; sum over P to read it)."""
+        cos, sin = rope_cos_sin(self.config, md.positions)
         x = self.embed(ids).astype(jnp.float32)  # float32 residual stream, as in hidden_states
         out, loads = [], []
-        windows = windows if windows is not None else (None,) * len(self.layers)
-        for layer, layer_cache, window in zip(self.layers, cache, windows, strict=True):
-            x, layer_cache, new, load = layer.paged(x, cos, sin, layer_cache, block_table, seqlens, slots,
-                                                    write_cache, window)
-            out.append(layer_cache if write_cache else new)
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache, strict=True)):
+            x, layer_cache, new, load = layer.paged(x, cos, sin, layer_cache, md, backend, md.window(i))
+            out.append(layer_cache if backend.writes_in_step else new)
             if load is not None:
                 loads.append(load)
         load = jnp.stack(loads, 1) if loads else jnp.zeros((1, 0, self.config.n_routed_experts), jnp.int32)
         return self.norm(x), tuple(out), load
-
-    def forward_paged(self, ids, positions, cache: tuple[jax.Array, ...], block_table, seqlens, slots):
-        """paged_hidden_states followed by the head: (float32 logits [B, T, V], updated cache)."""
-        h, cache, _ = self.paged_hidden_states(ids, positions, cache, block_table, seqlens, slots)
-        return self.head(h), cache
 
     def mtp_logits(self, h: jax.Array, next_ids: jax.Array, positions: jax.Array, depth: int = 0) -> jax.Array:
         """MTP module ``depth``: h [B, T, D] (main model after its final norm), next_ids [B, T] (token t+1 for
@@ -172,14 +145,5 @@ class DeepseekForCausalLM(nnx.Module):
         cos, sin = rope_cos_sin(self.config, positions)
         x = m.eh_proj(jnp.concatenate([m.enorm(self.embed(next_ids)), m.hnorm(h.astype(self.dtype))], axis=-1))
         x = x.astype(jnp.float32)  # float32 residual stream, as in the main layers
-        x, _ = m.block(x, positions, cos, sin, None, "expanded")
+        x = m.block(x, positions, cos, sin)
         return self.head(m.shared_head_norm(x))
-
-
-def init_cache(config: ModelConfig, batch: int, max_len: int, dtype, num_layers: int | None = None) -> Cache:
-    """A zeroed contiguous latent cache: per layer [B, S, C+R]."""
-    n = config.num_hidden_layers if num_layers is None else num_layers
-    width = config.kv_lora_rank + config.qk_rope_head_dim
-    return tuple(jnp.zeros((batch, max_len, width), dtype) for _ in range(n))
-
-

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxinfer import platform
 from jaxinfer.checkpoint.fp8 import dequantize_blockwise_jnp, scale_shape
 from kernels_pallas import fp8_gemm, per_token_cast_to_fp8
 
@@ -87,7 +88,7 @@ def matmul_nt(x: jax.Array, w: jax.Array, row_shards: int = 1) -> jax.Array:
     model's bf16 decode token took 59.8 ms there, 19-24 ms with the per-device form; docs/benchmarks.md)."""
     f32 = {"preferred_element_type": jnp.float32}
     lo, hi = TRANSPOSED_PRODUCT_ROWS
-    fast = jax.default_backend() == "cpu"
+    fast = platform.current().is_cpu
     if w.ndim == 3:
         if x.ndim != 3 or x.shape[0] != w.shape[0] or x.shape[2] != w.shape[2]:
             raise ValueError(f"batched matmul_nt needs x [S, M, K] and w [S, N, K], got {x.shape} and {w.shape}")
@@ -121,7 +122,7 @@ def matmul_nt_many(x: jax.Array, ws: list[jax.Array], row_shards: int = 1) -> li
     along N: XLA:CPU fuses the concatenation into the matvec's loop, so the weights are still read in place, and
     one loop replaces len(ws), each with its own fixed cost (about 10 us on the CPUs here, where the benchmark
     model's decode step runs ~65 matvecs)."""
-    if jax.default_backend() == "cpu" and local_rows(math.prod(x.shape[:-1]), row_shards) == 1 and len(ws) > 1:
+    if platform.current().is_cpu and local_rows(math.prod(x.shape[:-1]), row_shards) == 1 and len(ws) > 1:
         y = matmul_nt(x, jnp.concatenate(ws), row_shards)  # [..., sum N_i]
         return jnp.split(y, list(itertools.accumulate(w.shape[0] for w in ws))[:-1], axis=-1)
     return [matmul_nt(x, w, row_shards) for w in ws]

@@ -3,14 +3,15 @@
 Per token: ``c = rms(kv_a(x)[:C])`` (the latent, C = kv_lora_rank) and ``k_pe = rope(kv_a(x)[C:])`` (R dims, one
 head shared by all heads) are all that is cached: C + R values (576 for V3). Two ways to attend over them:
 
-- expanded (prefill): K_nope = c @ W_UK, V = c @ W_UV per head, then ordinary attention;
-- absorbed (decode): q_lat = q_nope @ W_UK (per head, into latent space), scores = q_lat . c + q_pe . k_pe,
-  o_lat = P @ c, out = o_lat @ W_UV. Same math, re-associated; the cache is never expanded.
+- expanded (``__call__``, the cache-free forward of Model.logits and training): K_nope = c @ W_UK, V = c @ W_UV per
+  head, then ordinary attention;
+- absorbed (``paged``, every engine step): q_lat = q_nope @ W_UK (per head, into latent space), scores = q_lat . c
+  + q_pe . k_pe, o_lat = P @ c, out = o_lat @ W_UV. Same math, re-associated; the cache is never expanded. The
+  engine's steps are checked against the expanded forward (tests/test_paged_forward.py), which is checked
+  against transformers (tests/test_parity_hf.py).
 """
 
 from __future__ import annotations
-
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -18,11 +19,10 @@ from flax import nnx
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv.paged_cache import value_dtype
+from jaxinfer.models.attention import AttentionBackend, AttentionMetadata
 from jaxinfer.models.layers import Linear, RMSNorm, matmul_nt_many
-from jaxinfer.models.paged_attention import paged_mla
 from jaxinfer.models.rope import apply_rope
 
-AttnForm = Literal["expanded", "absorbed"]
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the default eps in HF and DeepSeek's code
 
 
@@ -85,41 +85,32 @@ class MLA(nnx.Module):
         return w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim:]
 
     # ---- attention -----------------------------------------------------------------------------------
-    def __call__(self, x, cos, sin, kv: jax.Array, mask: jax.Array, form: AttnForm = "expanded"):
-        """x [B, T, D]; kv [B, S, C+R]: latents of every key (the cache, already holding this step's tokens);
-        mask [B, T, S] bool (True = attend). Returns [B, T, D]."""
+    def __call__(self, x, cos, sin, mask: jax.Array):
+        """Attention over the T tokens of x [B, T, D] themselves, in the expanded form (K_nope = c @ W_UK and
+        V = c @ W_UV per head); mask [B, T, T] bool (True = attend). Returns [B, T, D]."""
         c = self.config
         q_nope, q_pe = self.queries(x, cos, sin)
+        kv = self.latents(x, cos, sin)  # [B, T, C+R]
         c_kv, k_pe = kv[..., : c.kv_lora_rank], kv[..., c.kv_lora_rank:]
         w_uk, w_uv = self.w_uk_uv()
         f32 = dict(preferred_element_type=jnp.float32)
-        rope_scores = jnp.einsum("bthr,bsr->bhts", q_pe, k_pe, **f32)
-        if form == "expanded":
-            k_nope = jnp.einsum("bsc,hnc->bshn", c_kv, w_uk, **f32).astype(self.dtype)
-            v = jnp.einsum("bsc,hvc->bshv", c_kv, w_uv, **f32).astype(self.dtype)
-            scores = jnp.einsum("bthn,bshn->bhts", q_nope, k_nope, **f32) + rope_scores
-        elif form == "absorbed":
-            q_lat = jnp.einsum("bthn,hnc->bthc", q_nope, w_uk, **f32).astype(self.dtype)
-            scores = jnp.einsum("bthc,bsc->bhts", q_lat, c_kv, **f32) + rope_scores
-        else:
-            raise ValueError(f"form must be 'expanded' or 'absorbed', got {form!r}")
+        k_nope = jnp.einsum("bsc,hnc->bshn", c_kv, w_uk, **f32).astype(self.dtype)
+        v = jnp.einsum("bsc,hvc->bshv", c_kv, w_uv, **f32).astype(self.dtype)
+        scores = (jnp.einsum("bthn,bshn->bhts", q_nope, k_nope, **f32)
+                  + jnp.einsum("bthr,bsr->bhts", q_pe, k_pe, **f32))
         scores = jnp.where(mask[:, None], scores * c.softmax_scale, -jnp.inf)  # [B, H, T, S]
         probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        if form == "expanded":
-            out = jnp.einsum("bhts,bshv->bthv", probs, v, **f32)
-        else:
-            o_lat = jnp.einsum("bhts,bsc->bthc", probs, c_kv, **f32).astype(self.dtype)
-            out = jnp.einsum("bthc,hvc->bthv", o_lat, w_uv, **f32)
+        out = jnp.einsum("bhts,bshv->bthv", probs, v, **f32)
         out = out.astype(self.dtype).reshape(*x.shape[:2], c.num_attention_heads * c.v_head_dim)
         return self.o_proj(out)
 
-    def paged(self, x, cos, sin, cache, block_table, seqlens, slots, plan=None, write_cache: bool = True,
-              window=None):
+    def paged(self, x, cos, sin, cache, md: AttentionMetadata, backend: AttentionBackend, window=None,
+              plan=None):
         """Absorbed attention over the paged latent cache (decode, MTP verification, chunked prefill).
-        x [B, T, D]: the last T tokens of each sequence; cache [pages, 64, 1, C+R]; block_table [B, max_pages];
-        seqlens [B]; slots [B, T]; window: this layer's paged_attention.DecodeWindow or None. Returns
-        ([B, T, D], cache, this step's latents [B, T, C+R]); the cache is updated with write_cache, else unchanged
-        (see paged_attention.paged_mla)."""
+        x [B, T, D]: the last T tokens of each sequence; cache [pages, 64, 1, C+R]; md: the step's metadata;
+        backend: how the cache is read and written (models/attention.py); window: this layer's DecodeWindow or
+        None. Returns ([B, T, D], the cache (updated when the backend writes in the step), this step's latents
+        [B, T, C+R])."""
         c = self.config
         n = c.qk_nope_head_dim
         q_a, kv = self.a_projections(x)
@@ -139,9 +130,8 @@ class MLA(nnx.Module):
         q_lat = q_lat.transpose(1, 0, 2).reshape(b, t, h, c.kv_lora_rank)  # [B, T, H, C]
         q = jnp.concatenate([q_lat.astype(self.dtype), q_pe], axis=-1)  # [B, T, H, C+R]
         new = self.latents(x, cos, sin, kv).astype(value_dtype(cache, self.dtype))  # [B, T, C+R]
-        o_lat, cache = paged_mla(plan, q, new, cache, block_table, seqlens, slots, head_dim_v=c.kv_lora_rank,
-                                 softmax_scale=c.softmax_scale, write_cache=write_cache,
-                                 window=window)  # [B, T, H, C]
+        o_lat, cache = backend(plan, q, new, cache, md, window, head_dim_v=c.kv_lora_rank,
+                               softmax_scale=c.softmax_scale)  # [B, T, H, C]
         o_lat = o_lat.reshape(b * t, h, c.kv_lora_rank).transpose(1, 0, 2)  # [H, M, C]
         out = jnp.einsum("hmc,hkc->hmk", o_lat, w_ukv,
                          preferred_element_type=jnp.float32)[..., n:]  # [H, M, V] = o_lat @ W_UV^T

@@ -15,13 +15,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxinfer.config import ModelConfig
 from jaxinfer.checkpoint.fp8 import scale_shape
+from jaxinfer.config import ModelConfig
 from jaxinfer.models.grouped_matmul import tile_plan
 from jaxinfer.models.layers import FP8_DTYPE, MLP, dense_weight, matmul_nt, matmul_nt_many, normal_init
 from jaxinfer.parallel.dispatch import expert_parallel, slot_counts
 from jaxinfer.parallel.placement import default_tables
 from jaxinfer.parallel.plan import ParallelPlan, batch_shards
+from jaxinfer.platform import current as current_platform
 from kernels_pallas import fp8_grouped_gemm_contiguous, per_token_cast_to_fp8
 
 
@@ -100,7 +101,7 @@ def moe_path(rows: int, top_k: int, num_slots: int, platform: str | None = None)
     left operand (layers.matmul_nt); it stays selectable."""
     if rows * top_k <= min(2 * num_slots, GATHER_MAX_ASSIGNMENTS):
         return "gather"
-    cpu = (platform or jax.default_backend()) == "cpu"
+    cpu = (platform or current_platform().name) == "cpu"
     if cpu and rows * top_k >= TILED_MIN_BALANCED_LOAD * num_slots:
         return "tiled"
     return "capacity"

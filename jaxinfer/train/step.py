@@ -79,7 +79,7 @@ def forward(model: DeepseekForCausalLM, x: jax.Array) -> tuple[jax.Array, jax.Ar
     """x [B, T+2] -> (main logits [B, T, V], MTP logits [B, T, V], next tokens [B, T], second-next [B, T])."""
     ids, nxt, nxt2 = x[:, :-2], x[:, 1:-1], x[:, 2:]
     positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
-    h, _ = model.hidden_states(ids, positions)  # [B, T, D], final-normed
+    h = model.hidden_states(ids, positions)  # [B, T, D], final-normed
     return model.head(h), model.mtp_logits(h, nxt, positions), nxt, nxt2
 
 

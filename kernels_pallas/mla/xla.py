@@ -1,7 +1,7 @@
 """The XLA path of paged MLA attention: an online softmax over chunks of pages, in fp32 and log2 units.
 
 One implementation serves ``mla_decode(implementation="xla")`` (the cache already holds the step's keys; any G,
-causal or not) and the engine's CPU attention (jaxinfer/models/paged_attention.py), which reads the cache without
+causal or not) and the engine's CPU attention (jaxinfer/models/attention.py), which reads the cache without
 writing the step's latents first: those come as ``new_keys``, causal among themselves, and the latents of a
 multi-step decode program's earlier iterations as a ``DecodeWindow`` read as if they were already cached.
 
@@ -29,7 +29,7 @@ from kernels_pallas.mla.common import LOG2E, from_rows, to_rows
 
 class DecodeWindow(NamedTuple):
     """Cached positions whose keys are not in the cache yet: a multi-step decode program's earlier iterations
-    (jaxinfer/engine/runner.py), whose latents are written to the cache after the program.
+    (jaxinfer/engine/step_program.py), whose latents are written to the cache after the program.
 
     latents [B, W, D]: row b's keys at positions start[b] .. start[b] + W - 1 (iteration i computed position
     start + i); start int32 [B]; length: int32 scalar, how many of them exist (the current iteration's index).
