@@ -4,8 +4,8 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.engine.llm import LLM
-from jaxinfer.engine.outputs import CompletionOutput, EngineStats, RequestOutput
-from jaxinfer.engine.sampling_params import RequestOutputKind, SamplingParams
+from jaxinfer.engine.outputs import CompletionOutput, EngineStats, RequestOutput, RequestOutputKind
+from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.model import Model, load_model
 
 __all__ = ["LLM", "CompletionOutput", "EngineConfig", "EngineStats", "LLMEngine", "Model", "ModelConfig",

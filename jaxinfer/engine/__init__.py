@@ -5,8 +5,8 @@ step / abort_request) -> Scheduler (a SchedulerOutput per step) -> ModelRunner (
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.engine.llm import LLM
-from jaxinfer.engine.outputs import CompletionOutput, EngineStats, RequestOutput
-from jaxinfer.engine.sampling_params import RequestOutputKind, SamplingParams
+from jaxinfer.engine.outputs import CompletionOutput, EngineStats, RequestOutput, RequestOutputKind
+from jaxinfer.engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "EngineConfig", "EngineStats", "LLMEngine", "RequestOutput",
            "RequestOutputKind", "SamplingParams"]

@@ -19,7 +19,7 @@ import numpy as np
 from jaxinfer import default_model
 from jaxinfer.compile_cache import enable_compilation_cache
 from jaxinfer.engine.config import EngineConfig
-from jaxinfer.engine.outputs import EngineStats, RequestOutput, RequestState
+from jaxinfer.engine.outputs import EngineStats, RequestOutput, RequestOutputKind, RequestState
 from jaxinfer.engine.runner import InFlight, ModelRunner
 from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.engine.scheduler import Scheduler
@@ -86,9 +86,10 @@ class LLMEngine:
         self._steps_since_rebalance = 0
 
     # ---- requests ----------------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None
-                    ) -> None:
-        """Queues a request. prompt: text (needs the checkpoint's tokenizer) or token ids.
+    def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                    *, output_kind: RequestOutputKind | str = RequestOutputKind.CUMULATIVE) -> None:
+        """Queues a request. prompt: text (needs the checkpoint's tokenizer) or token ids. output_kind: what
+        ``step()`` returns of it (outputs.RequestOutputKind: "cumulative", "delta" or "final_only").
 
         Raises ValueError for a non-str request_id, the id of an unfinished request (one whose finished output
         was not returned yet), a prompt of the wrong type or sampling_params that are not SamplingParams. A
@@ -102,10 +103,15 @@ class LLMEngine:
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        try:
+            output_kind = RequestOutputKind(output_kind)
+        except ValueError:
+            raise ValueError(f"output_kind must be one of {[k.value for k in RequestOutputKind]}, "
+                             f"got {output_kind!r}") from None
         text, ids = self._prompt_ids(prompt)
         next(self._ids)  # the request's own internal id: unseeded sampling keys stay what they were
         seqs = [Sequence(next(self._ids), ids, params, child_index=child) for child in range(params.n)]
-        request = RequestState(request_id, text, ids, params, seqs, self.tokenizer, time.perf_counter())
+        request = RequestState(request_id, text, ids, params, seqs, self.tokenizer, time.perf_counter(), output_kind)
         self._requests[request_id] = request
         error = self._content_error(ids, params)
         if error is None:

@@ -31,7 +31,9 @@ from jaxinfer.engine.scheduler_output import ScheduledRequest, SchedulerOutput, 
 # stop_token_ids): a row with more is checked for the first ones only, which is safe (the host's stop check
 # decides; the device only stops early).
 DEVICE_STOP_IDS = 8
-MIN_PAGES = 2  # pages per row at least: fewer shapes; at batch 32 and 128-token contexts 4 cost 10% more per step
+# Pages per row at least: fewer shapes; 4 cost more per step at short contexts (docs/benchmarks.md "Paged
+# attention, XLA path (CPU)").
+MIN_PAGES = 2
 _PAD_PARAMS = SamplingParams(temperature=0.0)  # rows that sample nothing: greedy, never read
 
 
@@ -157,8 +159,9 @@ class InputBatch:
         steps = np.zeros((n_rows,), np.int64)
         sampled, feed = [], {}
         for rank, requests in enumerate(out.requests):
-            # Per row: few numpy calls on small arrays (a decode step's rows hold one token each; at batch 32 a
-            # numpy call per token and field cost ~3 ms of host time per step on CPU).
+            # Per row: few numpy calls on small arrays (a decode step's rows hold one token each; a numpy call per
+            # token and field is host time that grows with the batch: docs/benchmarks.md "Engine steps and host
+            # overhead").
             for i, r in enumerate(requests):
                 row, n, state = rank * rows + i, r.num_tokens, self.requests[r.req_id]
                 n_in = r.num_input_tokens(out.kind)

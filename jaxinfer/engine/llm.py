@@ -16,8 +16,8 @@ from tqdm.auto import tqdm
 
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import LLMEngine
-from jaxinfer.engine.outputs import EngineStats, RequestOutput
-from jaxinfer.engine.sampling_params import RequestOutputKind, SamplingParams
+from jaxinfer.engine.outputs import EngineStats, RequestOutput, RequestOutputKind
+from jaxinfer.engine.sampling_params import SamplingParams
 
 
 class LLM:
@@ -48,14 +48,13 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
-        params = [dataclasses.replace(p or SamplingParams(), output_kind=RequestOutputKind.FINAL_ONLY)
-                  for p in params]
+        params = [p or SamplingParams() for p in params]
         engine, before = self.engine, dataclasses.replace(self.engine.stats)
         ids = [str(i) for i in range(len(prompts))]
         results: dict[str, RequestOutput] = {}
         try:
             for rid, prompt, p in zip(ids, prompts, params):
-                engine.add_request(rid, prompt, p)
+                engine.add_request(rid, prompt, p, output_kind=RequestOutputKind.FINAL_ONLY)
             bar = tqdm(total=len(ids), disable=not use_tqdm, desc="generate", unit="req")
             while len(results) < len(ids):
                 for out in engine.step():

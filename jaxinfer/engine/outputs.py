@@ -1,7 +1,7 @@
 """What the engine returns: ``RequestOutput`` / ``CompletionOutput`` (vLLM's shape), ``EngineStats``, and the engine's
 per-request output state (``RequestState``: detokenization, stop strings, logprobs, metrics).
 
-Outputs follow ``SamplingParams.output_kind``: CUMULATIVE (everything so far, each time the request progresses),
+Outputs follow the request's ``RequestOutputKind`` (``LLMEngine.add_request``): CUMULATIVE (everything so far, each time the request progresses),
 DELTA (what is new since its last output) or FINAL_ONLY. A completion's text never shows what a stop string may
 still cut: while unfinished, the last (longest stop string - 1) characters are held back (vLLM's rule).
 """
@@ -9,11 +9,22 @@ still cut: while unfinished, the last (longest stop string - 1) characters are h
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any
 
-from jaxinfer.engine.sampling_params import RequestOutputKind, SamplingParams
+from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.engine.sequence import PLACEHOLDER, Sequence
 from jaxinfer.engine.tokenizer import IncrementalDecoder, Tokenizer
+
+
+class RequestOutputKind(str, enum.Enum):
+    """What ``LLMEngine.step`` returns of a request (vLLM's ``RequestOutputKind``): its whole output so far each
+    time it progresses (CUMULATIVE, the default), only what is new since its last output (DELTA), or only its
+    finished output (FINAL_ONLY: what ``LLM.generate`` asks for)."""
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
 
 
 @dataclasses.dataclass
@@ -81,8 +92,10 @@ class RequestState:
     """The engine's record of one request: its sequences (one per sample), decoders and timing."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 seqs: list[Sequence], tokenizer: Tokenizer | None, arrival: float):
+                 seqs: list[Sequence], tokenizer: Tokenizer | None, arrival: float,
+                 output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE):
         self.request_id = request_id
+        self.output_kind = output_kind
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -111,7 +124,7 @@ class RequestState:
         self.last_token = t
         if c.logprobs is not None and logprobs:
             c.logprobs.extend(logprobs)
-        if self.params.output_kind is not RequestOutputKind.FINAL_ONLY or self.params.stop:
+        if self.output_kind is not RequestOutputKind.FINAL_ONLY or self.params.stop:
             self._decode(c)
 
     def find_stop_string(self, child: int) -> bool:
@@ -153,7 +166,7 @@ class RequestState:
     def output(self, now: float) -> RequestOutput | None:
         """The RequestOutput to return now under the request's output_kind (None: nothing to return)."""
         finished = self.finished
-        kind = self.params.output_kind
+        kind = self.output_kind
         if kind is RequestOutputKind.FINAL_ONLY and not finished or self.returned_final:
             return None
         self.returned_final = finished

@@ -84,8 +84,8 @@ class ModelRunner:
 
     @functools.cached_property
     def _state_leaves(self) -> tuple[list, object]:
-        """The model state as a flat list of arrays (+ its treedef): flattening the nnx.State at every dispatch
-        costs about a millisecond, a tenth of a small model's decode step on CPU."""
+        """The model state as a flat list of arrays (+ its treedef), flattened once: flattening the nnx.State at
+        every dispatch is host time in every step (docs/benchmarks.md "Engine steps and host overhead")."""
         leaves, treedef = jax.tree.flatten(self.model.state)
         return leaves, treedef
 

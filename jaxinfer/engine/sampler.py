@@ -24,7 +24,8 @@ Randomness: each row's key is derived only from its own request, never from its 
 with key(s) the threefry2x32 key whose data is (s >> 32, s & 0xffffffff) (s taken mod 2**64; equal to
 `jax.random.key(s, impl="threefry2x32")` for 0 <= s < 2**32) and step the number of tokens the row has generated
 so far (so a preempted and recomputed request draws the same tokens again). The per-request part is derived on
-the host (a hash, no JAX op) because every threefry call costs compile time on XLA:CPU (about 0.3-1 s each).
+the host (a hash, no JAX op) because every threefry call costs compile time on XLA:CPU (docs/benchmarks.md "Test
+suite and compile times").
 """
 
 from __future__ import annotations
@@ -295,8 +296,8 @@ def first_argmax(x: jax.Array) -> jax.Array:
     row's max is found (jnp.argmax over V / 128 values; a block with a NaN counts as NaN, which argmax picks
     first), and then the first maximum within that block. Every earlier block's max is smaller (or the first
     maximum would be in it), so the index is argmax's. Why: XLA:CPU runs argmax over V as one scalar loop (it
-    carries the value and the index); the block maxima are a vectorized reduce. Jitted alone, dispatch included:
-    [32, 8192] float32 591 -> 137 us, [1, 8192] 54 -> 15 us (the benchmark model's greedy decode steps)."""
+    carries the value and the index); the block maxima are a vectorized reduce (docs/benchmarks.md "Engine steps
+    and host overhead")."""
     b, v = x.shape
     nb = -(-v // ARGMAX_BLOCK)
     blocks = jnp.pad(x, ((0, 0), (0, nb * ARGMAX_BLOCK - v)), constant_values=-jnp.inf)

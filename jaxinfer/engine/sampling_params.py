@@ -9,7 +9,6 @@ logprobs None or >= 0. Every violation raises ValueError naming the field and th
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 import numbers
 from collections.abc import Iterable, Sequence
@@ -47,16 +46,6 @@ def _int(name: str, value, lo: int) -> int:
     return int(value)
 
 
-class RequestOutputKind(str, enum.Enum):
-    """What ``LLMEngine.step`` returns of a request (vLLM's ``RequestOutputKind``): its whole output so far each
-    time it progresses (CUMULATIVE, the default), only what is new since its last output (DELTA), or only its
-    finished output (FINAL_ONLY: what ``LLM.generate`` asks for)."""
-
-    CUMULATIVE = "cumulative"
-    DELTA = "delta"
-    FINAL_ONLY = "final_only"
-
-
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Sampling settings of one request (frozen: hashable, safe to share between requests).
@@ -75,7 +64,6 @@ class SamplingParams:
       logprobs: None, or N >= 0: the top-N logprobs per generated token plus the sampled token's.
       presence_penalty, frequency_penalty: in [-2, 2] (OpenAI API, as vLLM), on generated tokens.
       repetition_penalty: > 0 (1 = off), on tokens of the prompt or the output (vLLM, CTRL paper).
-      output_kind: a RequestOutputKind (or its value): what LLMEngine.step returns of the request.
 
     Raises:
       ValueError naming the field and its value for anything outside these ranges or of the wrong type.
@@ -95,7 +83,6 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)
@@ -121,11 +108,6 @@ class SamplingParams:
                                          lo_open=True, hi_open=True))
         set_("stop", _stop_strings(self.stop))
         set_("stop_token_ids", _stop_token_ids(self.stop_token_ids))
-        try:
-            set_("output_kind", RequestOutputKind(self.output_kind))
-        except ValueError:
-            raise ValueError(f"output_kind={self.output_kind!r} must be one of "
-                             f"{[k.value for k in RequestOutputKind]}") from None
 
     @property
     def greedy(self) -> bool:

@@ -65,7 +65,7 @@ class StepProgram:
         write_cache = backend.writes_in_step
         # XLA hoists loop-invariant work out of a multi-step decode loop, the weights' converts and transposes
         # included: a bf16 decode on CPU then reads float32 copies of every weight in every iteration
-        # (tests/test_paged_forward.py). Only the XLA path compiles with that pass off.
+        # (test_paged_forward.py). Only the XLA path compiles with that pass off.
         options = None if write_cache else {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
 
         @functools.partial(jax.jit, donate_argnums=((1, 2, 3) if write_cache else (2, 3)), static_argnums=6,

@@ -1,8 +1,8 @@
 """Tokenizer: HF `tokenizer.json` through `tokenizers`, the jinja2 chat template of `tokenizer_config.json`, and
 an incremental detokenizer for streaming and stop strings.
 
-Injection safety (DESIGN.md, platform facts): text from users never becomes a special token. `encode` sets
-`tokenizers`' `encode_special_tokens = True`, so "<｜end▁of▁sentence｜>" in a prompt is encoded as the plain text
+Injection safety (docs/architecture.md "Platform facts"): text from users never becomes a special token. `encode`
+sets `tokenizers`' `encode_special_tokens = True`, so "<｜end▁of▁sentence｜>" in a prompt is encoded as the plain text
 it spells; special tokens come only from the post-processor (BOS) and from the chat template's own text (see
 `Tokenizer.apply_chat_template`). Non-special added tokens (e.g. R1's `<think>`) are matched everywhere, as
 `tokenizers` does with `encode_special_tokens`.

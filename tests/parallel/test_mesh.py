@@ -9,7 +9,7 @@ import pytest
 
 from jaxinfer.parallel.mesh import MeshFile, make_mesh, ordered_devices, read_mesh_file
 
-MESHES = pathlib.Path(__file__).parent.parent / "meshes"
+MESHES = pathlib.Path(__file__).resolve().parents[2] / "meshes"
 
 
 @pytest.mark.parametrize("spec, shape", [(None, (1, 8)), ("1x1", (1, 1)), ("2x4", (2, 4)), ("8x1", (8, 1))])

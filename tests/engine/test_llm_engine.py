@@ -127,7 +127,7 @@ def test_step_outputs_accumulate_to_what_generate_returns():
     for kind in (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE):
         engine = LLMEngine(**KW)
         for i, (prompt, p) in enumerate(zip(PROMPTS, params)):
-            engine.add_request(str(i), prompt, dataclasses.replace(p, output_kind=kind))
+            engine.add_request(str(i), prompt, p, output_kind=kind)
         outputs = _run(engine)
         for i, ref in enumerate(reference):
             outs = outputs[str(i)]
@@ -152,6 +152,8 @@ def test_request_errors(engine):
         engine.add_request(3, [1, 2])
     with pytest.raises(ValueError, match="sampling_params must be SamplingParams"):
         engine.add_request("p", [1, 2], {"max_tokens": 3})
+    with pytest.raises(ValueError, match="output_kind must be one of"):
+        engine.add_request("p", [1, 2], output_kind="streaming")
     with pytest.raises(ValueError, match="prompt must be a str or a list of token ids"):
         engine.add_request("p", [[1, 2]])
     vocab = engine.model.config.vocab_size

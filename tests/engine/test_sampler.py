@@ -15,7 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxinfer.engine import SamplingParams, SamplingTensors, advance, sample, token_counts
+from jaxinfer.engine.sampler import SamplingTensors, advance, sample, token_counts
+from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.engine.sampler import ARGMAX_BLOCK, apply_penalties, first_argmax, request_seed, seed_key_data
 
 B, V, K = 4096, 8, 3

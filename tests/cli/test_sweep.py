@@ -22,7 +22,7 @@ from jaxinfer import bench, default_model, sweep
 from jaxinfer.cli import main
 from jaxinfer.parallel.mesh import read_mesh_file
 
-MESHES = pathlib.Path(__file__).parent.parent / "meshes"
+MESHES = pathlib.Path(__file__).resolve().parents[2] / "meshes"
 CPU_1X1, CPU_1X8 = str(MESHES / "cpu-1x1.toml"), str(MESHES / "cpu-1x8.toml")
 
 ONE_BATCH_FIGURES = ("prefill_latency_s", "prefill_throughput_tok_s", "median_decode_latency_s",

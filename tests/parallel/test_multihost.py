@@ -25,7 +25,7 @@ from jaxinfer.cli import main
 from jaxinfer.parallel import multihost
 from jaxinfer.parallel.mesh import make_mesh
 
-ROOT = pathlib.Path(__file__).parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 NUM_PROCESSES, LOCAL_DEVICES = 2, 4
 SPAWN_TIMEOUT_S = 240
 IDS = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -114,7 +114,7 @@ def test_coordinator_forms():
 def worker_run(tmp_path_factory):
     """Both processes' saved arrays (npz dicts, or None where a process saved nothing) and their exit status."""
     tmp = tmp_path_factory.mktemp("multihost_worker")
-    results = _run_group(lambda coordinator, i: [sys.executable, str(ROOT / "tests" / "multihost_worker.py"),
+    results = _run_group(lambda coordinator, i: [sys.executable, str(ROOT / "tests" / "parallel" / "multihost_worker.py"),
                                                  coordinator, str(NUM_PROCESSES), str(i), str(LOCAL_DEVICES),
                                                  str(tmp / f"p{i}.npz")], tmp)
     saved = [dict(np.load(tmp / f"p{i}.npz")) if (tmp / f"p{i}.npz").is_file() else None

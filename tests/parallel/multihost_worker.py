@@ -1,6 +1,6 @@
-"""One process of a multi-process test run (spawned by tests/test_multihost.py, one per process id).
+"""One process of a multi-process test run (spawned by tests/parallel/test_multihost.py, one per process id).
 
-    python tests/multihost_worker.py COORDINATOR NUM_PROCESSES PROCESS_ID LOCAL_DEVICES OUT.npz
+    python tests/parallel/multihost_worker.py COORDINATOR NUM_PROCESSES PROCESS_ID LOCAL_DEVICES OUT.npz
 
 Joins the run, then computes on the global 2x4 mesh and saves to OUT.npz:
 - ``devices``: [process_index, id] of the mesh's devices in DP-rank order, [8, 2];
