@@ -26,7 +26,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (the CPU machines have 2 cores)")
     p.add_argument("--cpu-devices", type=int, default=None,
-                   help="simulated CPU devices (default: the mesh's; 8 made a 1x1 step ~20%% slower)")
+                   help="simulated CPU devices (default: the mesh's; more slow a 1x1 step down: docs/benchmarks.md)")
     args = p.parse_args()
 
     import jax

@@ -5,8 +5,8 @@
 
 The shapes (N x K) default to the benchmark model's decode GEMMs (forward_vs_transformers.py): routed experts'
 gate/up as one matrix (16 x 256 rows), the LM head, the dense MLP, attention projections; S x N x K shapes are
-batched (x [S, M, K] @ W [S, N, K]^T per s: the capacity path's per-expert matmuls, M rows per expert). Each call gets the
-next of several weight copies (over 32 MB in all), so weights come from memory as in a decode step, not from
+batched (x [S, M, K] @ W [S, N, K]^T per s: the capacity path's per-expert matmuls, M rows per expert). Each call
+gets the next of several weight copies (over 32 MB in all), so weights come from memory as in a decode step, not from
 cache. Prints the minimum over --repeats passes in ms, the speedup of the transposed form (TRANSPOSED_PRODUCT_ROWS in
 layers.py is where it wins) and matmul_nt as shipped (one row: a float32 matrix-vector product). --dtype is the
 operands' dtype (float32 accumulation and output in every form).

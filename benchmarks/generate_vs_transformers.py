@@ -5,14 +5,14 @@
 
 The model is the V3-shaped one of forward_vs_transformers.py (hidden 512, 4 layers of which 3 MoE, 16 routed
 experts top-4, q_lora, YaRN), saved in DeepSeek's checkpoint format. For each batch size B: B random prompts of
---input-len tokens, --output-len new tokens, greedy, EOS ignored (transformers: eos_token_id=None,
-min_new_tokens). Decode throughput = B * (output_len - 1) / (time of output_len tokens - time of 1 token), so the
-prefill and the first token are left out for both; the time of 1 token (prefill + first token, the TTFT of a
-batch) is printed on its own line. After a warm-up (jaxinfer's compilation) the two run in alternation, --repeats
-rounds of (jaxinfer 1 token, jaxinfer output_len tokens, transformers 1 token, transformers output_len tokens):
-the CPU machines here share memory bandwidth with other tenants and their speed drifts by 15-40% within minutes,
-so each round's ratio compares the two under the same conditions. Printed: the median of each side's per-round
-throughput and the median and range of the per-round ratios.
+--input-len tokens, --output-len new tokens, greedy, EOS ignored (transformers: eos_token_id=None, min_new_tokens).
+Decode throughput = B * (output_len - 1) / (time of output_len tokens - time of 1 token), so the prefill and the
+first token are left out for both; the time of 1 token (prefill + first token, the TTFT of a batch) is printed on its
+own line. After a warm-up (jaxinfer's compilation) the two run in alternation, --repeats rounds of (jaxinfer 1 token,
+jaxinfer output_len tokens, transformers 1 token, transformers output_len tokens): the CPU machines here share memory
+bandwidth with other tenants and their speed drifts within minutes (docs/benchmarks.md "How to read"), so each
+round's ratio compares the two under the same conditions. Printed: the median of each side's per-round throughput and
+the median and range of the per-round ratios.
 
 Host share (jaxinfer, decode): 1 - (device time per token) / (wall time per token), where the device time is
 measured by dispatching the same captured decode step back to back (no host work between them) and divided by
@@ -46,7 +46,7 @@ def main() -> None:
                    help="jaxinfer's decode iterations per step (LLM's num_scheduler_steps; default: LLM's default)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (the CPU machines have 2 cores)")
     p.add_argument("--cpu-devices", type=int, default=None,
-                   help="simulated CPU devices (default: the mesh's; 8 made a 1x1 step ~20%% slower)")
+                   help="simulated CPU devices (default: the mesh's; more slow a 1x1 step down: docs/benchmarks.md)")
     p.add_argument("--greedy-screening", choices=["auto", "on", "off"], default="auto",
                    help="LLM's greedy_screening (auto: its default, on for float32 on CPU)")
     p.add_argument("--skip-transformers", action="store_true")

@@ -1,4 +1,4 @@
-"""Issue 4's kernel benchmarks in one command: FlashMLA's sweep (kernels_mla.py), then DeepGEMM's shapes
+"""The kernel benchmarks in one command: FlashMLA's sweep (kernels_mla.py), then DeepGEMM's shapes
 (kernels_fp8.py), each line with the published H800 figures beside ours, appended to two files in --out-dir.
 
     PYTHONPATH=. python benchmarks/kernels.py [--out-dir DIR] [--cases all|compare] [--kernel default|both]

@@ -8,19 +8,19 @@ Needs a CUDA GPU; elsewhere it says so and measures nothing. Each case (shape x 
 failure does not stop the rest; results (with date and device) are appended to --out, one line per case, tagged
 with the kernel variant (fp8_gemm ``kernel=``: "pipelined" | "warp_specialized") when it is the Pallas path.
 
---kernel both runs the two variants side by side (adjacent lines per shape); --cases compare restricts the sweep
-to the issue's goal shapes (m = 4096 x DeepGEMM's six (n, k)) plus a decode-sized and one of each grouped layout
-(scripts/gpu_check.sh uses it to keep the device run short); --cases tuning to two dense shapes (m=4096 n=7168
-k=16384, n=2112 k=7168) for a --tilings sweep. --tilings BMxBNxST[,...] times each of these
+--kernel both runs the two variants side by side (adjacent lines per shape); --cases compare restricts the sweep to
+the goal shapes (m = 4096 x DeepGEMM's six (n, k), whose published figures are the target) plus a decode-sized and
+one of each grouped layout (scripts/gpu_check.sh uses it to keep the device run short); --cases tuning to two dense
+shapes (m=4096 n=7168 k=16384, n=2112 k=7168) for a --tilings sweep. --tilings BMxBNxST[,...] times each of these
 explicit tilings (block_m x block_n x stages) per kernel instead of the defaults, for tuning on a GPU; a tiling a
 kernel rejects prints its ValueError. --multicast adds a line with multicast=2 (DeepGEMM's TMA multicast of A over
 CTA pairs) per warp_specialized case. Every line names the tiling that ran (kernels_pallas/fp8/tiling.py picks the
 defaults). Timing: the median over 5 repeats of (20 back-to-back calls, one sync) / 20, so the host's dispatch
 overlaps the device's work.
 --breakdown (after the cases) times each kernel's two probes beside it on the headline shape (``breakdown_case``;
-``PROBES``: the kernels' accumulation hook replaced): "mma" (DeepGEMM's promotion taken out: a plain FP8 GEMM with the same producer, ring
-and tiles) and "stream" (all compute taken out: the TMA feed alone). Kernel near mma: the promotion is hidden; mma
-near stream: the feed bounds it; both far above the kernel: their overlap does not happen.
+``PROBES``: the kernels' accumulation hook replaced): "mma" (DeepGEMM's promotion taken out: a plain FP8 GEMM with
+the same producer, ring and tiles) and "stream" (all compute taken out: the TMA feed alone). Kernel near mma: the
+promotion is hidden; mma near stream: the feed bounds it; both far above the kernel: their overlap does not happen.
 --cases compare then times XLA's own GEMMs (cuBLAS: bf16, and e4m3 without block scales) on the goal shapes, as the
 ceiling this GPU gives, and JAX's own Pallas Hopper matmul in bf16, as the ceiling a Pallas kernel reaches here
 (``ceilings``).

@@ -6,9 +6,9 @@
 Times one jitted expert_ffn call per path for M tokens (median of --repeats after a warm-up, the paths
 interleaved) and prints which path ``moe_path`` picks for each M. The defaults are the routed experts of the
 benchmark model of forward_vs_transformers.py / generate_vs_transformers.py. Routing: each token's top-k distinct
-experts drawn with probability proportional to rank^-skew (0: uniform; 1: Zipf-like, the busiest expert ~3x the
-mean; the random benchmark model's own routing has its busiest expert at 1.7-2.4x); "busiest" is the busiest
-expert's count over the mean.
+experts drawn with probability proportional to rank^-skew (0: uniform; 1: Zipf-like); "busiest" is the busiest
+expert's count over the mean (for each skew and for the random benchmark model's own routing: docs/benchmarks.md
+"Routed-expert paths (CPU)").
 """
 
 from __future__ import annotations

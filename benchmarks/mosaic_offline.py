@@ -1,10 +1,10 @@
 """Compile a Mosaic GPU kernel module for sm_90a without a GPU; return what Mosaic GPU's dumps print (PTX, ptxas -v).
 
-Why: registers, spills and ptxas's warnings decide much of a Hopper kernel's speed, and GPU time is scarce here. Mosaic GPU compiles a kernel at run time, inside the
-CUDA PJRT plugin (jaxlib/mosaic/gpu/custom_call.cc: ``CompileAndInit`` -> ``Compile`` -> ``DumpCompilationOutput``),
-and the plugin exports that path as ``MosaicGpuCompile(const char *module, int size)``. It needs a CUDA device only
-to read the compute capability (``cuCtxGetDevice``, ``cuDeviceGetAttribute``), and CUDA's toolkit (ptxas) to
-assemble. So this module:
+Why: registers, spills and ptxas's warnings decide much of a Hopper kernel's speed, and GPU time is scarce here.
+Mosaic GPU compiles a kernel at run time, inside the CUDA PJRT plugin (jaxlib/mosaic/gpu/custom_call.cc:
+``CompileAndInit`` -> ``Compile`` -> ``DumpCompilationOutput``), and the plugin exports that path as
+``MosaicGpuCompile(const char *module, int size)``. It needs a CUDA device only to read the compute capability
+(``cuCtxGetDevice``, ``cuDeviceGetAttribute``), and CUDA's toolkit (ptxas) to assemble. So this module:
 
 - builds a stand-in libcuda.so.1 (C source below, compiled with the system's cc) that reports one sm_90 device
   and nothing else; the plugin dlopens libcuda, so LD_LIBRARY_PATH puts the stand-in first;

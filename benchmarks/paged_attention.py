@@ -6,9 +6,9 @@ keys; the second over a cache that holds them, in chunks of mla_decode's block_p
     python benchmarks/paged_attention.py [--batch 32] [--context 1024] [--tokens 1] [--heads 16]
         [--latent 512] [--rope 64] [--chunk-tokens 64,128,256,512] [--repeats 15]
 
-Defaults: V3's latent cache (512 + 64 dims) with 16 query heads (V3 has 128; the score and output products scale
-with them, the key reads do not), a decode step (--tokens 1) of --batch sequences with --context tokens each, float32. Prints min and median ms per
-call; both compute the same outputs (checked first).
+Defaults: V3's latent cache (512 + 64 dims) with 16 query heads (V3 has 128; the score and output products scale with
+them, the key reads do not), a decode step (--tokens 1) of --batch sequences with --context tokens each, float32.
+Prints min and median ms per call; both compute the same outputs (checked first).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def main() -> None:
     inputs = (q, new, cache, jnp.asarray(table, jnp.int32), jnp.asarray(seqlens), jnp.asarray(slots, jnp.int32))
     scale = d ** -0.5
 
-    def gather_then_mla_decode(q, new, cache, table, seqlens, slots):  # the engine's CPU path before
+    def gather_then_mla_decode(q, new, cache, table, seqlens, slots):  # every page gathered, then mla_decode
         local = (jnp.arange(b)[:, None] * pages + pos // ps) * ps + pos % ps  # the slots in the gathered copy
         copy = write(cache[table].reshape(b * pages, ps, 1, d), new.reshape(-1, d), jnp.asarray(local).reshape(-1))
         ids = jnp.arange(b * pages, dtype=jnp.int32).reshape(b, pages)

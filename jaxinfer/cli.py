@@ -27,7 +27,7 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
                    help="simulate N CPU devices (set before JAX starts; CPU only; per process in multi-process runs)")
     p.add_argument("--compilation-cache", metavar="DIR", default=None,
                    help="JAX's persistent compilation cache, so later runs skip compiling the engine's programs "
-                        "(the embedded model's first token: ~5 s -> ~1.4 s on CPU); default: "
+                        "(most of a cold first token's wait on CPU); default: "
                         "$JAX_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/jaxinfer/jax (~/.cache/jaxinfer/jax); "
                         "'off' disables it")
     multi = p.add_argument_group("multi-process (jax.distributed; every process runs the same command)")

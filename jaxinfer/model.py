@@ -208,8 +208,8 @@ def random_params(abstract_module: nnx.Module, seed: int) -> dict:
     """Host-side random weights for an abstract module: N(0, 0.02) matrices, unit norms, zero router biases,
     the identity expert placement.
 
-    Drawn with numpy because XLA:CPU compiles every jax.random call site separately (~1 s each), which made a
-    tiny preset take 10 s to initialise."""
+    Drawn with numpy because XLA:CPU compiles every jax.random call site separately, which makes even a tiny preset
+    slow to initialise (docs/benchmarks.md "Test suite and compile times")."""
     rng = np.random.default_rng(seed)
     norms = {path for path, node in nnx.iter_graph(abstract_module) if isinstance(node, RMSNorm)}
     flat = flatten_tree(nnx.to_pure_dict(nnx.state(abstract_module)))

@@ -12,9 +12,9 @@ import functools
 import jax
 import numpy as np
 
-# Decode iterations per decode step on CPU (vLLM's multi-step scheduling). A decode step costs about 1 ms of host
-# CPU time (arrays, transfer, dispatch, bookkeeping), which on a 2-core machine comes out of the device's threads;
-# 8 iterations leave the host about 5% of a token (docs/benchmarks.md "Engine steps and host overhead").
+# Decode iterations per decode step on CPU (vLLM's multi-step scheduling). A decode step's host CPU time (arrays,
+# transfer, dispatch, bookkeeping) comes out of the device's threads on a 2-core machine; k iterations pay it once
+# per k tokens. 8: the measured choice (docs/benchmarks.md "Engine steps and host overhead (CPU)").
 CPU_SCHEDULER_STEPS = 8
 
 
@@ -45,7 +45,8 @@ class Platform:
     def greedy_screening(self, dtype) -> bool:
         """The greedy head screen's default (models/screened_head.py): on for a float32 model on CPU, where the
         int8 screen reads a quarter of the head's bytes; off for bf16, whose head's matrix-vector product costs
-        about what the int8 one does on CPU, and on other backends (not measured; docs/benchmarks.md)."""
+        about what the int8 one does on CPU, and on other backends (not measured; docs/benchmarks.md "Greedy
+        screening (CPU)")."""
         return self.is_cpu and np.dtype(dtype) == np.float32
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one prepared device run (issue 4's kernels first, then the engine on the GPU):
+# The one prepared device run (the Pallas kernels first, then the engine on the GPU):
 #   1. native tests of the measured kernels (pipelined FP8 GEMMs with their tilings, MLA decode "recompute_scores");
 #   2. native tests of the variants never run on a GPU yet (FP8 kernel="warp_specialized", MLA
 #      kernel="shared_scores" and "pingpong"), in a step of their own so a hang costs only that step;
@@ -19,10 +19,10 @@
 #   8. with what is left of the budget, the full FlashMLA and DeepGEMM sweeps with the default kernels.
 # Steps 3-6 skip the new variants when step 2 hung (rc 124).
 # Usage on the GPU machine (offline, preinstalled jax 0.11): OUT=<dir> bash scripts/gpu_check.sh
-# Each step has its own time limit, cut to what is left of the whole run's budget (BUDGET_S, default 470 s: the
-# issue's "under 8 minutes", with room for the machine's start inside one 600 s device call); a step with under
-# 15 s left is skipped and says so. Failures do not stop the rest; everything lands in $OUT, in 8 files at most
-# (what the device tool brings back): the benchmarks' own logs share bench.log.
+# Each step has its own time limit, cut to what is left of the whole run's budget (BUDGET_S, default 470 s: under 8
+# minutes, with room for the machine's start inside one 600 s device call); a step with under 15 s left is skipped
+# and says so. Failures do not stop the rest; everything lands in $OUT, in 8 files at most (what the device tool
+# brings back): the benchmarks' own logs share bench.log.
 set -u
 OUT=${OUT:-gpu_results}
 mkdir -p "$OUT"

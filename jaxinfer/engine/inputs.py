@@ -161,7 +161,7 @@ class InputBatch:
         for rank, requests in enumerate(out.requests):
             # Per row: few numpy calls on small arrays (a decode step's rows hold one token each; a numpy call per
             # token and field is host time that grows with the batch: docs/benchmarks.md "Engine steps and host
-            # overhead").
+            # overhead (CPU)").
             for i, r in enumerate(requests):
                 row, n, state = rank * rows + i, r.num_tokens, self.requests[r.req_id]
                 n_in = r.num_input_tokens(out.kind)

@@ -1,9 +1,10 @@
 """What the engine returns: ``RequestOutput`` / ``CompletionOutput`` (vLLM's shape), ``EngineStats``, and the engine's
 per-request output state (``RequestState``: detokenization, stop strings, logprobs, metrics).
 
-Outputs follow the request's ``RequestOutputKind`` (``LLMEngine.add_request``): CUMULATIVE (everything so far, each time the request progresses),
-DELTA (what is new since its last output) or FINAL_ONLY. A completion's text never shows what a stop string may
-still cut: while unfinished, the last (longest stop string - 1) characters are held back (vLLM's rule).
+Outputs follow the request's ``RequestOutputKind`` (``LLMEngine.add_request``): CUMULATIVE (everything so far, each
+time the request progresses), DELTA (what is new since its last output) or FINAL_ONLY. A completion's text never
+shows what a stop string may still cut: while unfinished, the last (longest stop string - 1) characters are held back
+(vLLM's rule).
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 A decode step has ~18 small per-row inputs (token ids, positions, block table, slots, the sampler's settings).
 Placing each one on the devices costs host time per array on CPU (``jax.make_array_from_callback``: shardings, a
 callback, a buffer per array), and on a 2-core machine that host time is taken from the device's threads even when it
-overlaps the previous step (docs/benchmarks.md "Engine steps and host overhead"). Packed, the step places one array;
-the jitted step unpacks it with slices and bitcasts that XLA fuses into their consumers (free on device). No library
-packs arrays of mixed dtypes into one buffer and back inside jit, hence this module.
+overlaps the previous step (docs/benchmarks.md "Engine steps and host overhead (CPU)"). Packed, the step places one
+array; the jitted step unpacks it with slices and bitcasts that XLA fuses into their consumers (free on device). No
+library packs arrays of mixed dtypes into one buffer and back inside jit, hence this module.
 
 Packing is bit-exact: 32-bit dtypes (float32, uint32) are reinterpreted as int32 (``ndarray.view`` on the host,
 ``lax.bitcast_convert_type`` on device); bool is stored as 0/1 and compared back. Every leaf's first dimension is

@@ -85,7 +85,7 @@ class ModelRunner:
     @functools.cached_property
     def _state_leaves(self) -> tuple[list, object]:
         """The model state as a flat list of arrays (+ its treedef), flattened once: flattening the nnx.State at
-        every dispatch is host time in every step (docs/benchmarks.md "Engine steps and host overhead")."""
+        every dispatch is host time in every step (docs/benchmarks.md "Engine steps and host overhead (CPU)")."""
         leaves, treedef = jax.tree.flatten(self.model.state)
         return leaves, treedef
 

@@ -297,7 +297,7 @@ def first_argmax(x: jax.Array) -> jax.Array:
     first), and then the first maximum within that block. Every earlier block's max is smaller (or the first
     maximum would be in it), so the index is argmax's. Why: XLA:CPU runs argmax over V as one scalar loop (it
     carries the value and the index); the block maxima are a vectorized reduce (docs/benchmarks.md "Engine steps
-    and host overhead")."""
+    and host overhead (CPU)")."""
     b, v = x.shape
     nb = -(-v // ARGMAX_BLOCK)
     blocks = jnp.pad(x, ((0, 0), (0, nb * ARGMAX_BLOCK - v)), constant_values=-jnp.inf)

@@ -4,12 +4,12 @@ Layout = FlashMLA's KV cache ``[num_pages, page_size=64, h_kv=1, W]`` with W = k
 (576 for V3: [c_kv (512, normed) | k_pe (64, roped)], docs/architecture.md "Reference semantics"), so
 ``kernels_pallas.mla_decode(q, cache.layers[l], block_table, seqlens)`` reads a layer directly. dtype = model dtype.
 
-Bit-pattern storage (``init_paged_cache(..., as_bits=True)``; the engine's XLA path): the arrays hold the values'
-bit patterns as unsigned integers of the same width (bf16 -> uint16). jaxlib 0.10.2's XLA:CPU has no bf16 scatter
-or gather: it upcasts both by converting the WHOLE operand to float32 and back, so every cache write and every page
-gather of a bf16 cache converted the full cache (the embedded model's bf16 decode step at its default 2049 pages:
-~190 ms instead of ~2). jaxlib 0.11.2's XLA:CPU scatters and gathers bf16 in place (checked 2026-12-02); the bit
-patterns cost nothing there and keep the older release fast. Integer scatters and gathers run in place.
+Bit-pattern storage (``init_paged_cache(..., as_bits=True)``; the engine's XLA path): the arrays hold the values' bit
+patterns as unsigned integers of the same width (bf16 -> uint16). jaxlib 0.10.2's XLA:CPU has no bf16 scatter or
+gather: it upcasts both by converting the WHOLE operand to float32 and back, so every cache write and every page
+gather of a bf16 cache would convert the full cache, and a step would cost in proportion to the cache, not the batch
+(docs/benchmarks.md "Paged attention, XLA path (CPU)"). jaxlib 0.11.2's XLA:CPU scatters and gathers bf16 in place;
+the bit patterns cost nothing there and keep the older release fast. Integer scatters and gathers run in place.
 ``write`` encodes the latents, ``take_pages`` decodes what it gathers (``lax.bitcast_convert_type``: exact); a
 bitcast of the whole array is not free on XLA:CPU (it is a copy), hence the integer arrays themselves rather than a
 view of float ones.

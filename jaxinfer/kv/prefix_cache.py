@@ -4,7 +4,7 @@ Hashes. Page i of a token sequence (tokens [i*S, (i+1)*S), S = page_size = 64) i
 ``h_i = blake2b_128(h_{i-1} || tokens of page i as int64 little-endian)``, with h_{-1} derived from ``extra_key``
 (model / adapter identity). A page's hash therefore names its whole prefix, as in vLLM's automatic prefix caching
 and SGLang's radix cache: equal hashes mean equal token prefixes (collision probability ~ n^2 / 2^129). The hash is
-stable across processes and runs (no salted ``hash()``), so the future disk tier can key pages by it too.
+stable across processes and runs (no salted ``hash()``), so a storage tier could key pages by it as well.
 Only full pages are hashed; a trailing partial page never is.
 
 Ownership. The cache holds one reference on every page it has registered (``insert``). A cached page whose only

@@ -101,7 +101,7 @@ class DeepseekForCausalLM(nnx.Module):
     def head(self, h: jax.Array) -> jax.Array:
         """h [B, T, D] (normed) -> float32 logits [B, T, V]."""
         w = self.head_weight()
-        # h in the model dtype, as HF's final norm returns it: a float32 h against bf16 weights made XLA:CPU convert
+        # h in the model dtype, as HF's final norm returns it: a float32 h against bf16 weights makes XLA:CPU convert
         # the whole [V, D] head to float32 at every step (batch 32: a 4.2 M-element convert per decode step).
         return matmul_nt(h.astype(self.dtype), w, self.row_shards)  # [B, T, V]
 

@@ -49,20 +49,18 @@ def dense_weight(weight: jax.Array, scale_inv: jax.Array | None, dtype) -> jax.A
     return dequantize_blockwise_jnp(weight, scale_inv, dtype=dtype)
 
 
-# XLA:CPU (YNNPACK) multiplies x [M, K] by W [N, K]^T 1.2-1.9x faster for 2 <= M <= 64 when it computes the [N, M]
-# product W @ x^T (the weights as the left operand) and transposes that small result afterwards: [32, 512] x
-# [4096, 512]^T 2.3 -> 1.6 ms, [8, 512] x [4096, 512]^T 1.5 -> 0.8 ms; about equal from M = 128 up. Batched over
-# experts the gap is wider: [16, C, 512] x [16, 256, 512]^T 3.1 -> 1.2 ms at C = 16, 3.2 -> 1.8 ms at C = 32,
-# 1.2x at C = 64, equal or slower from 128 (benchmarks/gemm_forms.py, cold weights). These are the decode batches.
+# The rows M for which XLA:CPU (YNNPACK) multiplies x [M, K] by W [N, K]^T faster as the [N, M] product W @ x^T
+# (the weights as the left operand) with that small result transposed afterwards; about equal from M = 128 up.
+# Batched over experts ([16, C, 512] x [16, 256, 512]^T) the same holds up to C = 64, equal or slower from 128.
+# These are the decode batches (benchmarks/gemm_forms.py, cold weights; docs/benchmarks.md "GEMM forms (CPU)").
 TRANSPOSED_PRODUCT_ROWS = (2, 64)
 
 
 def materialized(x: jax.Array) -> jax.Array:
     """x, computed into its own buffer before a matrix-vector product reads it (x + 0, written as a sum over a
     stacked zero: XLA:CPU fuses elementwise ops, slices and transposes into a matvec's loop but never a reduce).
-    Fused, the operand's expression is evaluated again for every output element: the absorbed attention's output,
-    a slice of a [H, N+V] product, made the [512, 512] o_proj matvec 2x slower, and the benchmark model's float32
-    decode step went 3.3 -> 2.4 ms with this and matmul_nt's output barrier (docs/benchmarks.md). Exact for a
+    Fused, the operand's expression is evaluated again for every output element (e.g. o_proj's input, the absorbed
+    attention's output, is a slice of a [H, N+V] product; docs/benchmarks.md "GEMM forms (CPU)"). Exact for a
     product: only -0.0 becomes +0.0."""
     return jnp.stack([x, jnp.zeros_like(x)]).sum(0)
 
@@ -84,8 +82,8 @@ def matmul_nt(x: jax.Array, w: jax.Array, row_shards: int = 1) -> jax.Array:
     row_shards: the number of devices x's rows are split over when this runs under jit on a mesh outside
     shard_map (parallel.plan.batch_shards: the batch is split over every device). XLA then multiplies M /
     row_shards rows per device, and the form follows those: on a 1x8 CPU mesh a batch-1 decode step has 8 rows,
-    one per device, and the 8-row form made XLA:CPU convert bf16 weights to float32 in every step (the benchmark
-    model's bf16 decode token took 59.8 ms there, 19-24 ms with the per-device form; docs/benchmarks.md)."""
+    one per device, and the 8-row form makes XLA:CPU convert bf16 weights to float32 in every step
+    (docs/benchmarks.md "Meshes: jaxinfer bench / sweep")."""
     f32 = {"preferred_element_type": jnp.float32}
     lo, hi = TRANSPOSED_PRODUCT_ROWS
     fast = platform.current().is_cpu
@@ -101,12 +99,11 @@ def matmul_nt(x: jax.Array, w: jax.Array, row_shards: int = 1) -> jax.Array:
     rows = local_rows(m, row_shards)  # per device
     if fast and rows == 1:
         # One row: x @ w^T on float32 operands, which XLA:CPU emits as its own matrix-vector loop that reads w in its
-        # dtype and converts in registers ("copy_dot_fusion" in the optimized HLO). bf16 weights: [4096, 512] 0.48 ->
-        # 0.20 ms, [8192, 512] 1.10 -> 0.18 ms against a bf16 dot_general with f32 output (benchmarks/gemm_forms.py
-        # --dtype bfloat16); float32: 0.27 -> 0.23 and 0.68 -> 0.37 ms. The benchmark model's bf16 decode step at
-        # batch 1: 16.9 -> 2.2 ms. The same products (bf16 x bf16 is exact in float32), float32 accumulation.
+        # dtype and converts in registers ("copy_dot_fusion" in the optimized HLO): faster than a dot_general with
+        # f32 output for bf16 and float32 weights alike (benchmarks/gemm_forms.py; docs/benchmarks.md "GEMM forms
+        # (CPU)"). The same products (bf16 x bf16 is exact in float32), float32 accumulation.
         # The barrier on y: fused into the dot as an output fusion (the shared expert's sum with the routed
-        # experts'), a consumer made XLA copy w transposed in every step ([512, 256]: 0.11 ms).
+        # experts'), a consumer makes XLA copy w transposed in every step.
         x = materialized(x.reshape(m, k).astype(jnp.float32))
         y = jax.lax.optimization_barrier(jnp.matmul(x, w.astype(jnp.float32).T))  # [M, N]: no output fusion
         return y.reshape(*lead, w.shape[0])
@@ -120,8 +117,7 @@ def matmul_nt_many(x: jax.Array, ws: list[jax.Array], row_shards: int = 1) -> li
     """[matmul_nt(x, w, row_shards) for w in ws] for weights [N_i, K] that share the input x [..., K] (gate and up
     of a SwiGLU MLP). On CPU one row (M = 1 per device) runs as a single matvec over the weights concatenated
     along N: XLA:CPU fuses the concatenation into the matvec's loop, so the weights are still read in place, and
-    one loop replaces len(ws), each with its own fixed cost (about 10 us on the CPUs here, where the benchmark
-    model's decode step runs ~65 matvecs)."""
+    one loop replaces len(ws), each with its own fixed cost (docs/benchmarks.md "GEMM forms (CPU)")."""
     if platform.current().is_cpu and local_rows(math.prod(x.shape[:-1]), row_shards) == 1 and len(ws) > 1:
         y = matmul_nt(x, jnp.concatenate(ws), row_shards)  # [..., sum N_i]
         return jnp.split(y, list(itertools.accumulate(w.shape[0] for w in ws))[:-1], axis=-1)

@@ -7,8 +7,8 @@ head shared by all heads) are all that is cached: C + R values (576 for V3). Two
   head, then ordinary attention;
 - absorbed (``paged``, every engine step): q_lat = q_nope @ W_UK (per head, into latent space), scores = q_lat . c
   + q_pe . k_pe, o_lat = P @ c, out = o_lat @ W_UV. Same math, re-associated; the cache is never expanded. The
-  engine's steps are checked against the expanded forward (tests/test_paged_forward.py), which is checked
-  against transformers (tests/test_parity_hf.py).
+  engine's steps are checked against the expanded forward (test_paged_forward.py), which is checked against
+  transformers (test_parity_hf.py).
 """
 
 from __future__ import annotations
@@ -116,12 +116,11 @@ class MLA(nnx.Module):
         q_a, kv = self.a_projections(x)
         q_nope, q_pe = self.queries(x, cos, sin, q_a)
         # Both absorbed products use kv_b_proj whole, [H, N+V, C] (a reshape): slicing W_UK and W_UV out of it
-        # costs XLA:CPU a copy of each per layer and step (1.8 ms of a 10 ms decode step of the benchmark
-        # model); zero-padding q_nope to N+V and dropping the first N outputs costs a few flops instead.
-        # Heads lead both operands ("hmk,hkc->hmc", M = B*T): XLA:CPU then runs the products as YNNPACK batched
-        # dots on the model-dtype operands (float32 accumulation). With heads in the middle ("bthk,hkc->bthc")
-        # they became Eigen dots on float32 copies of the weights: a V3-shaped layer (H=8, C=128) at bf16 took
-        # 0.40 -> 0.27 ms at M=32 and 8.4 -> 3.8 ms at M=1024 (a prefill chunk), equal at M=1.
+        # costs XLA:CPU a copy of each per layer and step; zero-padding q_nope to N+V and dropping the first N
+        # outputs costs a few flops instead. Heads lead both operands ("hmk,hkc->hmc", M = B*T): XLA:CPU then
+        # runs the products as YNNPACK batched dots on the model-dtype operands (float32 accumulation). With heads
+        # in the middle ("bthk,hkc->bthc") they become Eigen dots on float32 copies of the weights, which are
+        # slower (docs/benchmarks.md "GEMM forms (CPU)").
         h, b, t = c.num_attention_heads, x.shape[0], x.shape[1]
         w_ukv = self.kv_b_proj.kernel().reshape(h, n + c.v_head_dim, c.kv_lora_rank)  # [H, N+V, C]
         q_pad = jnp.pad(q_nope, [(0, 0)] * 3 + [(0, c.v_head_dim)])  # [B, T, H, N+V]

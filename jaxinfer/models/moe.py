@@ -87,18 +87,19 @@ TILED_MIN_BALANCED_LOAD = 64  # "auto": the tiled path once a balanced slot fill
 
 
 def moe_path(rows: int, top_k: int, num_slots: int, platform: str | None = None) -> str:
-    """The XLA compute path of ``expert_ffn`` for a static shape (CPU measurements in docs/benchmarks.md):
+    """The XLA compute path of ``expert_ffn`` for a static shape (CPU measurements: docs/benchmarks.md
+    "Routed-expert paths (CPU)"):
     "gather" (each assignment multiplies its own expert's weights: reads rows * top_k weight matrices, repeats
     from cache) while there are at most two assignments per local expert (and at most GATHER_MAX_ASSIGNMENTS);
     "capacity" (each expert's rows in a [slots, C, D] buffer, batched matmuls, C the bucketed largest count) for
     decode batches; "tiled" (each expert's exact rows in row tiles, one tile at a time) once the balanced load
     rows * top_k / num_slots reaches TILED_MIN_BALANCED_LOAD: its work follows the real counts where the capacity
-    path pays for its bucket (1.25-4x the balanced load: up to 2.5x at 2048 rows on skewed routing; equal within
-    ~10% on balanced routing, benchmarks/moe_paths.py --skew). Tiled on CPU only (platform: None = JAX's default
-    backend): it runs its tiles one after another, which suits XLA:CPU's library GEMMs, and is unmeasured on GPUs,
-    where bf16 runs the FP8 grouped GEMMs anyway (fp8_compute). "dense" (every row through every local expert:
-    computes rows * num_slots) was the decode-batch path until the capacity path's matmuls took the weights as
-    left operand (layers.matmul_nt); it stays selectable."""
+    path pays for its bucket (1.25-4x the balanced load), which tells most on skewed routing (benchmarks/moe_paths.py
+    --skew). Tiled on CPU only (platform: None = JAX's default backend): it runs its tiles one after another, which
+    suits XLA:CPU's library GEMMs, and is unmeasured on GPUs, where bf16 runs the FP8 grouped GEMMs anyway
+    (fp8_compute). "dense" (every row through every local expert: computes rows * num_slots) is slower than the
+    capacity path, whose matmuls take the weights as left operand (layers.matmul_nt), on decode batches past the
+    gather path's; it stays selectable."""
     if rows * top_k <= min(2 * num_slots, GATHER_MAX_ASSIGNMENTS):
         return "gather"
     cpu = (platform or current_platform().name) == "cpu"
@@ -115,8 +116,9 @@ def capacity_buckets(rows: int, top_k: int, num_slots: int) -> tuple[int, ...]:
     num_slots; EPLB keeps real loads near it), rounded up to multiples of 8, and ``rows`` itself, which always
     fits (a slot holds each token at most once: a token's top-k experts are distinct, and so are their physical
     slots). A step computes at most 1.6x its busiest slot's rows while that is within 4x of balance (the random
-    benchmark model's routing reaches 1.7-2.4x), and every row per slot past that. Five branches compile in
-    about the time of the tiled path (0.8 s for one MoE layer at 1024 rows on CPU; seven took 1.2 s)."""
+    benchmark model's busiest expert stays within it), and every row per slot past that. Five branches compile in
+    about the time of the tiled path; more branches cost more compile time (docs/benchmarks.md "Routed-expert
+    paths (CPU)")."""
     balanced = rows * top_k / num_slots
     caps = {min(rows, -(-math.ceil(f * balanced) // 8) * 8) for f in CAPACITY_FACTORS}
     return tuple(sorted(caps | {rows}))
@@ -157,12 +159,10 @@ def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, d
     if path == "gather":
         # One matvec per assignment on its slot's weights taken with dynamic_index_in_dim, unrolled, written as
         # x @ w.T: XLA:CPU then fuses index and matvec into one loop that reads the weights in place (as
-        # einsum("d,id->i") it copied each indexed slice first; a gather w[ids] copies [M*K, I, D] of weights).
-        # M = 1, hidden 512, 16 experts top-4: 1.81 -> 0.47 ms per layer (benchmarks/moe_paths.py).
+        # einsum("d,id->i") it copies each indexed slice first; a gather w[ids] copies [M*K, I, D] of weights).
         # Up to GATHER_UNROLL assignments the matvecs are unrolled; beyond, a scan over the assignments runs the
-        # same body: compile time stays flat (the embedded model's 16-token prefill step, 32 assignments per
-        # layer unrolled, took 6.4 s to compile, now 2.2 s) for 10-35% more run time than unrolled (moe_paths-style
-        # /tmp measurement: 1.10 vs 0.98 ms per layer at 32 assignments; the capacity path: 2.08 ms).
+        # same body: compile time stays flat for somewhat more run time than unrolled (docs/benchmarks.md
+        # "Routed-expert paths (CPU)").
         safe = jnp.maximum(ids, 0).reshape(-1)  # [M*K]; assignments with id -1 get weight 0 below
         w = jnp.where(ids < 0, 0.0, weights).reshape(-1)  # [M*K]
 
@@ -177,10 +177,9 @@ def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, d
             return down(n, gate, up)
 
         # float32 weights: a row's gate and up products of all its assignments run as one matvec over their
-        # concatenation (matmul_nt_many; the slices are still read in place), 8 matvecs of [256, 512] -> 1 per
-        # layer at top-4: the benchmark model's float32 batch-1 decode token 2.4 -> 2.15 ms (A/B in one process,
-        # min of 12). Not for bf16 weights: the fused concatenation selects its operand per element, next to the
-        # convert, and the loop stops being memory-bound (bf16 token 1.37 -> 1.62 ms).
+        # concatenation (matmul_nt_many; the slices are still read in place): one matvec per row instead of
+        # 2 * top_k. Not for bf16 weights: the fused concatenation selects its operand per element, next to the
+        # convert, and the loop stops being memory-bound (docs/benchmarks.md "GEMM forms (CPU)").
         if m * k <= GATHER_UNROLL and params["gate_proj"].dtype == jnp.float32 and dtype == jnp.float32:
             out = []
             for r in range(m):
@@ -238,8 +237,8 @@ def _tiled_ffn(params: dict, xd: jax.Array, weights: jax.Array, flat_ids: jax.Ar
     weights, indexed in place, with the tile's rows still in cache between them; the unused tiles of the
     worst-case count are skipped (lax.cond). Work follows the real per-slot counts plus at most tile_m - 1 rows
     per slot, where the capacity path computes its bucket for every slot. (Batching the tiles into one matmul
-    instead, as grouped GEMM kernels do, made XLA:CPU gather a copy of the weights for every tile: 1.7x slower at
-    2048 rows, docs/benchmarks.md.) A scan of fixed length, so it is differentiable."""
+    instead, as grouped GEMM kernels do, makes XLA:CPU gather a copy of the weights for every tile, which is slower:
+    docs/benchmarks.md "Routed-expert paths (CPU)".) A scan of fixed length, so it is differentiable."""
     m, k = weights.shape
     order, token, group_sizes = _sorted_by_slot(flat_ids, k, num_slots)
     plan = tile_plan(group_sizes, m * k)
@@ -288,8 +287,9 @@ def _capacity_ffn(weight, xd: jax.Array, weights: jax.Array, flat_ids: jax.Array
                   dtype) -> jax.Array:
     """The "capacity" path of expert_ffn: xd [M, D], weights [M, K], flat_ids [M*K] (num_slots = not here) ->
     float32 [M, D]. The batched matmuls (matmul_nt: the weights as left operand for up to 64 rows per slot) read
-    each slot's weights in place; measured on CPU (docs/benchmarks.md) faster than the dense path from 12 rows and
-    than the tiled path while a balanced slot holds under 64 rows (decode batches)."""
+    each slot's weights in place; measured on CPU faster than the dense path past the gather path's batches and
+    than the tiled path while a balanced slot holds under 64 rows (decode batches; docs/benchmarks.md
+    "Routed-expert paths (CPU)")."""
     m, k = weights.shape
     order = jnp.argsort(flat_ids, stable=True)  # [M*K]
     counts = jnp.bincount(flat_ids, length=num_slots + 1)  # [S + 1]; the last: assignments on other ranks

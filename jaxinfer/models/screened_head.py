@@ -1,8 +1,8 @@
 """Greedy tokens from the LM head, exactly, while reading about a quarter of its float32 bytes.
 
 Why: a batch-1 decode step on CPU is bound by streaming the weights from memory, and the head is the largest
-single weight: 8192 x 512 float32 is 16.8 of the 60.7 MB a token of the benchmark model reads (0.5 ms of its
-2.2 ms; docs/benchmarks.md). A greedy row needs only the index of its largest logit, not the logits.
+single weight (8192 x 512 float32 in the benchmark model; its share of a token's bytes and time: docs/benchmarks.md
+"Greedy screening (CPU)"). A greedy row needs only the index of its largest logit, not the logits.
 
 Method (branch and bound on the argmax). Each head row w_r [D] has an int8 copy q_r with a per-row scale s_r
 (symmetric absmax quantization, w_r ~ s_r q_r) and a radius coefficient c_r (``build_head_screen``) such that,
@@ -21,8 +21,8 @@ Cauchy-Schwarz bounds that sum by ||x|| ||y||):
 
 each computed in float32 and enlarged by relative margins that cover the rounding of computing them.
 Then with b_r the right-hand side, t = max_r (Z_r - b_r) <= max_r L_r, and a row with Z_r + b_r < t cannot hold the
-largest logit. The rows left ("candidates"; 1-15 per token in the benchmark model, whose random logits lie close
-together) are found without a sort: the head's rows are cut into blocks of BLOCK, the blocks that hold a
+largest logit. The rows left ("candidates"; more of them where logits lie close together, as in the random
+benchmark model) are found without a sort: the head's rows are cut into blocks of BLOCK, the blocks that hold a
 candidate are listed (at most CANDIDATE_BLOCKS of them, at most two candidates each), and the logits of those
 rows are recomputed in float32 from the head's own rows. The first index of the largest wins, jnp.argmax's tie
 rule.
@@ -33,10 +33,10 @@ dense layers' forms already differ that way between batch sizes: layers.matmul_n
 (candidates in more blocks than that, three in one block, e.g. an all-zero head, or a non-finite value),
 ``screened_argmax`` says so and the caller computes the full logits.
 
-Cost on the CPU here, per token of the benchmark model (a trace of the captured decode step): the one-row int8
-product reads the int8 copy in place (layers.matmul_nt's matrix-vector form converts in registers), 0.12-0.16 ms
-for [8192, 512], and the search and the recomputed rows ~0.12 ms, against ~0.5 ms for the float32 head's product.
-A bf16 head gains nothing: its own matrix-vector product costs what the int8 one does.
+Cost on CPU: the one-row int8 product reads the int8 copy in place (layers.matmul_nt's matrix-vector form
+converts in registers); it and the search with the recomputed rows take less than the float32 head's product
+(per-token figures from a trace of the captured decode step: docs/benchmarks.md "Greedy screening (CPU)"). A bf16 head
+gains nothing: its own matrix-vector product costs what the int8 one does.
 """
 
 from __future__ import annotations
@@ -123,8 +123,8 @@ def screened_argmax(x: jax.Array, w: jax.Array, screen: HeadScreen, row_shards: 
     z = matmul_nt(xf, screen.q, row_shards) * screen.scale  # [R, V]: fl(s_r fl(x . q_r))
     b = nx[:, None] * screen.radius * (1 + 8 * _U) + 4 * _U * jnp.abs(z)  # [R, V]
     # Per block of blk rows (columns of [R, nb, blk]), reduced lane by lane with elementwise ops that XLA:CPU
-    # fuses into loops over [R, nb]: max, min and argmax reduces over the minor blk took 25-30 us each (YNNPACK
-    # fusions or scalar loops) for 8192 values, about the cost of all the rest of the search.
+    # fuses into loops over [R, nb]: max, min and argmax reduces over the minor blk run as YNNPACK fusions or scalar
+    # loops, each about the cost of all the rest of the search (docs/benchmarks.md "Greedy screening (CPU)").
     lower = (z - b).reshape(r, nb, blk)
     upper = (z + b).reshape(r, nb, blk)  # a row with upper < t cannot hold the largest logit
     t = jnp.max(functools.reduce(jnp.maximum, [lower[:, :, i] for i in range(blk)]), axis=1)  # [R] <= max logit

@@ -1,7 +1,7 @@
 """A trained model -> an HF checkpoint directory in DeepSeek's FP8 release format.
 
 Tensor names are the ones jaxinfer's loader reads (checkpoint/hf_loader.py ``source_for``), so export and load
-are each other's inverse by construction. Dtypes follow DeepSeek-V3's release (and tests/hf_oracle.py
+are each other's inverse by construction. Dtypes follow DeepSeek-V3's release (and the tests' hf_oracle.py
 ``convert_to_fp8``): the 2-D projections of attention, dense MLPs, shared and routed experts and the MTP
 ``eh_proj`` in float8_e4m3fn with float32 ``weight_scale_inv`` per 128x128 block (checkpoint/fp8.py
 ``quantize_blockwise``); router ``e_score_correction_bias`` in float32; everything else (embeddings, lm_head,

@@ -36,8 +36,9 @@ def model_config() -> ModelConfig:
 
 
 def train_config() -> TrainConfig:
-    # Budget: ~20 minutes on 2 shared CPU cores at ~2.6 s per 4096-token step -> 400 steps, 1.6M tokens (about
-    # 2.3 passes over the 0.71M-token train split).
+    # Budget: about 20 minutes on 2 shared CPU cores: 400 steps of 4096 tokens, 1.6M tokens (about 2.3 passes over
+    # the 0.71M-token train split); the measured step time: TRAINING.md, docs/benchmarks.md "Test suite and
+    # compile times".
     # bias_gamma: the V3 report (sec. 4.2) uses 0.001 over ~14.3T tokens, i.e. ~10^5 steps of ~60M-token batches;
     # with 400 steps a bias could then move by at most 0.4 in the whole run, so gamma is 10x larger to let the
     # biases reach the O(0.1) score differences between experts within the first few dozen steps.

@@ -8,7 +8,8 @@ them (tiling.py ``SCALE_WINDOW``). Kernel variants (``Tiling.kernel``):
 - "pipelined" (default): pipelined.py, one warpgroup per CTA, grid (row tiles, column tiles);
 - "warp_specialized": warp_specialized.py, DeepGEMM's structure (a TMA producer warpgroup and two consumer
   warpgroups, persistent grid of one CTA per SM, epilogue stores overlapped with the next tile). Same operands, tile
-  -> group table and skipped tiles; the default stays the variant measured on a GPU.
+  -> group table and skipped tiles; the default stays the variant measured on a GPU (docs/benchmarks.md "Kernels
+  on GPU (H200)").
 """
 
 from __future__ import annotations

@@ -21,9 +21,9 @@ Register rule: per k-step a warpgroup holds the wgmma's fresh fp32 accumulator a
 rows x block_n / 128 registers per thread (128 threads). A thread has at most 255 registers (sm90; 232 in the
 warp-specialized consumers, after setmaxnreg); with the addresses, scale vectors and loop state, two accumulators
 must stay within MAX_ACC_REGISTERS. The limit is ptxas's own verdict on these kernels (ptxas -v for sm_90a,
-benchmarks/kernels_ptxas.py --offline; figures in docs/benchmarks.md): 160 accumulator registers compile without
-spills in both kernels, 192 spill in the k-loop in both. DeepGEMM's BLOCK_M = 128 likewise splits the rows over two
-math warpgroups (64 each).
+benchmarks/kernels_ptxas.py --offline; docs/benchmarks.md "Kernel registers and spills (ptxas, no GPU)"): 160
+accumulator registers compile without spills in both kernels, 192 spill in the k-loop in both. DeepGEMM's
+BLOCK_M = 128 likewise splits the rows over two math warpgroups (64 each).
 """
 
 from __future__ import annotations

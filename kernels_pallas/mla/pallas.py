@@ -7,7 +7,7 @@ ring (pallas_common.py) and write the same per-item outputs:
   scores itself ("pingpong": taking turns at the tensor cores, FlashAttention-3's ping-pong);
 - "shared_scores": shared_scores.py, FlashMLA's structure: warpgroup 0 computes the scores once per page and hands P
   to the other compute warpgroups through SMEM.
-The default stays the variant measured on a GPU (docs/benchmarks.md).
+The default stays the variant measured on a GPU (docs/benchmarks.md "Kernels on GPU (H200)").
 """
 
 from __future__ import annotations
