@@ -30,8 +30,8 @@ from safetensors.torch import load_file, save_file
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
 
-# The reference models are tiny: one torch thread is ~10x faster than two on the 2-core test machines, where
-# torch's OpenMP workers otherwise contend with JAX's threads (measured: 0.9 s -> 0.012 s per forward under load).
+# The reference models are tiny: on the 2-core test machines one torch thread is much faster than two, whose OpenMP
+# workers contend with JAX's threads (docs/benchmarks.md "Test suite and compile times").
 torch.set_num_threads(1)
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn

@@ -139,9 +139,8 @@ def test_row_shards_match_float64(rows_per_device, dtype):
 def test_one_row_per_device_reads_bfloat16_weights_in_place():
     """One row per device (a batch-1 decode step on a 1xN CPU mesh: a row per DP rank): with row_shards the
     per-device product is the one-row matvec that converts the bf16 weight in its loop; sized by the global
-    rows, XLA:CPU writes a float32 copy of the weight in every call (the benchmark model's bf16 decode token
-    on a 1x8 mesh: 59.8 -> 24.1 ms, docs/benchmarks.md). Checked on the compiled program's buffers;
-    the global-rows form fails the check."""
+    rows, XLA:CPU writes a float32 copy of the weight in every call (docs/benchmarks.md "GEMM forms (CPU)").
+    Checked on the compiled program's buffers; the global-rows form fails the check."""
     n = jax.device_count()
     x = _rows_split_over_devices(jnp.ones((n, 512), jnp.bfloat16))
     w = jnp.ones((384, 512), jnp.bfloat16)

@@ -74,9 +74,8 @@ def test_chunked_prefill_and_decode_match_full_forward(mesh, name, backend):
 def test_single_token_decode_reads_weights_in_place():
     """A batch-1 decode step on CPU (layers.matmul_nt's one-row form, moe's gather path) computes no array of any
     weight's shape or its transpose, nor of the concatenations that matmul_nt_many reads as one matrix: every
-    weight is read where it lies, none is copied per step (a transposed
-    copy of the shared expert's down projection once cost 0.11 ms per layer of a 2.4 ms step). The check sees a
-    copy where there is one."""
+    weight is read where it lies, none is copied per step (a transposed copy of a weight costs a pass over its
+    bytes in every step: docs/benchmarks.md "GEMM forms (CPU)"). The check sees a copy where there is one."""
     config = jaxinfer.ModelConfig.tiny(num_nextn_predict_layers=0)
     model = jaxinfer.Model.random(config, mesh="1x1", dtype="float32", seed=2)
     weights = [a for a in jax.tree.leaves(model.state) if a.ndim >= 2 and a.size >= 1024]
@@ -107,10 +106,10 @@ def test_single_token_decode_reads_weights_in_place():
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_multi_step_decode_reads_weights_in_place(dtype):
-    """The engine's multi-step decode program (step_program.py, a lax.while_loop over iterations) on the embedded model at
-    batch 1 computes no array of a large weight's shape or its transpose, in the weights' dtype or float32: XLA's
-    loop-invariant code motion once hoisted the weights' bf16 -> f32 converts and transposes out of the loop,
-    so every iteration read float32 copies (bf16: 8.6 instead of ~1.5 ms per token)."""
+    """The engine's multi-step decode program (step_program.py, a lax.while_loop over iterations) on the embedded
+    model at batch 1 computes no array of a large weight's shape or its transpose, in the weights' dtype or float32:
+    XLA's loop-invariant code motion hoists the weights' bf16 -> f32 converts and transposes out of the loop, so
+    every iteration would read float32 copies (step_program.py turns that pass off)."""
     llm = jaxinfer.LLM(mesh="1x1", dtype=dtype, num_kv_pages=8, max_num_seqs=1, num_scheduler_steps=4)
     runner = llm.runner
     # The large weights (LM head, embedding, dense MLP, stacked experts): smaller ones share their shapes with
