@@ -168,10 +168,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedules and dispatches the next step, applies the previous one's tokens, and returns the requests that
         progressed (each finished request exactly once with finished=True; [] while work is in flight)."""
-        t0 = time.perf_counter()
         if self._in_flight is not None and self._in_flight.sync:
             self._apply(self._in_flight)  # penalties count the real tokens: no overlap for this step
             self._in_flight = None
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
         dispatched = None
         if out is not None:
