@@ -35,3 +35,12 @@ def benchmark_script():
         spec.loader.exec_module(module)
         return module
     return load
+
+
+@pytest.fixture(scope="session")
+def v3_case(tmp_path_factory):
+    """The tiny random DeepSeek-V3 checkpoint (q_lora, YaRN) that the engine tests run against transformers:
+    hf_oracle's Case (path, cfg, the transformers model), built once per session."""
+    import hf_oracle
+
+    return hf_oracle.build_case("v3_qlora_yarn", tmp_path_factory)

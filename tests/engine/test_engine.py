@@ -24,12 +24,9 @@ from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.sequence import Sequence
 
-CASE = "v3_qlora_yarn"
-
-
 @pytest.fixture(scope="module")
-def case(tmp_path_factory):
-    return O.build_case(CASE, tmp_path_factory)
+def case(v3_case):
+    return v3_case
 
 
 def _prompts(vocab, lengths, seed):

@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 import torch
 
-import hf_oracle as O
 from jaxinfer.engine.llm import LLM
 from jaxinfer.engine.sampling_params import SamplingParams
 
@@ -21,8 +20,8 @@ def _reference(model, prompt, n):
 
 
 @pytest.fixture(scope="module")
-def case(tmp_path_factory):
-    case = O.build_case("v3_qlora_yarn", tmp_path_factory)
+def case(v3_case):
+    case = v3_case
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, case.cfg["vocab_size"], n).tolist() for n in LENGTHS]
     return case, prompts, [_reference(case.model, p, GREEDY.max_tokens) for p in prompts]

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import hf_oracle as O
 from jaxinfer.engine import head as head_module
 from jaxinfer.engine.llm import LLM
 from jaxinfer.engine.sampling_params import SamplingParams
@@ -126,8 +125,8 @@ def test_greedy_screening_must_be_a_bool_or_none():
 
 
 @pytest.fixture(scope="module")
-def case(tmp_path_factory):
-    return O.build_case("v3_qlora_yarn", tmp_path_factory)
+def case(v3_case):
+    return v3_case
 
 
 @pytest.mark.parametrize("dtype,mesh", [("float32", "1x1"), ("float32", "1x8")])
