@@ -23,7 +23,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from kernels_pallas import _mosaic
-from kernels_pallas.fp8.tiling import BLOCK_K, SCALE_WINDOW, SCALE_WINDOW_ALIGN
+from kernels_pallas.fp8.tiling import BLOCK_K, SCALE_WINDOW_ALIGN
 
 STRADDLE_CHUNK = 32       # promotion of a tile spanning two scale blocks: 32 columns at a time (block_n % 32 == 0)
 INTERPRET_SMS = 2         # interpret mode: few CTAs, so each runs several tiles (the persistent path)
