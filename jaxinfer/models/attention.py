@@ -100,7 +100,7 @@ class AttentionBackend:
         if plan is None:
             return local(*args)
         spec = P(BATCH_AXES)
-        window_spec = None if window is None else DecodeWindow(spec, spec, P())
+        window_spec = None if window is None else DecodeWindow(spec, spec, P() if jnp.ndim(window.length) == 0 else spec)
         return jax.shard_map(local, mesh=plan.mesh, in_specs=(spec,) * 6 + (window_spec,),
                              out_specs=(spec, spec))(*args)
 

@@ -11,12 +11,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.attention import AttentionBackend, AttentionMetadata
+from jaxinfer.models.attention import BACKENDS, AttentionBackend, AttentionMetadata
 from jaxinfer.models.layers import MLP, Linear, RMSNorm, matmul_nt, normal_init
 from jaxinfer.models.mla import MLA
 from jaxinfer.models.moe import MoE
 from jaxinfer.models.rope import rope_cos_sin
 from jaxinfer.parallel.plan import ParallelPlan, batch_shards
+from kernels_pallas.mla import DecodeWindow
 
 
 class DecoderLayer(nnx.Module):
@@ -147,3 +148,23 @@ class DeepseekForCausalLM(nnx.Module):
         x = x.astype(jnp.float32)  # float32 residual stream, as in the main layers
         x = m.block(x, positions, cos, sin)
         return self.head(m.shared_head_norm(x))
+
+    def paged_mtp(self, h: jax.Array, next_ids: jax.Array, cache: jax.Array, md: AttentionMetadata,
+                  window: DecodeWindow | None = None, depth: int = 0):
+        """MTP module ``depth`` over its own paged latent cache (speculative decoding, engine/drafter.py): row t
+        combines h [B, T, D] (the main model's final-normed hidden state at position t, or the module's own output
+        when drafts are chained) with next_ids [B, T] (token t + 1), at md's positions and slots (the main model's:
+        the module's cache shares the block tables). The cache is only read (the XLA backend's contract, on every
+        platform: the engine writes the latents after the step), with ``window`` for latents not written yet.
+        Returns (the module's output [B, T, D] before its shared_head norm, float32; this step's latents
+        [B, T, C+R]). ``mtp_head`` turns the output into logits for token t + 2."""
+        m = self.mtp[depth]
+        cos, sin = rope_cos_sin(self.config, md.positions)
+        x = m.eh_proj(jnp.concatenate([m.enorm(self.embed(next_ids)), m.hnorm(h.astype(self.dtype))], axis=-1))
+        x, _, new, _ = m.block.paged(x.astype(jnp.float32), cos, sin, cache, md, BACKENDS["xla"], window)
+        return x, new
+
+    def mtp_head(self, g: jax.Array, depth: int = 0) -> jax.Array:
+        """The MTP module's output g [B, T, D] (``paged_mtp``) -> float32 logits [B, T, V] (its shared head norm,
+        then the LM head, shared with the main model as in DeepSeek-V3)."""
+        return self.head(self.mtp[depth].shared_head_norm(g))

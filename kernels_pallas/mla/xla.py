@@ -32,7 +32,8 @@ class DecodeWindow(NamedTuple):
     (jaxinfer/engine/step_program.py), whose latents are written to the cache after the program.
 
     latents [B, W, D]: row b's keys at positions start[b] .. start[b] + W - 1 (iteration i computed position
-    start + i); start int32 [B]; length: int32 scalar, how many of them exist (the current iteration's index).
+    start + i); start int32 [B]; length: int32, a scalar (the current iteration's index) or [B] (per row: an MTP
+    draft chain, whose rows accepted different numbers of tokens), how many of them exist.
     Positions start .. start + length - 1 are read from here instead of the cache (they count as cached keys)."""
 
     latents: jax.Array
@@ -121,7 +122,7 @@ def chunked_attention(q, cache, block_table, kv_lens, *, head_dim_v: int, softma
             k = k.reshape(b, cp * ps, h_kv, d).transpose(0, 2, 1, 3).reshape(bg, cp * ps, d)  # [BG, L, D]
         if window is not None:
             w = pos[None, :] - window.start[:, None]  # [B, L]: index into the window
-            in_window = (w >= 0) & (w < window.length)
+            in_window = (w >= 0) & (w < jnp.reshape(window.length, (-1, 1)))  # length: scalar or [B]
             w_k = jnp.take_along_axis(window.latents, jnp.clip(w, 0, window.latents.shape[1] - 1)[..., None],
                                       axis=1)  # [B, L, D]
             k = jnp.where(in_window[..., None], w_k.astype(k.dtype), k)
