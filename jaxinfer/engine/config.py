@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxinfer import default_model, platform
 from jaxinfer.kv.page_allocator import PAGE_SIZE
+from jaxinfer.engine.speculative import SpeculativeConfig
 from jaxinfer.kv.paged_cache import default_num_pages
 from jaxinfer.models.attention import BACKENDS
 
@@ -53,6 +54,9 @@ class EngineConfig:
     attention_backend: "pallas" (mla_decode over the cache written inside the step: the Mosaic GPU kernel on a
       GPU) or "xla" (the cache read-only inside the step, the step's latents written after it); None: the
       platform's (pallas on GPU).
+    speculative_config: None, or MTP speculative decoding as vLLM's dict {"method": "mtp" | "deepseek_mtp",
+      "num_speculative_tokens": K in [1, 16], "verify": "all" | "confidence"} (engine/speculative.py; stored as a
+      SpeculativeConfig). Each step then runs one draft-verify round (num_scheduler_steps is not used).
 
     Raises ValueError naming the field for an invalid value.
     """
@@ -75,8 +79,10 @@ class EngineConfig:
     greedy_screening: bool | None = None
     compilation_cache: str | os.PathLike | None = None
     attention_backend: str | None = None
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         for name, least, optional in [("num_kv_pages", 2, True), ("max_num_seqs", 1, False),
                                       ("max_num_batched_tokens", 1, False), ("max_model_len", 1, True),
                                       ("max_logprobs", 0, False), ("num_redundant_experts", 0, True),

@@ -53,12 +53,15 @@ class RequestState:
 
 @dataclasses.dataclass(frozen=True)
 class StepInputs:
-    """Host arrays of one step (``arrays``: ids, src, positions, block_table, seqlens, slots, dest, stop_ids, each
-    [rows, ...]), the sampling tensors, and the (row, request id, tokens sampled) of every sampling row."""
+    """Host arrays of one step (``arrays``: ids, src, positions, block_table, seqlens, slots, dest, stop_ids, and
+    with speculative decoding next_ids, each [rows, ...]), the sampling tensors, and the (row, request id, tokens
+    sampled at most) of every sampling row. verifying: a speculative decoding step that verifies drafts
+    (step_program.spec_step); its rows' real columns are their last ``tokens sampled at most`` ones."""
 
     arrays: list[np.ndarray]
     tensors: SamplingTensors
     sampled: list[tuple[int, int, int]]
+    verifying: bool = False
 
 
 def step_shape(out: SchedulerOutput, num_pages: dict[int, int], min_prefill_t: int,
@@ -85,12 +88,15 @@ class InputBatch:
       page_size; min_prefill_t, prefill_capacity: the prefill grid (Scheduler's); num_scheduler_steps: decode
       iterations per decode step at most; eos_token_id: the engine's EOS (device stop checks); vocab_size;
       engine_seed: seed of unseeded requests (sampler.request_seed); max_logprobs: the logprobs width computed
-      when any row asks for logprobs (one static width bounds compilations).
+      when any row asks for logprobs (one static width bounds compilations); num_drafts: K of speculative
+      decoding (0: off). With drafts, every decode step is a verification step (rows of 1 + drafts tokens, right
+      aligned like prefill chunks), prefill chunks carry the token after them (next_ids: -1 = the step's sample),
+      and block tables cover K - 1 positions past the chunk for the MTP chain (engine/drafter.py).
     """
 
     def __init__(self, *, ranks: int, max_rows: int, page_size: int, min_prefill_t: int, prefill_capacity: int,
                  num_scheduler_steps: int, eos_token_id: int | None, vocab_size: int, engine_seed: int,
-                 max_logprobs: int):
+                 max_logprobs: int, num_drafts: int = 0):
         self.ranks = ranks
         self.max_rows = max_rows
         self.page_size = page_size
@@ -101,6 +107,7 @@ class InputBatch:
         self.vocab_size = vocab_size
         self.engine_seed = engine_seed
         self.max_logprobs = max_logprobs
+        self.num_drafts = num_drafts
         self.requests: dict[int, RequestState] = {}
         self._feed: dict[int, int] = {}  # req_id -> buffer slot of its token sampled by the last dispatched step
 
@@ -123,8 +130,16 @@ class InputBatch:
                 state.output_token_ids.extend(tokens)
 
     def shape(self, out: SchedulerOutput) -> tuple[int, int, int]:
-        return step_shape(out, {r.req_id: len(self.requests[r.req_id].pages) for r in out.all_requests()},
-                          self.min_prefill_t, self.prefill_capacity)
+        if not self.num_drafts:
+            num_pages = {r.req_id: len(self.requests[r.req_id].pages) for r in out.all_requests()}
+        else:  # the MTP chain reads positions up to the chunk's last + K - 1 (from its window, engine/drafter.py)
+            num_pages = {r.req_id: max(len(self.requests[r.req_id].pages),
+                                       -(-(r.start + r.num_tokens + self.num_drafts - 1) // self.page_size))
+                         for r in out.all_requests()}
+        rows, t, pages = step_shape(out, num_pages, self.min_prefill_t, self.prefill_capacity)
+        if self.num_drafts and out.kind is StepKind.DECODE:  # the last token and the most drafts of a row
+            t = min(bucket(max(r.num_tokens for r in out.all_requests())), self.num_drafts + 1)
+        return rows, t, pages
 
     def build(self, out: SchedulerOutput) -> StepInputs:
         """Host arrays of one step (after ``update_states``). A multi-step decode step (chunks of more than one
@@ -136,8 +151,9 @@ class InputBatch:
         previous step first)."""
         rows, t, pages = self.shape(out)
         decode = out.kind is StepKind.DECODE
+        verifying = decode and self.num_drafts > 0
         k = t
-        if decode:
+        if decode and not verifying:
             most = max((r.num_tokens for r in out.all_requests() if not r.draft_token_ids), default=1)
             if most > self.num_scheduler_steps:
                 raise RuntimeError(f"decode chunk of {most} tokens exceeds num_scheduler_steps="
@@ -154,6 +170,7 @@ class InputBatch:
         seqlens = np.zeros((n_rows,), np.int32)
         dest = np.full((n_rows,), self.ranks * self.max_rows, np.int32)  # out of range: dropped
         stop_ids = np.full((n_rows, DEVICE_STOP_IDS), -1, np.int32)  # [rows, S]: -1 matches no token
+        next_ids = np.full((n_rows,), -1, np.int32)  # speculative prefill: the token after the chunk, if known
         params = [_PAD_PARAMS] * n_rows
         states: list[RequestState | None] = [None] * n_rows
         steps = np.zeros((n_rows,), np.int64)
@@ -166,29 +183,37 @@ class InputBatch:
                 row, n, state = rank * rows + i, r.num_tokens, self.requests[r.req_id]
                 n_in = r.num_input_tokens(out.kind)
                 end = r.start + n_in
-                ids[row, t - n_in:] = self._input_ids(state, r, end, src, row, t)
+                if r.draft_token_ids:  # the last known token, then the drafts
+                    ids[row, t - n_in:] = (self._input_ids(state, r, r.start + 1, src, row, t - n_in)
+                                           + list(r.draft_token_ids))
+                else:
+                    ids[row, t - n_in:] = self._input_ids(state, r, end, src, row, t - 1)
                 positions[row, t - n_in:] = range(r.start, end)
                 block_table[row, : len(state.pages)] = state.pages
                 pos = np.arange(r.start, r.start + n)  # [n] positions computed
-                cols = slice(0, n) if decode else slice(t - n, t)
+                cols = slice(0, n) if decode and not verifying else slice(t - n, t)
                 slots[row, cols] = block_table[row, pos // self.page_size] * self.page_size + pos % self.page_size
                 seqlens[row] = end
                 if r.num_sampled:
                     sampled.append((row, r.req_id, r.num_sampled))
                     params[row], states[row] = state.params, state
-                    steps[row] = end - len(state.prompt_token_ids)  # outputs before this sample: the key fold-in
+                    # outputs before this sample (the first of a verification): the key fold-in
+                    steps[row] = (r.start + 1 if decode else end) - len(state.prompt_token_ids)
                     dest[row] = rank * self.max_rows + i
                     feed[r.req_id] = int(dest[row])
                     stops = state.params.stop_tokens(self.eos_token_id)[:DEVICE_STOP_IDS]
                     stop_ids[row, : len(stops)] = stops
+                elif self.num_drafts and not decode:  # a prefill chunk short of the end: its next token is known
+                    next_ids[row] = (state.prompt_token_ids + state.output_token_ids)[end]
         self._feed = feed
         tensors = self._tensors(params, states, steps)
-        return StepInputs([ids, src, positions, block_table, seqlens, slots, dest, stop_ids], tensors, sampled)
+        arrays = [ids, src, positions, block_table, seqlens, slots, dest, stop_ids]
+        return StepInputs(arrays + [next_ids] if self.num_drafts else arrays, tensors, sampled, verifying)
 
     def _input_ids(self, state: RequestState, r: ScheduledRequest, end: int, src: np.ndarray, row: int,
-                   t: int) -> list[int]:
-        """The chunk's input tokens [start, end). The last one may be the newest sample of the last dispatched
-        step, not fetched yet: it is read from the token buffer on device (``src``)."""
+                   col: int) -> list[int]:
+        """The chunk's input tokens [start, end), the last one at column ``col``. It may be the newest sample of
+        the last dispatched step, not fetched yet: it is read from the token buffer on device (``src``)."""
         p = len(state.prompt_token_ids)
         known = p + len(state.output_token_ids)
         from_buffer = end > known and r.req_id in self._feed
@@ -200,7 +225,7 @@ class InputBatch:
         else:
             chunk = (state.prompt_token_ids + state.output_token_ids)[r.start:stop]
         if from_buffer:
-            src[row, t - 1] = self._feed[r.req_id]
+            src[row, col] = self._feed[r.req_id]
             chunk = chunk + [0]
         return chunk
 

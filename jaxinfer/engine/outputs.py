@@ -46,7 +46,8 @@ class CompletionOutput:
 class RequestOutput:
     """A request's output: all n completions. metrics: ttft_s (first token after add_request), tpot_s (time per
     output token after the first), both None until known; num_prompt_tokens, num_cached_prompt_tokens (served by
-    the prefix cache), num_output_tokens (all completions)."""
+    the prefix cache), num_output_tokens (all completions); num_draft_tokens, num_accepted_tokens (speculative
+    decoding: drafts verified and accepted, summed over the completions; 0 without)."""
 
     request_id: str
     prompt: str | None
@@ -60,7 +61,11 @@ class RequestOutput:
 class EngineStats:
     """Counters: steps dispatched, tokens computed (all / in prefill steps), preemptions, prompt and output tokens
     of finished sequences, host time (scheduling, array building, dispatch, result handling) and time spent
-    waiting for the device's results."""
+    waiting for the device's results.
+
+    Speculative decoding (vLLM's spec-decode metrics): num_drafts, verification rounds of a sequence with at
+    least one draft; num_draft_tokens, drafts verified; num_accepted_tokens, drafts accepted (recovered and bonus
+    tokens excluded); accepted_per_position[j], rounds whose draft j + 1 was accepted (a tuple of K counts)."""
 
     steps: int = 0
     scheduled_tokens: int = 0
@@ -70,10 +75,37 @@ class EngineStats:
     finished_output_tokens: int = 0
     host_s: float = 0.0
     wait_s: float = 0.0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: tuple[int, ...] = ()
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """1 + accepted / drafts (vLLM's definition: tokens per verification round); 1.0 without drafts."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    def count_round(self, num_drafts: int, num_accepted: int, num_positions: int) -> None:
+        """Counts one sequence's verification of ``num_drafts`` drafts (of K = num_positions proposed)."""
+        if not num_drafts:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        per = list(self.accepted_per_position) or [0] * num_positions
+        for j in range(num_accepted):
+            per[j] += 1
+        self.accepted_per_position = tuple(per)
 
     def since(self, before: EngineStats) -> EngineStats:
         """The counts accumulated after ``before`` (a copy of an earlier state)."""
-        return EngineStats(**{f.name: getattr(self, f.name) - getattr(before, f.name)
+        def diff(now, then):
+            if isinstance(now, tuple):
+                then = then or (0,) * len(now)
+                return tuple(a - b for a, b in zip(now, then))
+            return now - then
+
+        return EngineStats(**{f.name: diff(getattr(self, f.name), getattr(before, f.name))
                               for f in dataclasses.fields(self)})
 
 
@@ -183,7 +215,9 @@ class RequestState:
         metrics = dict(ttft_s=None if first is None else first - self.arrival, tpot_s=tpot,
                        num_prompt_tokens=len(self.prompt_token_ids),
                        num_cached_prompt_tokens=max(c.seq.num_cached_tokens for c in self.completions),
-                       num_output_tokens=n_out)
+                       num_output_tokens=n_out,
+                       num_draft_tokens=sum(c.seq.num_draft_tokens for c in self.completions),
+                       num_accepted_tokens=sum(c.seq.num_accepted_tokens for c in self.completions))
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, metrics, finished)
 
     def _completion(self, index: int, c: _Completion, delta: bool) -> CompletionOutput:

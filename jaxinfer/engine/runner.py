@@ -20,6 +20,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxinfer.engine import packing
 from jaxinfer.engine.expert_load import ExpertLoadWindow
 from jaxinfer.engine.inputs import InputBatch
+from jaxinfer.engine.drafter import Drafts
+from jaxinfer.engine.rejection_sampler import VerifyOutput
 from jaxinfer.engine.sampler import SampleOutput
 from jaxinfer.engine.buckets import MIN_PREFILL_T, bucket
 from jaxinfer.engine.scheduler_output import RunnerOutput, SchedulerOutput
@@ -33,11 +35,13 @@ from jaxinfer.parallel.multihost import global_array, to_host
 
 @dataclasses.dataclass
 class InFlight:
-    """A dispatched step: the (row, request id, tokens sampled) of every sampling row, the device outputs."""
+    """A dispatched step: the (row, request id, tokens sampled) of every sampling row, the device outputs
+    (a SampleOutput, or a VerifyOutput for a verification step), and the drafts it proposed (or None)."""
 
     sampled: list[tuple[int, int, int]]
     logprobs_width: dict[int, int]
-    output: SampleOutput
+    output: SampleOutput | VerifyOutput
+    drafts: Drafts | None = None
 
 
 class ModelRunner:
@@ -58,12 +62,16 @@ class ModelRunner:
         stop token.
       greedy_screening: greedy steps of one row per device take the head's argmax through an int8 screen
         (head.py; the same tokens, a quarter of a float32 head's bytes, an int8 copy of the head kept).
+      num_drafts: K of speculative decoding with the model's MTP module (0: off): every step then runs
+        ``StepProgram.spec_step`` and proposes K drafts per sampling row; the MTP module gets its own paged
+        latent cache (``mtp_layers``).
     """
 
     def __init__(self, model, num_pages_per_rank: int, *, attention_backend: str, max_num_seqs: int = 64,
                  prefill_capacity: int = 1024, min_prefill_t: int = MIN_PREFILL_T, page_size: int = 64,
                  engine_seed: int = 0, max_logprobs: int = 20, expert_load_window: int = 1000,
-                 num_scheduler_steps: int = 1, eos_token_id: int | None = None, greedy_screening: bool = False):
+                 num_scheduler_steps: int = 1, eos_token_id: int | None = None, greedy_screening: bool = False,
+                 num_drafts: int = 0):
         self.model = model
         self.backend = BACKENDS[attention_backend]
         self.greedy_screening = greedy_screening
@@ -72,12 +80,16 @@ class ModelRunner:
         self.inputs = InputBatch(ranks=ranks, max_rows=max_rows, page_size=page_size, min_prefill_t=min_prefill_t,
                                  prefill_capacity=prefill_capacity, num_scheduler_steps=num_scheduler_steps,
                                  eos_token_id=eos_token_id, vocab_size=model.config.vocab_size,
-                                 engine_seed=engine_seed, max_logprobs=max_logprobs)
+                                 engine_seed=engine_seed, max_logprobs=max_logprobs, num_drafts=num_drafts)
+        self.num_drafts = num_drafts
         self._batch = NamedSharding(model.mesh, P(BATCH_AXES))
         # The XLA backend's cache holds bit patterns (paged_cache's module doc: XLA:CPU upcasts bf16 scatters and
         # gathers over the whole cache); the Pallas kernel reads its own dtype.
-        self.layers = init_paged_cache(model.config, num_pages_per_rank, model.dtype, mesh=model.mesh,
-                                       page_size=page_size, as_bits=not self.backend.writes_in_step).layers
+        cache = functools.partial(init_paged_cache, model.config, num_pages_per_rank, model.dtype, mesh=model.mesh,
+                                  page_size=page_size, as_bits=not self.backend.writes_in_step)
+        self.layers = cache().layers
+        # The MTP module's cache: one more layer over the same pages (only read inside a step: drafter.py).
+        self.mtp_layers = cache().layers[:1] if num_drafts else ()
         self.tokens = global_array(np.zeros(ranks * max_rows, np.int32), self._batch)
         load_shape = (ranks, model.config.num_moe_layers, model.config.n_routed_experts)
         self.load = ExpertLoadWindow(load_shape, self._batch, expert_load_window)
@@ -114,7 +126,10 @@ class ModelRunner:
         step = self.inputs.build(out)
         packed, layout = packing.pack((*step.arrays, step.tensors))  # one transfer: packing.py says why
         widths = {req_id: self.inputs.requests[req_id].params.logprobs for _, req_id, _ in step.sampled}
-        return InFlight(step.sampled, widths, self._run(global_array(packed, self._batch), layout))
+        packed = global_array(packed, self._batch)
+        if self.num_drafts:
+            return InFlight(step.sampled, widths, *self._run_spec(packed, layout, step.verifying))
+        return InFlight(step.sampled, widths, self._run(packed, layout))
 
     def _run(self, packed: jax.Array, layout: packing.Layout):
         """One step on the devices (asynchronous): updates the cache, the token buffer and the expert-load window,
@@ -126,34 +141,62 @@ class ModelRunner:
         self.layers = new if self.backend.writes_in_step else self.program.write(self.layers, *new)
         return out
 
+    def _run_spec(self, packed: jax.Array, layout: packing.Layout, verifying: bool):
+        """``_run`` for speculative decoding (StepProgram.spec_step): returns (samples, drafts)."""
+        out, drafts, layers, (latents, slots), self.tokens, (total, load) = self.program.spec_step(
+            self._state_leaves[0], self.layers, self.mtp_layers, self.tokens, self.load.total, self.load.evicted(),
+            packed, layout, verifying, self.num_drafts, self.head_screen)
+        self.load.push(total, load)
+        if self.backend.writes_in_step:
+            self.layers = layers
+            self.mtp_layers = self.program.write(self.mtp_layers, latents, slots)
+        else:
+            written = self.program.write(self.layers + self.mtp_layers, latents, slots)
+            self.layers, self.mtp_layers = written[:len(self.layers)], written[len(self.layers):]
+        return out, drafts
+
     def fetch(self, step: InFlight) -> RunnerOutput:
         """Waits for a dispatched step; returns its sampled tokens (and logprobs) by request id, and records them
         in the runner's own request state."""
         out = step.output
+        verifying = isinstance(out, VerifyOutput)
         single = out.token_ids.ndim == 1  # one iteration: the fields get the [k = 1] axis of a multi-step step
 
         def host(x):
             x = to_host(x)
+            if verifying:  # [R, T, ...] -> [T, R, ...]: a row's columns as its iterations
+                return np.swapaxes(x, 0, 1)
             return x[None] if single else x
 
         token_ids = host(out.token_ids)  # [k, R]
-        # A decode chunk of n tokens owns its row's first n iterations; any other sampling chunk the one.
-        tokens = {req_id: [int(t) for t in token_ids[:n, row]] for row, req_id, n in step.sampled}
+        if verifying:  # a row of n real columns (its last n of T): the first 1 + accepted of them
+            t = token_ids.shape[0]
+            accepted = to_host(out.num_accepted)
+            cols = {row: range(t - n, t - n + 1 + int(accepted[row])) for row, _, n in step.sampled}
+        else:  # a decode chunk of n tokens owns its row's first n iterations; any other sampling chunk the one
+            cols = {row: range(n) for row, _, n in step.sampled}
+        tokens = {req_id: [int(token_ids[i, row]) for i in cols[row]] for row, req_id, _ in step.sampled}
         logprobs = {}
         if out.logprobs is not None:
             chosen, top_ids, top_lp = (host(x) for x in (out.logprobs, out.top_ids, out.top_logprobs))
-            for row, req_id, n in step.sampled:
+            for row, req_id, _ in step.sampled:
                 width = step.logprobs_width[req_id]
                 if width is None:
                     continue
                 entries = []
-                for i in range(n):
+                for i in cols[row]:
                     entry = {int(top_ids[i, row, j]): float(top_lp[i, row, j]) for j in range(width)}
                     entry[int(token_ids[i, row])] = float(chosen[i, row])
                     entries.append(entry)
                 logprobs[req_id] = entries
+        drafts, probs = {}, {}
+        if step.drafts is not None:
+            draft_ids, draft_probs = to_host(step.drafts.token_ids), to_host(step.drafts.probs)  # [R, K]
+            for row, req_id, _ in step.sampled:
+                drafts[req_id] = [int(x) for x in draft_ids[row]]
+                probs[req_id] = [float(x) for x in draft_probs[row]]
         self.inputs.record(tokens)
-        return RunnerOutput(tokens, logprobs)
+        return RunnerOutput(tokens, logprobs, drafts, probs)
 
     def expert_load(self) -> np.ndarray:
         """np.int64 [moe layers, experts] over the last ``expert_load_window`` steps (ExpertLoadWindow.read)."""

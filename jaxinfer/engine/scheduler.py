@@ -28,7 +28,8 @@ rank has prefill work that fits, else a DECODE step over all ranks.
   (vLLM's multi-step scheduling) a decode chunk covers its last token and up to k - 1 tokens it samples itself
   (``num_tokens`` <= k positions and samples), within ``max_tokens``, ``max_model_len`` and the pages it can get.
   A sequence with draft tokens (``RunnerOutput.draft_token_ids``) instead verifies them: its chunk covers its last
-  token and the drafts, and it samples up to 1 + drafts tokens.
+  token and the drafts, and it samples up to 1 + drafts tokens. With ``verify="confidence"`` every sequence
+  verifies the number of drafts worth the step's cost (engine/speculative.py ``verify_width``, over all ranks).
 - Out of pages. A running sequence that cannot make progress preempts the newest running sequence (by arrival) of
   its rank, itself included: the victim frees its pages and goes to the FRONT of the rank's waiting queue with
   ``num_computed_tokens = 0``, keeping its outputs (it recomputes prompt + outputs as its next prefill; with
@@ -54,6 +55,7 @@ from jaxinfer.engine.buckets import MIN_PREFILL_T, bucket
 from jaxinfer.engine.scheduler_output import (NewRequest, RunnerOutput, ScheduledRequest, SchedulerOutput,
                                               StepKind)
 from jaxinfer.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
+from jaxinfer.engine.speculative import verify_width
 from jaxinfer.kv.page_allocator import PAGE_SIZE, PageAllocator
 from jaxinfer.kv.prefix_cache import PrefixCache
 
@@ -116,11 +118,14 @@ class RankStats:
 
 @dataclasses.dataclass(frozen=True)
 class TokenUpdate:
-    """What ``update_from_output`` did to one sequence: outputs [first, first + num) got their values."""
+    """What ``update_from_output`` did to one sequence: outputs [first, first + num) got their values; it verified
+    ``num_drafts`` drafts and accepted ``num_accepted`` of them (speculative decoding)."""
 
     seq: Sequence
     first: int
     num: int
+    num_drafts: int = 0
+    num_accepted: int = 0
 
 
 class Scheduler:
@@ -138,6 +143,7 @@ class Scheduler:
       cache_key: ``extra_key`` of the page hashes (model identity).
       min_prefill_t: the fewest columns of a prefill step's grid (a power of two; see "Prefill shapes").
       num_scheduler_steps: decode iterations per decode step (see "Decode").
+      confidence_verify: verify only the prefix of each sequence's drafts worth its cost (DSpark; see "Decode").
 
     Raises ValueError (naming the value) for invalid arguments.
     """
@@ -145,7 +151,7 @@ class Scheduler:
     def __init__(self, num_ranks: int, num_pages_per_rank: int, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_prefix_caching: bool = True, page_size: int = PAGE_SIZE,
                  eos_token_id: int | None = None, cache_key=None, min_prefill_t: int = MIN_PREFILL_T,
-                 num_scheduler_steps: int = 1):
+                 num_scheduler_steps: int = 1, confidence_verify: bool = False):
         for name, value in [("num_ranks", num_ranks), ("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens), ("max_model_len", max_model_len),
                             ("page_size", page_size), ("num_scheduler_steps", num_scheduler_steps)]:
@@ -161,6 +167,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.num_scheduler_steps = num_scheduler_steps
+        self.confidence_verify = bool(confidence_verify)
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.eos_token_id = eos_token_id
         self.cache_key = cache_key
@@ -256,8 +263,9 @@ class Scheduler:
             self._schedule_prefill(rank, plan, shape, admitted)
         if plan.empty():
             plan.kind = StepKind.DECODE
+            width = self._verify_width()
             for rank in range(self.num_ranks):
-                self._schedule_decode(rank, plan)
+                self._schedule_decode(rank, plan, width)
         if plan.empty() and not self._finished_ids and not plan.preempted:
             return None
         return self._commit(plan, admitted)
@@ -297,14 +305,24 @@ class Scheduler:
             out.append(self._prefill_chunk(seq, n))
             budget -= n
 
-    def _schedule_decode(self, rank: int, plan: _Plan) -> None:
+    def _verify_width(self) -> int | None:
+        """Drafts each sequence verifies in the next decode step: all (None), or with ``confidence_verify`` the
+        width worth its cost over the whole step (engine/speculative.py ``verify_width``)."""
+        if not self.confidence_verify:
+            return None
+        decoding = [[s for s in running if s.status is SequenceStatus.RUNNING and not s.is_prefilling]
+                    for running in self.running]
+        rows = bucket(max(map(len, decoding)) or 1)
+        return verify_width([s.draft_probs[:len(s.draft_token_ids)] for rank in decoding for s in rank], rows)
+
+    def _schedule_decode(self, rank: int, plan: _Plan, width: int | None = None) -> None:
         out = plan.chunks[rank]
         for seq in list(self.running[rank]):
             if seq.status is not SequenceStatus.RUNNING or seq.is_prefilling:
                 continue
             # Tokens it may still sample (>= 1: commit finishes a sequence that reaches either limit).
             left = max(1, min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens))
-            drafts = seq.draft_token_ids[:left - 1]
+            drafts = seq.draft_token_ids[:left - 1 if width is None else min(left - 1, width)]
             n = self._grow(seq, 1 + len(drafts) if drafts else min(left, self.num_scheduler_steps), plan)
             if n:
                 out.append(_Chunk(seq, n, n, drafts[:n - 1]))
@@ -380,6 +398,7 @@ class Scheduler:
         seq.num_prefill_tokens = 0
         seq.num_preemptions += 1
         seq.draft_token_ids = ()
+        seq.draft_probs = ()
         self.waiting[seq.rank].appendleft(seq)
 
     def _release(self, seq: Sequence) -> None:
@@ -475,13 +494,18 @@ class Scheduler:
                     else:
                         self.finish(seq, "stop")
                     break
+            drafts = len(r.draft_token_ids)
+            accepted = len(tokens) - 1 if drafts else 0  # the recovered or bonus token is no draft
+            seq.num_draft_tokens += drafts
+            seq.num_accepted_tokens += accepted
             if seq.status is SequenceStatus.RUNNING:
                 if r.draft_token_ids and self._at_length_limit(seq):
                     self.finish(seq, "length")
                 else:
                     self._register_full_pages(seq)
                     seq.draft_token_ids = tuple(result.draft_token_ids.get(r.req_id, ()))
-            updates.append(TokenUpdate(seq, first, num))
+                    seq.draft_probs = tuple(result.draft_probs.get(r.req_id, ()))
+            updates.append(TokenUpdate(seq, first, num, drafts, accepted))
             self._drop_if_complete(seq)
         return updates
 

@@ -108,8 +108,10 @@ class RunnerOutput:
       chunk: one per iteration; after a stop token the rest are garbage and ignored).
     logprobs: for requests that asked, per sampled token {token: logprob} (the sampled token included).
     draft_token_ids: tokens proposed for the next step (speculative decoding); verified when scheduled.
+    draft_probs: the drafter's probability of each draft (DSpark's confidence, engine/speculative.py).
     """
 
     sampled: dict[int, list[int]]
     logprobs: dict[int, list[dict[int, float]]] = dataclasses.field(default_factory=dict)
     draft_token_ids: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    draft_probs: dict[int, list[float]] = dataclasses.field(default_factory=dict)

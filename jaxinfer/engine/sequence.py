@@ -62,6 +62,9 @@ class Sequence:
         self.num_registered_pages = 0   # leading pages of ``pages`` already offered to the prefix cache
         self.num_pages_sent = 0         # leading pages of ``pages`` the runner was told about (new_page_ids)
         self.draft_token_ids: tuple[int, ...] = ()  # proposed by the runner, verified by the next decode step
+        self.draft_probs: tuple[float, ...] = ()    # the drafter's probability of each draft (DSpark)
+        self.num_draft_tokens = 0       # drafts verified (speculative decoding)
+        self.num_accepted_tokens = 0    # drafts accepted
         self.finish_reason: str | None = None
         self.error: str | None = None
         self._hashes: list[int] = []     # chained page hashes of the leading full pages of all_token_ids

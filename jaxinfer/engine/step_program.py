@@ -27,7 +27,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.engine import packing
+from jaxinfer.engine.drafter import propose
 from jaxinfer.engine.head import head_sample
+from jaxinfer.engine.rejection_sampler import verify
 from jaxinfer.engine.sampler import advance, sample
 from jaxinfer.models.attention import AttentionBackend, AttentionMetadata, write_latents
 
@@ -97,6 +99,59 @@ class StepProgram:
             # kind of step (decode, multi-step decode, prefill).
             return (out, (tuple(self._pack(x, 0, n) for x in latents), self._pack(slots, -1, n)), tokens,
                     (load_total, load))
+
+        return step
+
+    @functools.cached_property
+    def spec_step(self):
+        """The step of speculative decoding (MTP drafts; engine/drafter.py, engine/rejection_sampler.py):
+        spec_step(state_leaves, layers, mtp_layers, tokens, load_total, load_evict, packed, layout, verifying,
+        num_drafts, screen) -> (output, Drafts [R, K], layers, (latents, slots) to write, tokens,
+        (load_total, load)).
+
+        A prefill step (verifying=False) samples each row's next token as ``step`` does (a SampleOutput) and runs
+        the MTP module over the chunk, the token after the chunk being ``next_ids`` (a host-known token) or the
+        sample (-1). A verification step (verifying=True) scores every column of its rows (the last token and
+        the drafts) and accepts a prefix of the drafts (a VerifyOutput); the MTP module then runs over the
+        accepted tokens. Both propose K drafts from the row's last token. To write: the MTP latents at the
+        step's slots, and the main layers' latents too when the backend does not write in the step."""
+        graphdef, treedef = self.model.graphdef, self.treedef
+        backend = self.backend
+        write_cache = backend.writes_in_step
+        options = None if write_cache else {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+
+        @functools.partial(jax.jit, donate_argnums=((1, 3, 4) if write_cache else (3, 4)),
+                           static_argnums=(7, 8, 9), compiler_options=options)
+        def step(state_leaves, layers, mtp_layers, tokens, load_total, load_evict, packed, layout, verifying,
+                 num_drafts, screen):
+            ids, src, positions, block_table, seqlens, slots, dest, _, next_ids, tensors = packing.unpack(
+                packed, layout)
+            ids = jnp.where(src >= 0, tokens[jnp.maximum(src, 0)], ids)  # [R, T]
+            model = nnx.merge(graphdef, jax.tree.unflatten(treedef, state_leaves))
+            md = AttentionMetadata(positions, block_table, seqlens, slots)
+            r, t = ids.shape
+            h, layers, load = model.paged_hidden_states(ids, layers, md, backend)  # h [R, T, D]
+            if verifying:
+                first = t - jnp.sum(slots >= 0, axis=1)  # [R] (t for a padding row)
+                out = verify(model.head(h), ids, first, tensors)  # [R, T, V] logits -> VerifyOutput
+                anchor = jnp.minimum(first, t - 1) + out.num_accepted  # [R]
+                after = out.token_ids  # [R, T]: the token after each column, up to the anchor
+                last = jnp.take_along_axis(after, anchor[:, None], axis=1)[:, 0]  # [R]
+                n = self.max_rows * (num_drafts + 1)
+            else:
+                out = head_sample(model, h[:, -1], tensors, screen)  # [R]
+                last = out.token_ids
+                after = jnp.concatenate([ids[:, 1:], jnp.where(next_ids >= 0, next_ids, last)[:, None]], axis=1)
+                anchor = jnp.full((r,), t - 1, jnp.int32)
+                n = self.prefill_capacity
+            drafts, mtp_latents = propose(model, h, after, mtp_layers[0], md, anchor, num_drafts)
+            tokens = tokens.at[dest].set(last, mode="drop")
+            load = jnp.broadcast_to(load, load_total.shape)
+            load = jax.lax.with_sharding_constraint(load, self.batch)
+            load_total = load_total + load - load_evict
+            latents = (mtp_latents,) if write_cache else (*layers, mtp_latents)
+            writes = (tuple(self._pack(x, 0, n) for x in latents), self._pack(slots, -1, n))
+            return out, drafts, (layers if write_cache else None), writes, tokens, (load_total, load)
 
         return step
 

@@ -1,0 +1,218 @@
+"""MTP speculative decoding in the engine (engine/drafter.py, engine/rejection_sampler.py): greedy outputs with
+speculation are greedy decoding's, token for token (float32), whatever the drafts are worth; every round's first
+draft is the MTP module's argmax; bad settings raise ValueError.
+
+Oracle: the cache-free forward (``Model.logits``, ``Model.mtp_logits``) over each final sequence: greedy decoding
+without speculation is exactly the chain of its argmaxes, so one forward checks every token. Compiling the
+engine's steps is most of the cost: one batch of prompts and one speculative engine are shared by the tests, and
+the checks on stops and lengths derive their expected outputs from the checked greedy tokens.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.speculative import SpeculativeConfig, survival, verify_width, widths
+
+# Few pages: four sequences of ~140 tokens sharing their first page need 9 pages of 64, a rank has 6 (5 usable):
+# preemption happens.
+KW = dict(dtype="float32", num_kv_pages=6, max_num_seqs=4, mesh="1x1")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+def spec(k: int = 3, verify: str = "all") -> dict:
+    return {"method": "mtp", "num_speculative_tokens": k, "verify": verify}
+
+
+def prompts(n: int = 4, length: int = 100, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(2, 4096, 66).tolist()  # one full page shared by all: the prefix cache serves it
+    return [shared + rng.integers(2, 4096, length - 66 + i).tolist() for i in range(n)]
+
+
+BATCH = prompts()
+
+
+def token_ids(outs) -> list[list[int]]:
+    return [list(c.token_ids) for o in outs for c in o.outputs]
+
+
+@pytest.fixture(scope="module")
+def speculative():
+    """K = 3 drafts, recording the drafts of every running sequence after each step: (its tokens, its drafts,
+    their probabilities) in ``llm.drafts``."""
+    llm = LLM(**KW, speculative_config=spec(3))
+    scheduler, llm.drafts = llm.engine.scheduler, []
+    update = scheduler.update_from_output
+
+    def recording(output, result):
+        updates = update(output, result)
+        llm.drafts.extend((tuple(u.seq.prompt_token_ids + u.seq.output_token_ids), u.seq.draft_token_ids,
+                           u.seq.draft_probs) for u in updates
+                          if u.seq.draft_token_ids and not u.seq.is_finished)
+        return updates
+
+    scheduler.update_from_output = recording
+    return llm
+
+
+@pytest.fixture(scope="module")
+def greedy(speculative):
+    """BATCH decoded greedily with K = 3 drafts: (outputs, the call's stats, the drafts it recorded, float64
+    cache-free logits [B, T, V] of each final sequence (right-padded), the MTP module's cache-free logits)."""
+    speculative.drafts.clear()
+    outs = speculative.generate(BATCH, GREEDY, use_tqdm=False)
+    stats, drafts = speculative.stats, list(speculative.drafts)
+    final = [p + c for p, c in zip(BATCH, token_ids(outs))]
+    width = max(map(len, final))
+    seqs = np.array([s + [0] * (width - len(s)) for s in final])  # right padding: causal rows are unaffected
+    nxt = np.concatenate([seqs[:, 1:], seqs[:, -1:]], axis=1)
+    model = speculative.engine.model
+    return outs, stats, drafts, model.logits(seqs), model.mtp_logits(seqs, nxt)
+
+
+def test_greedy_is_the_argmax_chain_under_preemption_and_prefix_caching(speculative, greedy):
+    """K = 3 drafts, four sequences on too few pages (preempted and recomputed) sharing a cached prefix page:
+    every output token is the argmax of the cache-free forward (``Model.logits``, checked against transformers
+    in tests/models) over the tokens before it, i.e. exactly greedy decoding without speculation; drafts are
+    verified and some accepted; the counters add up; a second call served from the prefix cache agrees."""
+    outs, stats, _, logits, _ = greedy
+    for i, (prompt, got) in enumerate(zip(BATCH, token_ids(outs))):
+        assert len(got) == GREEDY.max_tokens
+        want = logits[i, len(prompt) - 1:len(prompt) - 1 + len(got)].argmax(-1)
+        assert got == want.tolist(), i
+    assert stats.preemptions > 0
+    assert stats.num_draft_tokens > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stats.num_draft_tokens == sum(o.metrics["num_draft_tokens"] for o in outs)
+    assert stats.num_accepted_tokens == sum(o.metrics["num_accepted_tokens"] for o in outs)
+    assert len(stats.accepted_per_position) == 3 and stats.accepted_per_position[0] >= stats.accepted_per_position[1]
+    assert sum(stats.accepted_per_position) == stats.num_accepted_tokens
+    assert stats.mean_acceptance_length == pytest.approx(1 + stats.num_accepted_tokens / stats.num_drafts)
+    again = speculative.generate(BATCH[:1], GREEDY, use_tqdm=False)  # its pages are cached now
+    assert again[0].metrics["num_cached_prompt_tokens"] >= 64
+    assert token_ids(again) == token_ids(outs)[:1]
+
+
+def test_first_drafts_are_the_mtp_modules(greedy):
+    """Every stored draft 1 (after prefills, recomputed prefills and verifications) is the argmax of the MTP
+    module at the sequence's second-to-last token, computed by the cache-free ``Model.mtp_logits`` over the final
+    sequence (true hidden states, true next tokens), and its probability is that logit's softmax."""
+    outs, _, drafts, _, mtp = greedy
+    final = [p + c for p, c in zip(BATCH, token_ids(outs))]
+    mtp = mtp.astype(np.float64)  # [B, T, V]: row t predicts token t + 2
+    probs = np.exp(mtp - mtp.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    assert len(drafts) > 4 * 10
+    for tokens, draft, draft_probs in drafts:
+        (i,) = [i for i, s in enumerate(final) if tuple(s[:len(tokens)]) == tokens]
+        n = len(tokens)  # draft 1 proposes token n, from h at n - 2 and token n - 1
+        assert draft[0] == int(mtp[i, n - 2].argmax()), (i, n)
+        assert draft_probs[0] == pytest.approx(probs[i, n - 2, draft[0]], rel=1e-4, abs=1e-6)
+        assert len(draft) == len(draft_probs) == 3 and all(0 < p <= 1 for p in draft_probs)
+
+
+def test_stops_and_lengths_inside_an_accepted_run(speculative, greedy):
+    """Stop tokens, a stop string and max_tokens that fall inside a verified run of drafts end the output where
+    greedy decoding ends it (the greedy tokens cut at the first stop token, the text before the stop string, or
+    max_tokens); n = 2 samples each get the same greedy tokens."""
+    ref = token_ids(greedy[0])
+    stops = [ref[0][5], ref[1][9]]
+    cut = [next((r[:j + 1] for j, t in enumerate(r) if t in stops), r) for r in ref]
+    for params, want, reasons in [
+            (dataclasses.replace(GREEDY, stop_token_ids=stops), cut,
+             ["stop" if len(c) < len(r) or r[-1] in stops else "length" for c, r in zip(cut, ref)]),
+            (dataclasses.replace(GREEDY, max_tokens=7), [r[:7] for r in ref], ["length"] * 4),
+            (dataclasses.replace(GREEDY, max_tokens=2, n=2), [r[:2] for r in ref for _ in range(2)],
+             ["length"] * 8)]:
+        got = speculative.generate(BATCH, params, use_tqdm=False)
+        assert token_ids(got) == want
+        assert [c.finish_reason for o in got for c in o.outputs] == reasons
+    texts = [speculative.tokenizer.decode(r) for r in ref]
+    stop = speculative.tokenizer.decode(ref[2][12:14])
+    got = speculative.generate(BATCH, dataclasses.replace(GREEDY, stop=[stop]), use_tqdm=False)
+    assert [(o.outputs[0].text, o.outputs[0].finish_reason) for o in got] == [
+        (t[:t.index(stop)], "stop") if stop in t else (t, "length") for t in texts]
+    assert got[2].outputs[0].finish_reason == "stop"
+
+
+def test_broken_mtp_changes_acceptance_not_outputs(speculative, greedy):
+    """Scrambled MTP weights (every MTP array rolled along its first axis): drafts are garbage, greedy outputs are
+    still exactly the greedy tokens."""
+    ref = token_ids(greedy[0])
+    model = speculative.engine.model
+    saved = model.state
+    params = dataclasses.replace(GREEDY, max_tokens=16)
+
+    def scramble(path, x):
+        keys = [str(getattr(k, "key", k)) for k in path]
+        if "mtp" in keys and hasattr(x, "dtype") and np.issubdtype(x.dtype, np.floating) and x.ndim:
+            return jax.device_put(np.roll(np.asarray(x), 1, axis=0), x.sharding)
+        return x
+
+    good = speculative.generate(BATCH, params, use_tqdm=False)
+    good_rate = speculative.stats.num_accepted_tokens / speculative.stats.num_draft_tokens
+    try:
+        model.state = jax.tree_util.tree_map_with_path(scramble, saved)
+        speculative.engine.runner.refresh_state()
+        got = speculative.generate(BATCH, params, use_tqdm=False)
+        bad_rate = speculative.stats.num_accepted_tokens / speculative.stats.num_draft_tokens
+    finally:
+        model.state = saved
+        speculative.engine.runner.refresh_state()
+    assert token_ids(got) == token_ids(good) == [r[:16] for r in ref]
+    assert bad_rate < good_rate
+
+
+def test_confidence_verification_is_greedy_on_a_mesh(greedy):
+    """verify="confidence" on a 2x4 mesh (DP attention: each rank verifies its own sequences; the MoE of the
+    verification step sees (K + 1) x rows): the same greedy tokens, with fewer drafts verified than proposed."""
+    ref = token_ids(greedy[0])
+    llm = LLM(**{**KW, "mesh": "2x4", "num_kv_pages": 8}, speculative_config=spec(3, "confidence"))
+    got = llm.generate(BATCH, dataclasses.replace(GREEDY, max_tokens=16), use_tqdm=False)
+    assert token_ids(got) == [r[:16] for r in ref]
+    assert 0 < llm.stats.num_draft_tokens < 3 * llm.stats.num_drafts
+
+
+def test_confidence_rule():
+    """DSpark's prefix survival S_j = c_1 ... c_j, and one width per step (T in the runner's buckets up to K + 1)
+    with the most expected tokens per unit of cost (knee 8 + rows * T): a lone sequence verifies its whole draft,
+    a loaded step only the confident first draft."""
+    assert survival([0.5, 0.5, 1.0]) == [0.5, 0.25, 0.25]
+    assert [widths(k) for k in (0, 1, 3, 4, 16)] == [[1], [1, 2], [1, 2, 4], [1, 2, 4, 5], [1, 2, 4, 8, 16, 17]]
+    draft = [0.9, 0.7, 0.4]  # S = 0.9, 0.63, 0.252
+    # rows 1: T = 1, 2, 4 make 1 / 9 = 0.111, 1.9 / 10 = 0.19, 2.782 / 12 = 0.232 tokens per unit
+    assert verify_width([draft], rows=1, knee=8) == 3
+    # rows 32: 32 / 40 = 0.8, 60.8 / 72 = 0.844, 89.0 / 136 = 0.655
+    assert verify_width([draft] * 32, rows=32, knee=8) == 1
+    # rows 2: T = 5 (2 + 4.85 + 0.05) / 18 = 0.331 beats T = 4 (2 + 2.94 + 0.05) / 16 = 0.312
+    assert verify_width([[0.99] * 4, [0.05] * 4], rows=2, knee=8) == 4
+    assert verify_width([[0.3] * 4, [0.05] * 4], rows=2, knee=8) == 0  # 2 / 10 = 0.2 > 2.35 / 12 = 0.196
+    assert verify_width([], rows=1) == 0 and verify_width([[], []], rows=2) == 0
+
+
+def test_bad_settings_raise(tmp_path):
+    """Unknown keys, methods or verify modes, K outside [1, 16], and a model without MTP tensors: ValueError
+    naming the problem."""
+    for bad, match in [({"method": "eagle", "num_speculative_tokens": 2}, "method"),
+                       ({"method": "mtp", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+                       ({"method": "mtp", "num_speculative_tokens": 17}, "num_speculative_tokens"),
+                       ({"method": "mtp", "num_speculative_tokens": True}, "num_speculative_tokens"),
+                       ({"method": "mtp", "num_speculative_tokens": 2, "verify": "some"}, "verify"),
+                       ({"method": "mtp", "num_speculative_tokens": 2, "draft_model": "x"}, "unknown keys"),
+                       ({"num_speculative_tokens": 2}, "method"), ([2], "dict")]:
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(speculative_config=bad)
+    assert EngineConfig(speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 16}
+                        ).speculative_config == SpeculativeConfig("deepseek_mtp", 16, "all")
+    from jaxinfer import default_model
+    import hf_oracle
+
+    no_mtp = hf_oracle.copy_checkpoint(default_model.path(), tmp_path / "no_mtp")
+    cfg = hf_oracle.read_config(no_mtp)
+    hf_oracle.write_config(no_mtp, {**cfg, "num_nextn_predict_layers": 0})
+    with pytest.raises(ValueError, match="MTP"):
+        LLM(no_mtp, **KW, speculative_config=spec(2))
