@@ -21,6 +21,12 @@ then). ``--json`` prints one JSON object per result on stdout (keys in ``ONE_BAT
 otherwise SGLang / vLLM-style lines. ``--dispatch-bytes`` adds the expert-parallel dispatch bytes per token of
 the prompts' routing on the mesh (jaxinfer/parallel/comm.py; keys ``DISPATCH_KEYS``), as ``jaxinfer sweep``
 records them.
+
+``--speculative-tokens K`` (0 = off, the default) runs MTP speculative decoding (``speculative_config`` {"method":
+"mtp", "num_speculative_tokens": K, "verify": ``--speculative-verify``}); ``jaxinfer generate`` takes the same
+flags. Every result has ``SPECULATIVE_KEYS``: the settings and the timed run's counts in vLLM's spec-decode
+vocabulary (``speculative_metrics``); with speculation off they are speculative_tokens 0, speculative_verify "off",
+zero counts, draft_acceptance_rate 0.0, mean_acceptance_length 1.0 and accepted_per_position [].
 """
 
 from __future__ import annotations
@@ -32,15 +38,21 @@ import time
 
 import numpy as np
 
+from jaxinfer.engine.speculative import VERIFY_MODES
+
 MODES = ("one-batch", "throughput")
+# Speculative decoding's settings and the timed run's counts (speculative_metrics), in every result.
+SPECULATIVE_KEYS = ("speculative_tokens", "speculative_verify", "num_drafts", "num_draft_tokens",
+                    "num_accepted_tokens", "draft_acceptance_rate", "mean_acceptance_length",
+                    "accepted_per_position")
 ONE_BATCH_KEYS = ("mode", "mesh", "devices", "data", "expert", "platform", "dtype", "batch_size", "input_len",
                   "output_len", "prefill_latency_s", "prefill_throughput_tok_s", "median_decode_latency_s",
                   "median_decode_throughput_tok_s", "total_latency_s", "overall_throughput_tok_s", "ttft_s",
-                  "tpot_s")
+                  "tpot_s") + SPECULATIVE_KEYS
 THROUGHPUT_KEYS = ("mode", "mesh", "devices", "data", "expert", "platform", "dtype", "num_prompts",
                    "random_range_ratio", "total_input_tokens", "total_output_tokens", "elapsed_s", "requests_per_s",
                    "input_tok_s", "output_tok_s", "total_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
-                   "tpot_p99_s")
+                   "tpot_p99_s") + SPECULATIVE_KEYS
 DISPATCH_KEYS = ("dispatch_bytes_per_token", "dispatch_bytes_per_token_fp8")
 
 
@@ -65,6 +77,62 @@ def add_parser(sub) -> None:
                    help="add dispatch bytes per token of the prompts' routing (parallel/comm.py)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--json", action="store_true", help="one JSON object per result on stdout")
+    add_speculative_flags(p)
+
+
+def add_speculative_flags(p: argparse.ArgumentParser) -> None:
+    """--speculative-tokens K and --speculative-verify, on ``jaxinfer generate`` and ``jaxinfer bench``; the
+    parsed args carry the subcommand's parser (``speculative_parser``) for usage errors."""
+    p.set_defaults(speculative_parser=p)
+    spec = p.add_argument_group("speculative decoding (the checkpoint's MTP module drafts, the model verifies)")
+    spec.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                      help="draft K tokens per decode step with the MTP module (speculative_config "
+                           "num_speculative_tokens, 1 to 16); 0 = off (default)")
+    spec.add_argument("--speculative-verify", choices=VERIFY_MODES, default="all",
+                      help="which drafts a step verifies: all (default), or confidence (the prefix worth its cost, "
+                           "DSpark); needs --speculative-tokens K >= 1")
+
+
+def speculative_usage_error(args) -> str | None:
+    """The argparse error for speculative flags that contradict each other, or None."""
+    if args.speculative_tokens == 0 and args.speculative_verify != "all":
+        return (f"--speculative-verify {args.speculative_verify} needs --speculative-tokens K >= 1 "
+                "(0, the default, turns speculative decoding off)")
+    return None
+
+
+def speculative_config(args) -> dict | None:
+    """The engine's speculative_config from the flags: None for --speculative-tokens 0; any other K is passed on
+    as given (the engine's ValueError names the valid range)."""
+    if args.speculative_tokens == 0:
+        return None
+    return {"method": "mtp", "num_speculative_tokens": args.speculative_tokens, "verify": args.speculative_verify}
+
+
+def speculative_metrics(stats, spec) -> dict:
+    """``SPECULATIVE_KEYS`` of an EngineStats (one generate call) under ``spec``, the engine's SpeculativeConfig
+    (``llm.config.speculative_config``; None when off). draft_acceptance_rate = accepted / draft tokens (vLLM's
+    "draft acceptance rate"; 0.0 without drafts); mean_acceptance_length = 1 + accepted / drafts (tokens per
+    verification round, vLLM's definition); accepted_per_position[j] = rounds whose draft j + 1 was accepted."""
+    k = spec.num_speculative_tokens if spec else 0
+    return dict(speculative_tokens=k, speculative_verify=spec.verify if spec else "off",
+                num_drafts=stats.num_drafts, num_draft_tokens=stats.num_draft_tokens,
+                num_accepted_tokens=stats.num_accepted_tokens,
+                draft_acceptance_rate=(stats.num_accepted_tokens / stats.num_draft_tokens
+                                       if stats.num_draft_tokens else 0.0),
+                mean_acceptance_length=stats.mean_acceptance_length,
+                accepted_per_position=list(stats.accepted_per_position) or [0] * k)
+
+
+def format_speculative(m: dict, label: str = "speculative decoding") -> str:
+    """``speculative_metrics`` as one line in vLLM's spec-decode vocabulary (its per-position acceptance rate is
+    accepted_per_position / drafts)."""
+    drafts = m["num_drafts"]
+    rates = ", ".join(f"{a / drafts if drafts else 0:.3f}" for a in m["accepted_per_position"])
+    return (f"{label} (mtp, K {m['speculative_tokens']}, verify {m['speculative_verify']}): drafts {drafts}, "
+            f"draft tokens {m['num_draft_tokens']}, accepted {m['num_accepted_tokens']} "
+            f"({m['draft_acceptance_rate'] * 100:.1f}%), mean acceptance length {m['mean_acceptance_length']:.2f}, "
+            f"accepted per position {m['accepted_per_position']} (rate {rates})")
 
 
 def positive_ints(values, flag: str) -> list[int]:
@@ -139,6 +207,7 @@ def one_batch(llm, batch_size: int, input_len: int, output_len: int, *, seed: in
     if warmup:
         _generate(llm, _prompts(rng, vocab, lens), outs_len)
     outs, total = _generate(llm, _prompts(rng, vocab, lens), outs_len)
+    spec = speculative_metrics(llm.stats, llm.config.speculative_config)
     ttft = [o.metrics["ttft_s"] for o in outs]
     tpot = [o.metrics["tpot_s"] for o in outs]
     prefill, decode = max(ttft), float(np.median(tpot))
@@ -146,7 +215,7 @@ def one_batch(llm, batch_size: int, input_len: int, output_len: int, *, seed: in
                 prefill_throughput_tok_s=batch_size * input_len / prefill, median_decode_latency_s=decode,
                 median_decode_throughput_tok_s=batch_size / decode, total_latency_s=total,
                 overall_throughput_tok_s=batch_size * (input_len + output_len) / total,
-                ttft_s=float(np.median(ttft)), tpot_s=decode)
+                ttft_s=float(np.median(ttft)), tpot_s=decode, **spec)
 
 
 def throughput(llm, num_prompts: int, input_len: int, output_len: int, *, random_range_ratio: float = 0.0,
@@ -159,6 +228,7 @@ def throughput(llm, num_prompts: int, input_len: int, output_len: int, *, random
     if warmup:
         _generate(llm, _prompts(rng, vocab, in_lens), out_lens)
     outs, elapsed = _generate(llm, _prompts(rng, vocab, in_lens), out_lens)
+    spec = speculative_metrics(llm.stats, llm.config.speculative_config)
     n_in = sum(o.metrics["num_prompt_tokens"] for o in outs)
     n_out = sum(o.metrics["num_output_tokens"] for o in outs)
     ttft = [o.metrics["ttft_s"] for o in outs]
@@ -169,7 +239,7 @@ def throughput(llm, num_prompts: int, input_len: int, output_len: int, *, random
                 output_tok_s=n_out / elapsed, total_tok_s=(n_in + n_out) / elapsed,
                 ttft_p50_s=float(np.percentile(ttft, 50)), ttft_p99_s=float(np.percentile(ttft, 99)),
                 tpot_p50_s=float(np.percentile(tpot, 50)), tpot_p99_s=float(np.percentile(tpot, 99)),
-                steps=llm.stats.steps, preemptions=llm.stats.preemptions)
+                steps=llm.stats.steps, preemptions=llm.stats.preemptions, **spec)
 
 
 def dispatch_bytes(model, rows: int, input_len: int, seed: int = 0) -> dict:
@@ -195,7 +265,8 @@ def _llm(args, mesh, max_model_len: int, **options):
 
     # compilation_cache="off": the CLI has configured JAX's cache from --compilation-cache (cli._start_jax).
     llm = jaxinfer.LLM(args.model, mesh=mesh, dtype=args.dtype, enable_prefix_caching=False,
-                       max_model_len=max_model_len, compilation_cache="off", **options)
+                       max_model_len=max_model_len, compilation_cache="off",
+                       speculative_config=speculative_config(args), **options)
     if llm.max_model_len < max_model_len:
         raise ValueError(f"requests of up to {max_model_len} tokens (input + output) exceed the model's "
                          f"max_position_embeddings={llm.max_model_len}")
@@ -266,6 +337,8 @@ def format_result(r: dict) -> str:
                  f"duration {r['elapsed_s']:.3f} s",
                  f"TTFT p50 {r['ttft_p50_s'] * 1e3:.2f} ms p99 {r['ttft_p99_s'] * 1e3:.2f} ms, "
                  f"TPOT p50 {r['tpot_p50_s'] * 1e3:.2f} ms p99 {r['tpot_p99_s'] * 1e3:.2f} ms"]
+    if r.get("speculative_tokens"):
+        lines.append(format_speculative(r, "Speculative decoding"))
     if "dispatch_bytes_per_token" in r:
         lines.append(f"Dispatch: {r['dispatch_bytes_per_token']:.0f} B/token as run, "
                      f"{r['dispatch_bytes_per_token_fp8']:.0f} B/token in FP8 (all MoE layers)")

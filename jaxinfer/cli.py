@@ -187,6 +187,8 @@ def _convert(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if hasattr(args, "speculative_parser") and (problem := bench.speculative_usage_error(args)):
+        args.speculative_parser.error(problem)  # the subcommand's usage and the problem on stderr, exit 2
     try:
         _start_jax(args)
         {"score": _score, "convert": _convert, "generate": generate.run, "bench": bench.run,

@@ -3,7 +3,8 @@
 Prompts come from arguments, a text file (one prompt per line) or JSONL (``{"prompt": ...}`` or
 ``{"messages": [...]}`` plus optional sampling fields). Completions go to stdout as JSON lines
 ``{"prompt", "text", "token_ids", "finish_reason", "metrics"}`` (and to ``--output``), the progress bar and a
-summary in vLLM/SGLang vocabulary to stderr.
+summary in vLLM/SGLang vocabulary to stderr. ``--speculative-tokens K`` (bench.add_speculative_flags) decodes with
+MTP speculative decoding and adds a line of its counts in vLLM's spec-decode vocabulary (bench.format_speculative).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import json
 import pathlib
 import sys
 import time
+
+from jaxinfer import bench
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop", "stop_token_ids",
                    "ignore_eos", "n", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -33,6 +36,7 @@ def add_parser(sub) -> None:
     gen.add_argument("--output", help="write one JSON line per completion to this file")
     gen.add_argument("--expert-load-json", metavar="FILE",
                      help="after generating, write the tokens routed to each expert per MoE layer (LLM.expert_load)")
+    bench.add_speculative_flags(gen)
 
 
 def read_requests(args) -> list[dict]:
@@ -92,7 +96,8 @@ def run(args) -> None:
 
     requests = read_requests(args)
     # compilation_cache="off": the CLI has configured JAX's cache from --compilation-cache (cli._start_jax).
-    llm = jaxinfer.LLM(args.model, mesh=args.mesh, dtype=args.dtype, compilation_cache="off")
+    llm = jaxinfer.LLM(args.model, mesh=args.mesh, dtype=args.dtype, compilation_cache="off",
+                       speculative_config=bench.speculative_config(args))
     defaults = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
                     seed=args.seed)
     prompts, params = [], []
@@ -135,3 +140,6 @@ def run(args) -> None:
           f"output {n_out / duration:.1f} tok/s, total {(n_in + n_out) / duration:.1f} tok/s, "
           f"TTFT p50 {_percentile(ttft, 50):.1f} ms p99 {_percentile(ttft, 99):.1f} ms, "
           f"TPOT p50 {_percentile(tpot, 50):.1f} ms p99 {_percentile(tpot, 99):.1f} ms", file=sys.stderr)
+    spec = llm.config.speculative_config
+    if spec is not None:
+        print(f"[jaxinfer] {bench.format_speculative(bench.speculative_metrics(llm.stats, spec))}", file=sys.stderr)
