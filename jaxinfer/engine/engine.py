@@ -85,7 +85,7 @@ class LLMEngine:
                                   max_logprobs=config.max_logprobs, expert_load_window=config.expert_load_window,
                                   num_scheduler_steps=steps, eos_token_id=eos,
                                   greedy_screening=config.greedy_screening, num_drafts=self.num_drafts)
-        self.stats = EngineStats()
+        self.stats = EngineStats(accepted_per_position=[0] * self.num_drafts)
         self._requests: dict[str, RequestState] = {}       # added, final output not yet returned
         self._seqs: dict[int, tuple[RequestState, int]] = {}  # seq_id -> (request, child)
         self._ready: dict[str, RequestState] = {}          # progressed since the last step() returned

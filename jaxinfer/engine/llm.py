@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import LLMEngine
-from jaxinfer.engine.outputs import EngineStats, RequestOutput, RequestOutputKind
+from jaxinfer.engine.outputs import RequestOutput, RequestOutputKind
 from jaxinfer.engine.sampling_params import SamplingParams
 
 
@@ -27,7 +27,7 @@ class LLM:
 
     def __init__(self, model=None, mesh=None, dtype: str | None = None, **engine_options):
         self.engine = LLMEngine.from_config(EngineConfig(model=model, mesh=mesh, dtype=dtype, **engine_options))
-        self.stats = EngineStats()
+        self.stats = self.engine.stats.since(self.engine.stats)  # zeros (with K per-position counts)
 
     # The engine's parts, for notebooks and benchmarks.
     model = property(lambda self: self.engine.model)

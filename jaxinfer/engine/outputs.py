@@ -65,7 +65,8 @@ class EngineStats:
 
     Speculative decoding (vLLM's spec-decode metrics): num_drafts, verification rounds of a sequence with at
     least one draft; num_draft_tokens, drafts verified; num_accepted_tokens, drafts accepted (recovered and bonus
-    tokens excluded); accepted_per_position[j], rounds whose draft j + 1 was accepted (a tuple of K counts)."""
+    tokens excluded); accepted_per_position[j], rounds whose draft j + 1 was accepted (a list of K counts;
+    empty without speculation)."""
 
     steps: int = 0
     scheduled_tokens: int = 0
@@ -78,7 +79,7 @@ class EngineStats:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    accepted_per_position: tuple[int, ...] = ()
+    accepted_per_position: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -92,17 +93,17 @@ class EngineStats:
         self.num_drafts += 1
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_accepted
-        per = list(self.accepted_per_position) or [0] * num_positions
+        per = list(self.accepted_per_position) or [0] * num_positions  # a new list: copies share none
         for j in range(num_accepted):
             per[j] += 1
-        self.accepted_per_position = tuple(per)
+        self.accepted_per_position = per
 
     def since(self, before: EngineStats) -> EngineStats:
         """The counts accumulated after ``before`` (a copy of an earlier state)."""
         def diff(now, then):
-            if isinstance(now, tuple):
-                then = then or (0,) * len(now)
-                return tuple(a - b for a, b in zip(now, then))
+            if isinstance(now, list):
+                then = then or [0] * len(now)
+                return [a - b for a, b in zip(now, then)]
             return now - then
 
         return EngineStats(**{f.name: diff(getattr(self, f.name), getattr(before, f.name))
