@@ -1,0 +1,132 @@
+"""MTP speculative decoding on the embedded model: decode tokens/s with and without it, acceptance per draft
+position, and the cost of a draft-verify round in plain decode steps.
+
+    python benchmarks/speculative.py [--batch-sizes 1,32] [--k 3] [--rounds 5] [--max-tokens 128]
+    python benchmarks/speculative.py --knee    # a decode step's time against its positions (STEP_KNEE_TOKENS)
+
+LLM's defaults (bfloat16, the default multi-step decode, one CPU device), greedy, EOS ignored, prefix caching
+off. Prompts: the first words of the first line of stdlib docstrings (the embedded model was trained on Python's
+documentation, so its MTP module drafts in its own domain). Each round times ``generate`` of every engine once,
+in alternating order, after a warm-up call that compiles every step shape; the figures are medians over rounds,
+and speed-ups are per-round ratios (the machine's speed drifts: docs/benchmarks.md "How to read").
+
+Decode tok/s = new tokens / (generate time - the prefill step's time); a round's cost in plain decode steps is
+(time per draft-verify round) / (plain decode time per token at the same batch); its ceiling is
+tokens per round (the mean acceptance length) / round cost.
+"""
+
+import argparse
+import inspect
+import json
+import os
+import re
+import statistics
+import textwrap
+import time
+
+
+def prompts(n: int) -> list[str]:
+    """n prompts: the first six words of the first line of stdlib docstrings (fixed list, repeated past 32)."""
+    objs = [str.split, str.join, dict.get, list.sort, sorted, open, len, zip, enumerate, range, print, isinstance,
+            map, filter, os.path.join, json.dumps, json.loads, re.sub, re.match, textwrap.wrap, inspect.signature,
+            max, min, sum, any, all, getattr, hasattr, round, abs, divmod, str.replace]
+    words = [" ".join((o.__doc__ or "").strip().splitlines()[0].split()[:6]) for o in objs]
+    return [words[i % len(words)] for i in range(n)]
+
+
+def timed(llm, batch, params):
+    t0 = time.perf_counter()
+    outs = llm.generate(batch, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    prefill = max(o.metrics["ttft_s"] for o in outs)
+    return outs, wall, wall - prefill
+
+
+def compare(args) -> None:
+    import jaxinfer
+
+    common = dict(mesh="1x1", enable_prefix_caching=False)
+    engines = {"plain": jaxinfer.LLM(**common)}
+    for verify in args.verify.split(","):
+        engines[verify] = jaxinfer.LLM(**common, speculative_config={
+            "method": "mtp", "num_speculative_tokens": args.k, "verify": verify})
+    params = jaxinfer.SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    for b in [int(x) for x in args.batch_sizes.split(",")]:
+        batch = prompts(b)
+        tokens = {}
+        for name, llm in engines.items():  # warm-up: compiles every shape; greedy outputs must agree
+            outs, _, _ = timed(llm, batch, params)
+            tokens[name] = [o.outputs[0].token_ids for o in outs]
+        same = all(t == tokens["plain"] for t in tokens.values())
+        decode = {name: [] for name in engines}
+        stats = {}
+        for r in range(args.rounds):
+            order = list(engines) if r % 2 == 0 else list(engines)[::-1]
+            for name in order:
+                _, _, d = timed(engines[name], batch, params)
+                decode[name].append(d)
+                stats[name] = engines[name].stats
+        n_new = b * (args.max_tokens - 1)  # the prefill step samples the first token
+        plain = statistics.median(decode["plain"])
+        per_token = plain / (args.max_tokens - 1)  # one plain decode step per token (all rows at once)
+        print(f"B={b}: plain decode {n_new / plain:.1f} tok/s ({per_token * 1e3:.2f} ms per token-step); "
+              f"outputs equal: {same}")
+        for name in engines:
+            if name == "plain":
+                continue
+            s = stats[name]
+            spec = statistics.median(decode[name])
+            ratios = [p / q for p, q in zip(decode["plain"], decode[name])]
+            per_round = spec / max(1, round_count(s, b))
+            cost = per_round / per_token
+            print(f"  {name:10s} K={args.k}: decode {n_new / spec:.1f} tok/s, speed-up x{statistics.median(ratios):.2f} "
+                  f"(rounds {min(ratios):.2f}-{max(ratios):.2f}); drafts {s.num_drafts}, verified "
+                  f"{s.num_draft_tokens}, accepted {s.num_accepted_tokens} per position "
+                  f"{list(s.accepted_per_position)} (rates "
+                  f"{', '.join(f'{a / max(1, s.num_drafts):.3f}' for a in s.accepted_per_position)}), "
+                  f"mean acceptance length {s.mean_acceptance_length:.2f}; round {per_round * 1e3:.2f} ms = "
+                  f"{cost:.2f} plain token-steps, ceiling x{s.mean_acceptance_length / cost:.2f}", flush=True)
+
+
+def round_count(stats, batch: int) -> int:
+    """Draft-verify rounds of a call: its decode steps (each verifies), i.e. all steps but the one prefill step
+    (these prompts of six words fit one)."""
+    return stats.steps - 1
+
+
+def knee(args) -> None:
+    """A plain decode step (num_scheduler_steps=1) of B rows for B in --knee-batches: per-step time against its
+    positions, and the least-squares line time = a + b * positions (knee = a / b positions)."""
+    import jaxinfer
+    import numpy as np
+
+    llm = jaxinfer.LLM(mesh="1x1", enable_prefix_caching=False, num_scheduler_steps=1)
+    params = jaxinfer.SamplingParams(temperature=0, max_tokens=33, ignore_eos=True)
+    xs, ys = [], []
+    for b in [int(x) for x in args.knee_batches.split(",")]:
+        batch = prompts(b)
+        timed(llm, batch, params)
+        per_step = statistics.median(timed(llm, batch, params)[2] / 32 for _ in range(args.rounds))
+        xs.append(b)
+        ys.append(per_step)
+        print(f"positions {b:3d}: {per_step * 1e3:.2f} ms per decode step", flush=True)
+    slope, intercept = np.polyfit(xs, ys, 1)
+    print(f"time = {intercept * 1e3:.2f} ms + {slope * 1e3:.3f} ms x positions; knee = {intercept / slope:.1f} "
+          "positions")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch-sizes", default="1,32")
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--verify", default="all,confidence")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--knee", action="store_true")
+    p.add_argument("--knee-batches", default="1,2,4,8,16,32,64")
+    args = p.parse_args()
+    knee(args) if args.knee else compare(args)
+
+
+if __name__ == "__main__":
+    main()
