@@ -12,7 +12,8 @@ and speed-ups are per-round ratios (the machine's speed drifts: docs/benchmarks.
 
 Decode tok/s = new tokens / (generate time - the prefill step's time); a round's cost in plain decode steps is
 (time per draft-verify round) / (plain decode time per token at the same batch); its ceiling is
-tokens per round (the mean acceptance length) / round cost.
+tokens per round (the mean acceptance length) / round cost (printed for verify="all", whose decode steps are all
+rounds; verify="confidence" also runs plain multi-step steps when no draft is worth verifying).
 """
 
 import argparse
@@ -77,18 +78,21 @@ def compare(args) -> None:
             s = stats[name]
             spec = statistics.median(decode[name])
             ratios = [p / q for p, q in zip(decode["plain"], decode[name])]
-            per_round = spec / max(1, round_count(s, b))
-            cost = per_round / per_token
-            print(f"  {name:10s} K={args.k}: decode {n_new / spec:.1f} tok/s, speed-up x{statistics.median(ratios):.2f} "
-                  f"(rounds {min(ratios):.2f}-{max(ratios):.2f}); drafts {s.num_drafts}, verified "
-                  f"{s.num_draft_tokens}, accepted {s.num_accepted_tokens} per position "
-                  f"{list(s.accepted_per_position)} (rates "
-                  f"{', '.join(f'{a / max(1, s.num_drafts):.3f}' for a in s.accepted_per_position)}), "
-                  f"mean acceptance length {s.mean_acceptance_length:.2f}; round {per_round * 1e3:.2f} ms = "
-                  f"{cost:.2f} plain token-steps, ceiling x{s.mean_acceptance_length / cost:.2f}", flush=True)
+            line = (f"  {name:10s} K={args.k}: decode {n_new / spec:.1f} tok/s, speed-up "
+                    f"x{statistics.median(ratios):.2f} (rounds {min(ratios):.2f}-{max(ratios):.2f}); drafts "
+                    f"{s.num_drafts}, verified {s.num_draft_tokens}, accepted {s.num_accepted_tokens}, per position "
+                    f"{list(s.accepted_per_position)} (rates "
+                    f"{', '.join(f'{a / max(1, s.num_drafts):.3f}' for a in s.accepted_per_position)}), mean "
+                    f"acceptance length {s.mean_acceptance_length:.2f}; {s.steps} steps")
+            if name == "all":  # every decode step is a round (confidence mixes in plain multi-step steps)
+                per_round = spec / max(1, round_count(s))
+                cost = per_round / per_token
+                line += (f"; round {per_round * 1e3:.2f} ms = {cost:.2f} plain token-steps, ceiling "
+                         f"x{s.mean_acceptance_length / cost:.2f}")
+            print(line, flush=True)
 
 
-def round_count(stats, batch: int) -> int:
+def round_count(stats) -> int:
     """Draft-verify rounds of a call: its decode steps (each verifies), i.e. all steps but the one prefill step
     (these prompts of six words fit one)."""
     return stats.steps - 1

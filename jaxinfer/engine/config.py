@@ -56,7 +56,8 @@ class EngineConfig:
       platform's (pallas on GPU).
     speculative_config: None, or MTP speculative decoding as vLLM's dict {"method": "mtp" | "deepseek_mtp",
       "num_speculative_tokens": K in [1, 16], "verify": "all" | "confidence"} (engine/speculative.py; stored as a
-      SpeculativeConfig). Each step then runs one draft-verify round (num_scheduler_steps is not used).
+      SpeculativeConfig). A speculative step runs one draft-verify round; num_scheduler_steps applies to the
+      plain decode steps verify="confidence" falls back to when no draft is worth verifying.
 
     Raises ValueError naming the field for an invalid value.
     """

@@ -72,18 +72,17 @@ class LLMEngine:
                              f"{config.model} has none (no model.layers.{self.model.config.num_hidden_layers}"
                              f".eh_proj.weight, or num_nextn_predict_layers = 0)")
         self.num_drafts = spec.num_speculative_tokens if spec else 0
-        steps = 1 if spec else config.num_scheduler_steps  # one draft-verify round per step
         self.scheduler = Scheduler(self.model.dp_size, config.num_kv_pages, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=config.max_model_len,
                                    enable_prefix_caching=config.enable_prefix_caching, eos_token_id=eos,
-                                   num_scheduler_steps=steps,
+                                   num_scheduler_steps=config.num_scheduler_steps, speculative=spec is not None,
                                    confidence_verify=spec is not None and spec.verify == "confidence")
         self.runner = ModelRunner(self.model, config.num_kv_pages, attention_backend=config.attention_backend,
                                   max_num_seqs=config.max_num_seqs, prefill_capacity=self.scheduler.prefill_capacity,
                                   min_prefill_t=self.scheduler.min_prefill_t, engine_seed=config.seed,
                                   max_logprobs=config.max_logprobs, expert_load_window=config.expert_load_window,
-                                  num_scheduler_steps=steps, eos_token_id=eos,
+                                  num_scheduler_steps=config.num_scheduler_steps, eos_token_id=eos,
                                   greedy_screening=config.greedy_screening, num_drafts=self.num_drafts)
         self.stats = EngineStats(accepted_per_position=[0] * self.num_drafts)
         self._requests: dict[str, RequestState] = {}       # added, final output not yet returned
@@ -205,7 +204,7 @@ class LLMEngine:
         self.stats.scheduled_tokens += out.num_scheduled_tokens
         self.stats.prefill_tokens += out.num_scheduled_tokens if out.kind == "prefill" else 0
         # Drafts are verified by the next step, so speculative steps are applied before the next is built.
-        sync = self.num_drafts > 0 or any(self._seqs[r.req_id][0].params.uses_penalties
+        sync = out.speculative or any(self._seqs[r.req_id][0].params.uses_penalties
                                           for r in out.all_requests() if r.num_sampled and r.req_id in self._seqs)
         return _Dispatched(out, handle, sync)
 

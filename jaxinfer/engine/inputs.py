@@ -89,9 +89,10 @@ class InputBatch:
       iterations per decode step at most; eos_token_id: the engine's EOS (device stop checks); vocab_size;
       engine_seed: seed of unseeded requests (sampler.request_seed); max_logprobs: the logprobs width computed
       when any row asks for logprobs (one static width bounds compilations); num_drafts: K of speculative
-      decoding (0: off). With drafts, every decode step is a verification step (rows of 1 + drafts tokens, right
-      aligned like prefill chunks), prefill chunks carry the token after them (next_ids: -1 = the step's sample),
-      and block tables cover K - 1 positions past the chunk for the MTP chain (engine/drafter.py).
+      decoding (0: off). A speculative step (``SchedulerOutput.speculative``) lays decode rows out as verification
+      rows (1 + drafts tokens, right aligned like prefill chunks), prefill chunks carry the token after them
+      (next_ids: -1 = the step's sample), and block tables cover K - 1 positions past the chunk for the MTP chain
+      (engine/drafter.py).
     """
 
     def __init__(self, *, ranks: int, max_rows: int, page_size: int, min_prefill_t: int, prefill_capacity: int,
@@ -130,14 +131,14 @@ class InputBatch:
                 state.output_token_ids.extend(tokens)
 
     def shape(self, out: SchedulerOutput) -> tuple[int, int, int]:
-        if not self.num_drafts:
+        if not out.speculative:
             num_pages = {r.req_id: len(self.requests[r.req_id].pages) for r in out.all_requests()}
         else:  # the MTP chain reads positions up to the chunk's last + K - 1 (from its window, engine/drafter.py)
             num_pages = {r.req_id: max(len(self.requests[r.req_id].pages),
                                        -(-(r.start + r.num_tokens + self.num_drafts - 1) // self.page_size))
                          for r in out.all_requests()}
         rows, t, pages = step_shape(out, num_pages, self.min_prefill_t, self.prefill_capacity)
-        if self.num_drafts and out.kind is StepKind.DECODE:  # the last token and the most drafts of a row
+        if out.speculative and out.kind is StepKind.DECODE:  # the last token and the most drafts of a row
             t = min(bucket(max(r.num_tokens for r in out.all_requests())), self.num_drafts + 1)
         return rows, t, pages
 
@@ -151,7 +152,7 @@ class InputBatch:
         previous step first)."""
         rows, t, pages = self.shape(out)
         decode = out.kind is StepKind.DECODE
-        verifying = decode and self.num_drafts > 0
+        verifying = decode and out.speculative
         k = t
         if decode and not verifying:
             most = max((r.num_tokens for r in out.all_requests() if not r.draft_token_ids), default=1)
@@ -203,12 +204,12 @@ class InputBatch:
                     feed[r.req_id] = int(dest[row])
                     stops = state.params.stop_tokens(self.eos_token_id)[:DEVICE_STOP_IDS]
                     stop_ids[row, : len(stops)] = stops
-                elif self.num_drafts and not decode:  # a prefill chunk short of the end: its next token is known
+                elif out.speculative and not decode:  # a prefill chunk short of the end: its next token is known
                     next_ids[row] = (state.prompt_token_ids + state.output_token_ids)[end]
         self._feed = feed
         tensors = self._tensors(params, states, steps)
         arrays = [ids, src, positions, block_table, seqlens, slots, dest, stop_ids]
-        return StepInputs(arrays + [next_ids] if self.num_drafts else arrays, tensors, sampled, verifying)
+        return StepInputs(arrays + [next_ids] if out.speculative else arrays, tensors, sampled, verifying)
 
     def _input_ids(self, state: RequestState, r: ScheduledRequest, end: int, src: np.ndarray, row: int,
                    col: int) -> list[int]:

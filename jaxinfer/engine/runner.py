@@ -62,9 +62,9 @@ class ModelRunner:
         stop token.
       greedy_screening: greedy steps of one row per device take the head's argmax through an int8 screen
         (head.py; the same tokens, a quarter of a float32 head's bytes, an int8 copy of the head kept).
-      num_drafts: K of speculative decoding with the model's MTP module (0: off): every step then runs
-        ``StepProgram.spec_step`` and proposes K drafts per sampling row; the MTP module gets its own paged
-        latent cache (``mtp_layers``).
+      num_drafts: K of speculative decoding with the model's MTP module (0: off): a speculative step
+        (``SchedulerOutput.speculative``) runs ``StepProgram.spec_step`` and proposes K drafts per sampling row;
+        the MTP module gets its own paged latent cache (``mtp_layers``), which plain steps leave as it is.
     """
 
     def __init__(self, model, num_pages_per_rank: int, *, attention_backend: str, max_num_seqs: int = 64,
@@ -127,7 +127,7 @@ class ModelRunner:
         packed, layout = packing.pack((*step.arrays, step.tensors))  # one transfer: packing.py says why
         widths = {req_id: self.inputs.requests[req_id].params.logprobs for _, req_id, _ in step.sampled}
         packed = global_array(packed, self._batch)
-        if self.num_drafts:
+        if out.speculative:
             return InFlight(step.sampled, widths, *self._run_spec(packed, layout, step.verifying))
         return InFlight(step.sampled, widths, self._run(packed, layout))
 

@@ -28,8 +28,12 @@ rank has prefill work that fits, else a DECODE step over all ranks.
   (vLLM's multi-step scheduling) a decode chunk covers its last token and up to k - 1 tokens it samples itself
   (``num_tokens`` <= k positions and samples), within ``max_tokens``, ``max_model_len`` and the pages it can get.
   A sequence with draft tokens (``RunnerOutput.draft_token_ids``) instead verifies them: its chunk covers its last
-  token and the drafts, and it samples up to 1 + drafts tokens. With ``verify="confidence"`` every sequence
-  verifies the number of drafts worth the step's cost (engine/speculative.py ``verify_width``, over all ranks).
+  token and the drafts, and it samples up to 1 + drafts tokens. With ``speculative`` (the runner drafts) a
+  decode step is one draft-verify round (``SchedulerOutput.speculative``): a sequence without drafts computes
+  one token and gets drafts. With ``verify="confidence"`` every sequence verifies the number of drafts worth the
+  step's cost (engine/speculative.py ``verify_width``, over all ranks; a sequence without drafts counts with the
+  mean confidences of recent drafts); when that number is 0 the step is a plain multi-step decode step instead
+  (no drafting, drafts dropped), as under load a verification column costs more than it returns.
 - Out of pages. A running sequence that cannot make progress preempts the newest running sequence (by arrival) of
   its rank, itself included: the victim frees its pages and goes to the FRONT of the rank's waiting queue with
   ``num_computed_tokens = 0``, keeping its outputs (it recomputes prompt + outputs as its next prefill; with
@@ -97,6 +101,7 @@ class _Plan:
     kind: StepKind
     chunks: list[list[_Chunk]]
     preempted: list[Sequence] = dataclasses.field(default_factory=list)
+    speculative: bool = False
 
     def empty(self) -> bool:
         return not any(self.chunks)
@@ -143,7 +148,8 @@ class Scheduler:
       cache_key: ``extra_key`` of the page hashes (model identity).
       min_prefill_t: the fewest columns of a prefill step's grid (a power of two; see "Prefill shapes").
       num_scheduler_steps: decode iterations per decode step (see "Decode").
-      confidence_verify: verify only the prefix of each sequence's drafts worth its cost (DSpark; see "Decode").
+      speculative: the runner drafts (speculative decoding): decode steps are draft-verify rounds (see "Decode").
+      confidence_verify: verify only as many drafts as are worth the step's cost (DSpark; see "Decode").
 
     Raises ValueError (naming the value) for invalid arguments.
     """
@@ -151,7 +157,7 @@ class Scheduler:
     def __init__(self, num_ranks: int, num_pages_per_rank: int, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_prefix_caching: bool = True, page_size: int = PAGE_SIZE,
                  eos_token_id: int | None = None, cache_key=None, min_prefill_t: int = MIN_PREFILL_T,
-                 num_scheduler_steps: int = 1, confidence_verify: bool = False):
+                 num_scheduler_steps: int = 1, speculative: bool = False, confidence_verify: bool = False):
         for name, value in [("num_ranks", num_ranks), ("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens), ("max_model_len", max_model_len),
                             ("page_size", page_size), ("num_scheduler_steps", num_scheduler_steps)]:
@@ -167,7 +173,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.num_scheduler_steps = num_scheduler_steps
+        self.speculative = bool(speculative)
         self.confidence_verify = bool(confidence_verify)
+        self._confidence: list[float] = []  # per draft position: moving mean of recent drafts' probabilities
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.eos_token_id = eos_token_id
         self.cache_key = cache_key
@@ -256,7 +264,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput | None:
         """The next step, committed (see the module doc): a prefill step if any rank has prefill work that fits,
         else a decode step. None when there is nothing to do or report."""
-        plan = _Plan(StepKind.PREFILL, [[] for _ in range(self.num_ranks)])
+        plan = _Plan(StepKind.PREFILL, [[] for _ in range(self.num_ranks)], speculative=self.speculative)
         shape = _PrefillShape(self.prefill_capacity, self.min_prefill_t)
         admitted: list[Sequence] = []
         for rank in range(self.num_ranks):
@@ -264,6 +272,7 @@ class Scheduler:
         if plan.empty():
             plan.kind = StepKind.DECODE
             width = self._verify_width()
+            plan.speculative = self.speculative and width != 0
             for rank in range(self.num_ranks):
                 self._schedule_decode(rank, plan, width)
         if plan.empty() and not self._finished_ids and not plan.preempted:
@@ -313,7 +322,8 @@ class Scheduler:
         decoding = [[s for s in running if s.status is SequenceStatus.RUNNING and not s.is_prefilling]
                     for running in self.running]
         rows = bucket(max(map(len, decoding)) or 1)
-        return verify_width([s.draft_probs[:len(s.draft_token_ids)] for rank in decoding for s in rank], rows)
+        return verify_width([s.draft_probs[:len(s.draft_token_ids)] if s.draft_token_ids else self._confidence
+                             for rank in decoding for s in rank], rows)
 
     def _schedule_decode(self, rank: int, plan: _Plan, width: int | None = None) -> None:
         out = plan.chunks[rank]
@@ -323,7 +333,10 @@ class Scheduler:
             # Tokens it may still sample (>= 1: commit finishes a sequence that reaches either limit).
             left = max(1, min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens))
             drafts = seq.draft_token_ids[:left - 1 if width is None else min(left - 1, width)]
-            n = self._grow(seq, 1 + len(drafts) if drafts else min(left, self.num_scheduler_steps), plan)
+            if width == 0:  # a plain step: the drafts are dropped (the next speculative step drafts again)
+                seq.draft_token_ids, seq.draft_probs = (), ()
+            alone = 1 if plan.speculative else min(left, self.num_scheduler_steps)  # a round drafts after 1 token
+            n = self._grow(seq, 1 + len(drafts) if drafts else alone, plan)
             if n:
                 out.append(_Chunk(seq, n, n, drafts[:n - 1]))
 
@@ -442,7 +455,8 @@ class Scheduler:
                 elif c.num_sampled and self._at_length_limit(seq):
                     self.finish(seq, "length", keep_pending=True)  # update still fills its last tokens
             requests.append(tuple(rank_requests))
-        return SchedulerOutput(plan.kind, tuple(requests), new, finished, tuple(s.seq_id for s in plan.preempted))
+        return SchedulerOutput(plan.kind, tuple(requests), new, finished, tuple(s.seq_id for s in plan.preempted),
+                               plan.speculative)
 
     def _at_length_limit(self, seq: Sequence) -> bool:
         return seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
@@ -505,9 +519,20 @@ class Scheduler:
                     self._register_full_pages(seq)
                     seq.draft_token_ids = tuple(result.draft_token_ids.get(r.req_id, ()))
                     seq.draft_probs = tuple(result.draft_probs.get(r.req_id, ()))
+                    self._observe(seq.draft_probs)
             updates.append(TokenUpdate(seq, first, num, drafts, accepted))
             self._drop_if_complete(seq)
         return updates
+
+    def _observe(self, probs: tuple[float, ...]) -> None:
+        """Folds one sequence's draft probabilities into ``_confidence`` (a moving mean, weight 1/16 per draft):
+        the confidence assumed for sequences without drafts after plain steps (deterministic: it depends on the
+        drafts only)."""
+        if not self.confidence_verify or not probs:
+            return
+        if len(self._confidence) != len(probs):
+            self._confidence = list(probs)
+        self._confidence = [c + (p - c) / 16 for c, p in zip(self._confidence, probs)]
 
     def _register_full_pages(self, seq: Sequence) -> None:
         """Offers the pages that are full of computed, known (not placeholder) tokens to the prefix cache."""

@@ -77,6 +77,8 @@ class SchedulerOutput:
     finished_req_ids: requests finished since the previous SchedulerOutput was built (the runner drops their
       state); requests finishing by length as this step is committed follow in the next one.
     preempted_req_ids: requests preempted while building this step (their pages are freed; they wait again).
+    speculative: a step of speculative decoding (the runner's ``spec_step``: one draft-verify round, every
+      sampling request gets new drafts); False: a plain step (a multi-step decode step: no drafts).
     """
 
     kind: StepKind
@@ -84,6 +86,7 @@ class SchedulerOutput:
     new_requests: tuple[NewRequest, ...] = ()
     finished_req_ids: tuple[int, ...] = ()
     preempted_req_ids: tuple[int, ...] = ()
+    speculative: bool = False
 
     def all_requests(self) -> list[ScheduledRequest]:
         return [r for rank in self.requests for r in rank]

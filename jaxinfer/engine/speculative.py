@@ -13,7 +13,7 @@ step, the T in {1, 2, 4, ..., K + 1} with the most expected tokens per unit of s
 verifies T - 1 drafts (``verify_width``). A step of N positions per rank costs about ``knee + N`` position-times:
 below ``knee`` positions the weights' bytes and the host's work dominate (``STEP_KNEE_TOKENS``). At batch 1 the
 knee dominates and the whole draft is verified; under load a position costs nearly a token and only widths whose
-drafts are likely accepted pay.
+drafts are likely accepted pay. Width 0 makes the step a plain multi-step decode step (engine/scheduler.py).
 """
 
 from __future__ import annotations

@@ -340,6 +340,43 @@ def test_draft_verification_within_max_tokens():
         sched.update_from_output(draft_step, RunnerOutput({1: [3]}))
 
 
+def test_confidence_verification_falls_back_to_plain_steps_under_load():
+    """verify="confidence" (engine/speculative.py verify_width, knee 8): 32 decoding sequences whose drafts are
+    not confident enough for one more column per row (T = 1: 32 / 40 = 0.8 tokens per unit, T = 2: 32 * 1.6 / 72
+    = 0.71) get a plain multi-step decode step (4 tokens each, drafts dropped); a lone sequence then speculates
+    again from the mean confidence of the earlier drafts (T = 2: 1.6 / 10 beats 1 / 9): it computes one token and
+    drafts; its confident drafts are verified."""
+    sched = make(num_pages=256, num_scheduler_steps=4, max_num_seqs=32, max_num_batched_tokens=256,
+                 speculative=True, confidence_verify=True)
+    seqs = [sched.add(seq(i, 3, max_tokens=12 if i else 30)) for i in range(32)]
+    out = sched.schedule()
+    assert out.kind == "prefill" and out.speculative
+    drafts = {s.seq_id: [fake_token(s.seq_id, s.num_prompt_tokens + 1 + j) for j in range(3)] for s in seqs}
+    sched.update_from_output(out, RunnerOutput(fake_result(out).sampled, draft_token_ids=drafts,
+                                               draft_probs={i: [0.6, 0.4, 0.2] for i in drafts}))
+    out = sched.schedule()
+    assert out.kind == "decode" and not out.speculative
+    assert [(r.num_tokens, r.draft_token_ids) for r in out.requests[0]] == [(4, ())] * 32
+    assert all(s.draft_token_ids == () for s in seqs)
+    sched.update_from_output(out, fake_result(out))
+    while any(not s.is_finished for s in seqs[1:]):                 # plain steps until one sequence is left
+        out, _ = step(sched)
+        assert not out.speculative
+    out = sched.schedule()
+    (r,) = out.requests[0]
+    assert out.speculative and (r.num_tokens, r.draft_token_ids) == (1, ())
+    a = seqs[0]
+    good = [fake_token(0, a.num_tokens + j) for j in range(3)]      # the tokens after its placeholder
+    sched.update_from_output(out, RunnerOutput(fake_result(out).sampled, draft_token_ids={0: good},
+                                               draft_probs={0: [0.9, 0.7, 0.4]}))
+    out = sched.schedule()
+    (r,) = out.requests[0]
+    assert out.speculative and (r.num_tokens, r.draft_token_ids) == (4, tuple(good))
+    sched.update_from_output(out, fake_result(out))                 # all three accepted, plus one
+    run_all(sched)
+    assert all((s.output_token_ids, s.finish_reason) == expected_outputs(s, 256) for s in seqs)
+
+
 # ---- property test ------------------------------------------------------------------------------------------------
 class BlockTables:
     """The runner's view: block tables built from SchedulerOutputs alone (new requests restart theirs)."""
