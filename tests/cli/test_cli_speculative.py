@@ -9,6 +9,7 @@ never timings.
 
 import json
 import re
+import types
 
 import pytest
 
@@ -102,19 +103,34 @@ def test_generate_speculative_prints_its_counts(capsys):
     assert m["accepted"] == sum(line["metrics"]["num_accepted_tokens"] for line in spec)
 
 
-def test_bench_speculative_keys(capsys):
-    """bench --json: SPECULATIVE_KEYS of the timed run, in vLLM's definitions; the text form has the same line."""
-    assert main(["bench", "--mesh", "1x1", "--dtype", "float32", "--input-len", "8", "--output-len", "6",
-                 "--speculative-tokens", "2", "--no-warmup", "--json"]) == 0
-    r = json.loads(capsys.readouterr().out)
-    assert set(bench.ONE_BATCH_KEYS) <= set(r)
+class _FakeLLM:
+    """What bench.one_batch reads of an LLM: generate (finished outputs with timing metrics), stats, config, model
+    (the engine's counts themselves are tested in tests/engine/test_speculative.py)."""
+
+    def __init__(self, stats):
+        self.stats = stats
+        self.config = types.SimpleNamespace(speculative_config=SpeculativeConfig("mtp", 2, "all"))
+        self.model = types.SimpleNamespace(config=types.SimpleNamespace(vocab_size=64))
+
+    def generate(self, prompts, params, use_tqdm=False):
+        completion = types.SimpleNamespace(finish_reason="length", error=None)
+        return [types.SimpleNamespace(outputs=[completion], metrics={"ttft_s": 0.01, "tpot_s": 0.002})
+                for _ in prompts]
+
+
+def test_bench_speculative_keys():
+    """bench's one-batch result carries SPECULATIVE_KEYS of the timed call's stats in vLLM's definitions; the text
+    form has the same line."""
+    stats = EngineStats(num_drafts=5, num_draft_tokens=10, num_accepted_tokens=7, accepted_per_position=[4, 3])
+    r = bench.one_batch(_FakeLLM(stats), 2, 8, 6, warmup=False)
+    assert set(bench.SPECULATIVE_KEYS) <= set(r)
     assert (r["speculative_tokens"], r["speculative_verify"]) == (2, "all")
-    assert r["draft_acceptance_rate"] == pytest.approx(r["num_accepted_tokens"] / r["num_draft_tokens"])
-    assert r["mean_acceptance_length"] == pytest.approx(1 + r["num_accepted_tokens"] / r["num_drafts"])
-    m = parse_line(bench.format_result(r))
+    assert (r["num_drafts"], r["num_draft_tokens"], r["num_accepted_tokens"], r["accepted_per_position"]) == (
+        5, 10, 7, [4, 3])
+    assert r["draft_acceptance_rate"] == pytest.approx(0.7) and r["mean_acceptance_length"] == pytest.approx(2.4)
+    m = parse_line(bench.format_speculative(r, "Speculative decoding"))
     check_counts(m, 2)
-    assert (m["drafts"], m["draft_tokens"], m["accepted"], m["per"]) == (
-        r["num_drafts"], r["num_draft_tokens"], r["num_accepted_tokens"], r["accepted_per_position"])
+    assert (m["drafts"], m["draft_tokens"], m["accepted"], m["per"]) == (5, 10, 7, [4, 3])
 
 
 def test_bench_speculative_keys_when_off():
