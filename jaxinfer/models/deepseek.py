@@ -144,10 +144,14 @@ class DeepseekForCausalLM(nnx.Module):
         row t), positions [B, T] -> float32 logits [B, T, V] for token t+2 (causal over the rows)."""
         m = self.mtp[depth]
         cos, sin = rope_cos_sin(self.config, positions)
+        x = m.block(self._mtp_input(m, h, next_ids), positions, cos, sin)
+        return self.mtp_head(x, depth)
+
+    def _mtp_input(self, m, h: jax.Array, next_ids: jax.Array) -> jax.Array:
+        """eh_proj([enorm(embed(next_ids)); hnorm(h)]) [B, T, D], float32 (the residual stream's dtype, as in the
+        main layers)."""
         x = m.eh_proj(jnp.concatenate([m.enorm(self.embed(next_ids)), m.hnorm(h.astype(self.dtype))], axis=-1))
-        x = x.astype(jnp.float32)  # float32 residual stream, as in the main layers
-        x = m.block(x, positions, cos, sin)
-        return self.head(m.shared_head_norm(x))
+        return x.astype(jnp.float32)
 
     def paged_mtp(self, h: jax.Array, next_ids: jax.Array, cache: jax.Array, md: AttentionMetadata,
                   window: DecodeWindow | None = None, depth: int = 0):
@@ -160,8 +164,7 @@ class DeepseekForCausalLM(nnx.Module):
         [B, T, C+R]). ``mtp_head`` turns the output into logits for token t + 2."""
         m = self.mtp[depth]
         cos, sin = rope_cos_sin(self.config, md.positions)
-        x = m.eh_proj(jnp.concatenate([m.enorm(self.embed(next_ids)), m.hnorm(h.astype(self.dtype))], axis=-1))
-        x, _, new, _ = m.block.paged(x.astype(jnp.float32), cos, sin, cache, md, BACKENDS["xla"], window)
+        x, _, new, _ = m.block.paged(self._mtp_input(m, h, next_ids), cos, sin, cache, md, BACKENDS["xla"], window)
         return x, new
 
     def mtp_head(self, g: jax.Array, depth: int = 0) -> jax.Array:
