@@ -2,7 +2,8 @@
 position, and the cost of a draft-verify round in plain decode steps.
 
     python benchmarks/speculative.py [--batch-sizes 1,32] [--k 3] [--rounds 5] [--max-tokens 128]
-    python benchmarks/speculative.py --knee    # a decode step's time against its positions (STEP_KNEE_TOKENS)
+    python benchmarks/speculative.py --knee    # a decode step's time against its positions
+    python benchmarks/speculative.py --costs   # fits the confidence rule's StepCost (engine/speculative.py)
 
 LLM's defaults (bfloat16, the default multi-step decode, one CPU device), greedy, EOS ignored, prefix caching
 off. Prompts: the first words of the first line of stdlib docstrings (the embedded model was trained on Python's
@@ -119,6 +120,81 @@ def knee(args) -> None:
           "positions")
 
 
+def device_times(llm, batch, params) -> tuple[dict[str, list[float]], float]:
+    """Runs ``generate`` with every call of the engine's step programs timed to completion (block_until_ready
+    before and after: device time plus the call's launch, without overlap); returns ({"plain" | "round": seconds
+    per call of a decode step}, host seconds per step: EngineStats.host_s / steps of an untimed call after a
+    warm-up)."""
+    import jax
+
+    program = llm.engine.runner.program
+    times = {"plain": [], "round": []}
+    calls = {name: getattr(program, name) for name in ("step", "spec_step")}
+
+    def timer(name, fn):
+        def timed_call(*args):
+            jax.block_until_ready(args)
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(fn(*args))
+            verifying = name == "spec_step" and args[8]
+            decode = name == "step" and args[6].columns[0][2] == (1,)  # ids [R, 1]: a decode step
+            if verifying or decode:
+                times["round" if verifying else "plain"].append(time.perf_counter() - t0)
+            return out
+        return timed_call
+
+    llm.generate(batch, params, use_tqdm=False)  # compiles
+    llm.generate(batch, params, use_tqdm=False)
+    host = llm.stats.host_s / llm.stats.steps
+    program.__dict__.update({name: timer(name, fn) for name, fn in calls.items()})  # shadows the cached programs
+    try:
+        llm.generate(batch, params, use_tqdm=False)
+    finally:
+        for name in calls:
+            program.__dict__.pop(name)
+    return times, host
+
+
+def costs(args) -> None:
+    """Fits engine/speculative.py's StepCost on this machine: plain multi-step decode iterations of B rows (time =
+    a + b * B: b is the position-time, knee = a / b), and draft-verify rounds with K = 1 and K = 3 (every draft
+    verified, T = K + 1) against round(B, T, K) = fixed + (1 + mtp) (knee + B T) + (K - 1) mtp (knee + B), the
+    round's host work per step included in fixed (a round waits for it)."""
+    import jaxinfer
+    import numpy as np
+
+    params = jaxinfer.SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    batches = [int(x) for x in args.batch_sizes.split(",")]
+    plain = jaxinfer.LLM(mesh="1x1", enable_prefix_caching=False)
+    k_steps = plain.config.num_scheduler_steps
+    xs, ys = [], []
+    for b in batches:
+        times, _ = device_times(plain, prompts(b), params)
+        per_iteration = statistics.median(times["plain"]) / k_steps
+        xs.append(b)
+        ys.append(per_iteration)
+        print(f"plain B={b}: {per_iteration * 1e3:.3f} ms per iteration", flush=True)
+    slope, intercept = np.polyfit(xs, ys, 1)
+    knee = max(intercept / slope, 0.0)
+    print(f"plain iteration = {intercept * 1e3:.3f} ms + {slope * 1e3:.3f} ms x rows: position-time "
+          f"{slope * 1e3:.3f} ms, knee {knee:.2f} positions", flush=True)
+    rows = []  # (B, T, K, round time in position-times)
+    for k in (1, 3):
+        llm = jaxinfer.LLM(mesh="1x1", enable_prefix_caching=False,
+                           speculative_config={"method": "mtp", "num_speculative_tokens": k})
+        for b in batches:
+            times, host = device_times(llm, prompts(b), params)
+            per_round = statistics.median(times["round"])
+            rows.append((b, k + 1, k, (per_round + host) / slope))
+            print(f"round K={k} B={b}: {per_round * 1e3:.3f} ms + host {host * 1e3:.3f} ms = "
+                  f"{rows[-1][3]:.1f} position-times", flush=True)
+    # round - (knee + B T) = fixed + mtp * ((knee + B T) + (K - 1) (knee + B)): linear in (fixed, mtp).
+    a = np.array([[1.0, (knee + b * t) + (k - 1) * (knee + b)] for b, t, k, _ in rows])
+    y = np.array([r - (knee + b * t) for b, t, k, r in rows])
+    (fixed, mtp), *_ = np.linalg.lstsq(a, y, rcond=None)
+    print(f"StepCost(knee={knee:.2f}, fixed={fixed:.1f}, mtp={mtp:.3f})")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch-sizes", default="1,32")
@@ -128,8 +204,9 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--knee", action="store_true")
     p.add_argument("--knee-batches", default="1,2,4,8,16,32,64")
+    p.add_argument("--costs", action="store_true")
     args = p.parse_args()
-    knee(args) if args.knee else compare(args)
+    knee(args) if args.knee else costs(args) if args.costs else compare(args)
 
 
 if __name__ == "__main__":

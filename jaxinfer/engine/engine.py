@@ -25,6 +25,7 @@ from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.scheduler_output import SchedulerOutput
 from jaxinfer.engine.sequence import Sequence
+from jaxinfer.engine.speculative import step_cost
 from jaxinfer.engine.tokenizer import Tokenizer
 from jaxinfer.model import load_model
 from jaxinfer.rebalance import rebalance_model
@@ -77,7 +78,9 @@ class LLMEngine:
                                    max_model_len=config.max_model_len,
                                    enable_prefix_caching=config.enable_prefix_caching, eos_token_id=eos,
                                    num_scheduler_steps=config.num_scheduler_steps, speculative=spec is not None,
-                                   confidence_verify=spec is not None and spec.verify == "confidence")
+                                   confidence_verify=spec is not None and spec.verify == "confidence",
+                                   num_drafts=self.num_drafts,
+                                   step_cost=step_cost(self.model.mesh.devices.flat[0].platform))
         self.runner = ModelRunner(self.model, config.num_kv_pages, attention_backend=config.attention_backend,
                                   max_num_seqs=config.max_num_seqs, prefill_capacity=self.scheduler.prefill_capacity,
                                   min_prefill_t=self.scheduler.min_prefill_t, engine_seed=config.seed,

@@ -33,7 +33,8 @@ rank has prefill work that fits, else a DECODE step over all ranks.
   one token and gets drafts. With ``verify="confidence"`` every sequence verifies the number of drafts worth the
   step's cost (engine/speculative.py ``verify_width``, over all ranks; a sequence without drafts counts with the
   mean confidences of recent drafts); when that number is 0 the step is a plain multi-step decode step instead
-  (no drafting, drafts dropped), as under load a verification column costs more than it returns.
+  (no drafting, drafts dropped): the rule's cost model (``step_cost``) found that a round costs more than the
+  tokens it returns (on a CPU always: engine/speculative.py ``STEP_COSTS``).
 - Out of pages. A running sequence that cannot make progress preempts the newest running sequence (by arrival) of
   its rank, itself included: the victim frees its pages and goes to the FRONT of the rank's waiting queue with
   ``num_computed_tokens = 0``, keeping its outputs (it recomputes prompt + outputs as its next prefill; with
@@ -59,7 +60,7 @@ from jaxinfer.engine.buckets import MIN_PREFILL_T, bucket
 from jaxinfer.engine.scheduler_output import (NewRequest, RunnerOutput, ScheduledRequest, SchedulerOutput,
                                               StepKind)
 from jaxinfer.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
-from jaxinfer.engine.speculative import verify_width
+from jaxinfer.engine.speculative import StepCost, step_cost as step_cost_of, verify_width
 from jaxinfer.kv.page_allocator import PAGE_SIZE, PageAllocator
 from jaxinfer.kv.prefix_cache import PrefixCache
 
@@ -150,6 +151,8 @@ class Scheduler:
       num_scheduler_steps: decode iterations per decode step (see "Decode").
       speculative: the runner drafts (speculative decoding): decode steps are draft-verify rounds (see "Decode").
       confidence_verify: verify only as many drafts as are worth the step's cost (DSpark; see "Decode").
+      num_drafts: K, the drafts the runner proposes per sequence (speculative decoding).
+      step_cost: the confidence rule's cost model (engine/speculative.py StepCost; default: the CPU's).
 
     Raises ValueError (naming the value) for invalid arguments.
     """
@@ -157,7 +160,8 @@ class Scheduler:
     def __init__(self, num_ranks: int, num_pages_per_rank: int, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_prefix_caching: bool = True, page_size: int = PAGE_SIZE,
                  eos_token_id: int | None = None, cache_key=None, min_prefill_t: int = MIN_PREFILL_T,
-                 num_scheduler_steps: int = 1, speculative: bool = False, confidence_verify: bool = False):
+                 num_scheduler_steps: int = 1, speculative: bool = False, confidence_verify: bool = False,
+                 num_drafts: int = 0, step_cost: StepCost | None = None):
         for name, value in [("num_ranks", num_ranks), ("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens), ("max_model_len", max_model_len),
                             ("page_size", page_size), ("num_scheduler_steps", num_scheduler_steps)]:
@@ -175,6 +179,8 @@ class Scheduler:
         self.num_scheduler_steps = num_scheduler_steps
         self.speculative = bool(speculative)
         self.confidence_verify = bool(confidence_verify)
+        self.num_drafts = num_drafts
+        self.step_cost = step_cost or step_cost_of("cpu")
         self._confidence: list[float] = []  # per draft position: moving mean of recent drafts' probabilities
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.eos_token_id = eos_token_id
@@ -323,7 +329,7 @@ class Scheduler:
                     for running in self.running]
         rows = bucket(max(map(len, decoding)) or 1)
         return verify_width([s.draft_probs[:len(s.draft_token_ids)] if s.draft_token_ids else self._confidence
-                             for rank in decoding for s in rank], rows)
+                             for rank in decoding for s in rank], rows, self.num_drafts, self.step_cost)
 
     def _schedule_decode(self, rank: int, plan: _Plan, width: int | None = None) -> None:
         out = plan.chunks[rank]

@@ -9,11 +9,15 @@ cumulative product S_j = c_1 ... c_j (DSpark's prefix survival), so verifying dr
 tokens. DSpark verifies a different prefix per sequence because its steps are ragged (a step costs its positions).
 Ours are not: a verification step is a [rows, T] grid per rank (engine/inputs.py), every row computes T columns
 whatever it verifies, so a shorter prefix on one row saves nothing. The rule therefore picks one width for the
-step, the T in {1, 2, 4, ..., K + 1} with the most expected tokens per unit of step cost, and every sequence
-verifies T - 1 drafts (``verify_width``). A step of N positions per rank costs about ``knee + N`` position-times:
-below ``knee`` positions the weights' bytes and the host's work dominate (``STEP_KNEE_TOKENS``). At batch 1 the
-knee dominates and the whole draft is verified; under load a position costs nearly a token and only widths whose
-drafts are likely accepted pay. Width 0 makes the step a plain multi-step decode step (engine/scheduler.py).
+step: a draft-verify round of T in {2, 4, ..., K + 1} columns (every sequence verifies T - 1 drafts), or a plain
+multi-step decode step (width 0), whichever makes the most expected tokens per unit of time (``verify_width``).
+
+Times come from a per-platform cost model (``StepCost``, ``STEP_COSTS``): a model pass over N positions per rank
+costs ``knee + N`` position-times; a round also pays the MTP module's passes (over its T columns, then K - 1
+chained positions) and a fixed cost a plain multi-step step does not: its program's launch and the host's work,
+which the round waits for (the next round needs its drafts) where plain steps overlap it and spread it over
+their iterations. The constants are fixed per platform, so the rule, and with it a seeded request's tokens, are
+deterministic for a configuration.
 """
 
 from __future__ import annotations
@@ -24,10 +28,6 @@ from collections.abc import Mapping, Sequence
 METHODS = ("mtp", "deepseek_mtp")
 VERIFY_MODES = ("all", "confidence")
 MAX_SPECULATIVE_TOKENS = 16
-# Positions per rank at which a decode step's cost doubles: its time is about a + b * positions with a / b ~ 8 for
-# the embedded model on 2 CPU cores (the weights' bytes and the host's work dominate below). Measured with
-# ``python benchmarks/speculative.py --knee``; docs/benchmarks.md "Speculative decoding (CPU)".
-STEP_KNEE_TOKENS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,17 +84,58 @@ def widths(num_drafts: int) -> list[int]:
     return out + [num_drafts + 1] if num_drafts else out
 
 
-def verify_width(confidences: Sequence[Sequence[float]], rows: int, knee: float = STEP_KNEE_TOKENS) -> int:
-    """Drafts every sequence of one decode step verifies (the module doc): the T - 1 whose step makes the most
-    expected tokens, sum over sequences of 1 + S_1 + ... + S_{T-1}, per unit of cost, knee + rows * T.
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    """Decode step times in position-times (the cost of one more position in a model pass).
+
+    knee: a model pass's fixed cost (the weights' bytes, per-layer launches); fixed: what a draft-verify round pays
+    on top that a plain multi-step iteration does not (its program's launch, the host's synchronous work); mtp: the
+    MTP module's pass relative to the main model's (one decoder layer and the head)."""
+
+    knee: float
+    fixed: float
+    mtp: float
+
+    def plain(self, rows: int) -> float:
+        """One iteration of a plain multi-step decode step of ``rows`` rows per rank."""
+        return self.knee + rows
+
+    def round(self, rows: int, t: int, num_drafts: int) -> float:
+        """A draft-verify round: the main model and the MTP module over [rows, t], then K - 1 chained MTP
+        positions per row."""
+        return (self.fixed + (1 + self.mtp) * (self.knee + rows * t)
+                + (num_drafts - 1) * self.mtp * (self.knee + rows))
+
+
+# Per platform (JAX's backend name). "cpu": the embedded model (bfloat16, 1x1) on 2 cores, fitted by
+# ``python benchmarks/speculative.py --costs`` (docs/benchmarks.md "Speculative decoding (CPU)"): a position costs
+# ~0.3 ms, a pass has little fixed cost (XLA:CPU computes; the weights sit in its caches), and a round's launch and
+# synchronous host work cost ~22 positions: there a round never pays (a plain iteration of 1 row makes 0.3 tokens
+# per position-time, a round of 4 columns at most 4 / 29 = 0.14). "gpu": not measured yet (no device; the
+# kernel issue's next GPU run measures it); a roofline estimate for DeepSeek-V3 on an H200: a decode pass reads every
+# weight once, so positions are nearly free below the machine balance (989 dense bf16 TFLOP/s / 4.8 TB/s ~ 206
+# FLOP per byte, ~100-200 tokens per rank at 2 FLOP per weight byte: knee 128), the MTP module is 1 of 62 layers
+# plus the head (mtp ~ 1/30), and the launch and host's work are a small fraction of a ~20 ms pass (fixed 16).
+STEP_COSTS = {"cpu": StepCost(knee=2.3, fixed=22.0, mtp=0.07), "gpu": StepCost(knee=128.0, fixed=16.0, mtp=1 / 30)}
+
+
+def step_cost(platform: str) -> StepCost:
+    """The cost model of a platform ("cpu", "gpu"; "cuda" and "rocm" are GPUs; others use the GPU's)."""
+    return STEP_COSTS["cpu" if platform == "cpu" else "gpu"]
+
+
+def verify_width(confidences: Sequence[Sequence[float]], rows: int, num_drafts: int, cost: StepCost) -> int:
+    """Drafts every sequence of one decode step verifies (the module doc): 0 (a plain step) or the T - 1 >= 1 of
+    the round with the most expected tokens, sum over sequences of 1 + S_1 + ... + S_{T-1}, per unit of time,
+    ``cost.round(rows, T, K)``, when that beats a plain iteration's len(confidences) tokens per ``cost.plain(rows)``.
 
     confidences: each decoding sequence's draft probabilities (all ranks; [] for a sequence without drafts);
-    rows: the step's rows per rank (the largest rank's, bucketed). Ties go to the narrower step."""
+    rows: the step's rows per rank (the largest rank's, bucketed); num_drafts: K. Ties go to the narrower step."""
     curves = [survival(c) for c in confidences]
     most = max(map(len, curves), default=0)
-    best, best_rate = 0, -1.0
-    for t in widths(most):
-        rate = sum(1 + sum(s[:t - 1]) for s in curves) / (knee + rows * t)
+    best, best_rate = 0, len(curves) / cost.plain(rows)
+    for t in widths(most)[1:]:
+        rate = sum(1 + sum(s[:t - 1]) for s in curves) / cost.round(rows, t, num_drafts)
         if rate > best_rate + 1e-12:
             best, best_rate = t - 1, rate
     return best

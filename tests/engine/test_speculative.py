@@ -16,12 +16,14 @@ import pytest
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine.config import EngineConfig
-from jaxinfer.engine.speculative import SpeculativeConfig, survival, verify_width, widths
+from jaxinfer.engine.speculative import (STEP_COSTS, SpeculativeConfig, StepCost, step_cost, survival,
+                                         verify_width, widths)
 
 # Few pages: four sequences of ~140 tokens sharing their first page need 9 pages of 64, a rank has 6 (5 usable):
 # preemption happens.
 KW = dict(dtype="float32", num_kv_pages=6, max_num_seqs=4, mesh="1x1")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+POSITIONS_ONLY = StepCost(knee=8, fixed=0, mtp=0)  # a step costs knee + its positions; drafting is free
 
 
 def spec(k: int = 3, verify: str = "all") -> dict:
@@ -163,29 +165,44 @@ def test_broken_mtp_changes_acceptance_not_outputs(speculative, greedy):
 
 def test_confidence_verification_is_greedy_on_a_mesh(greedy):
     """verify="confidence" on a 2x4 mesh (DP attention: each rank verifies its own sequence; the MoE of the
-    verification step sees (K + 1) x rows): the same greedy tokens, with fewer drafts verified than proposed."""
+    verification step sees (K + 1) x rows), with a cost model under which rounds pay (the CPU's says they never
+    do): the same greedy tokens, with fewer drafts verified than proposed."""
     ref = token_ids(greedy[0])
     llm = LLM(**{**KW, "mesh": "2x4", "num_kv_pages": 8}, speculative_config=spec(3, "confidence"))
+    assert llm.engine.scheduler.step_cost == STEP_COSTS["cpu"]  # where no round pays: a cost model that verifies
+    llm.engine.scheduler.step_cost = POSITIONS_ONLY
     got = llm.generate(BATCH[:2], dataclasses.replace(GREEDY, max_tokens=16), use_tqdm=False)
     assert token_ids(got) == [r[:16] for r in ref[:2]]
     assert 0 < llm.stats.num_draft_tokens < 3 * llm.stats.num_drafts
 
 
 def test_confidence_rule():
-    """DSpark's prefix survival S_j = c_1 ... c_j, and one width per step (T in the runner's buckets up to K + 1)
-    with the most expected tokens per unit of cost (knee 8 + rows * T): a lone sequence verifies its whole draft,
-    a loaded step only the confident first draft."""
+    """DSpark's prefix survival S_j = c_1 ... c_j, and one width per step: the round (T in the runner's buckets up
+    to K + 1) with the most expected tokens per unit of time, or a plain step (0) when a plain iteration's one token
+    per sequence per (knee + rows) makes more. Expected values worked out by hand below."""
     assert survival([0.5, 0.5, 1.0]) == [0.5, 0.25, 0.25]
     assert [widths(k) for k in (0, 1, 3, 4, 16)] == [[1], [1, 2], [1, 2, 4], [1, 2, 4, 5], [1, 2, 4, 8, 16, 17]]
     draft = [0.9, 0.7, 0.4]  # S = 0.9, 0.63, 0.252
-    # rows 1: T = 1, 2, 4 make 1 / 9 = 0.111, 1.9 / 10 = 0.19, 2.782 / 12 = 0.232 tokens per unit
-    assert verify_width([draft], rows=1, knee=8) == 3
-    # rows 32: 32 / 40 = 0.8, 60.8 / 72 = 0.844, 89.0 / 136 = 0.655
-    assert verify_width([draft] * 32, rows=32, knee=8) == 1
+    # rows 1: plain 1 / 9 = 0.111; T = 2, 4 make 1.9 / 10 = 0.19, 2.782 / 12 = 0.232 tokens per unit
+    assert verify_width([draft], 1, 3, POSITIONS_ONLY) == 3
+    # rows 32: plain 32 / 40 = 0.8, T = 2: 60.8 / 72 = 0.844, T = 4: 89.0 / 136 = 0.655
+    assert verify_width([draft] * 32, 32, 3, POSITIONS_ONLY) == 1
     # rows 2: T = 5 (2 + 4.85 + 0.05) / 18 = 0.331 beats T = 4 (2 + 2.94 + 0.05) / 16 = 0.312
-    assert verify_width([[0.99] * 4, [0.05] * 4], rows=2, knee=8) == 4
-    assert verify_width([[0.3] * 4, [0.05] * 4], rows=2, knee=8) == 0  # 2 / 10 = 0.2 > 2.35 / 12 = 0.196
-    assert verify_width([], rows=1) == 0 and verify_width([[], []], rows=2) == 0
+    assert verify_width([[0.99] * 4, [0.05] * 4], 2, 4, POSITIONS_ONLY) == 4
+    assert verify_width([[0.3] * 4, [0.05] * 4], 2, 4, POSITIONS_ONLY) == 0  # 2 / 10 = 0.2 > 2.35 / 12 = 0.196
+    assert verify_width([], 1, 3, POSITIONS_ONLY) == 0 and verify_width([[], []], 2, 3, POSITIONS_ONLY) == 0
+    # A round's fixed cost: T = 4 makes 2.782 / (30 + 12) = 0.066 < 0.111
+    assert verify_width([draft], 1, 3, StepCost(knee=8, fixed=30, mtp=0)) == 0
+    # The MTP passes, mtp x (knee + rows T) + (K - 1) mtp (knee + rows): at mtp 0.25, T = 4 costs 15 + 4.5 = 19.5
+    # (2.782 / 19.5 = 0.143 > 0.111); at mtp 0.5, 18 + 9 = 27 (0.103 < 0.111).
+    assert verify_width([draft], 1, 3, StepCost(knee=8, fixed=0, mtp=0.25)) == 3
+    assert verify_width([draft], 1, 3, StepCost(knee=8, fixed=0, mtp=0.5)) == 0
+    assert StepCost(knee=8, fixed=1, mtp=0.5).round(2, 4, 3) == 1 + 1.5 * 16 + 2 * 0.5 * 10
+    # The platforms' constants: on a CPU even near-certain drafts do not pay (plain 1 / 3.3 = 0.30 against
+    # 3.94 / 29.2 = 0.135); on a GPU a lone sequence verifies all of them (1 / 129 against 3.94 / 161).
+    assert step_cost("cpu") == STEP_COSTS["cpu"] and step_cost("cuda") == step_cost("gpu") == STEP_COSTS["gpu"]
+    assert verify_width([[0.99] * 3], 1, 3, step_cost("cpu")) == 0
+    assert verify_width([[0.99] * 3], 1, 3, step_cost("gpu")) == 3
 
 
 def test_bad_settings_raise(tmp_path):
