@@ -10,11 +10,8 @@ import pathlib
 
 import pytest
 
-# Compile with XLA:CPU's cheap pipeline: the tests run small shapes, so compiling dominates them, and these two flags
-# cut a test suite's compile time by about a quarter (docs/benchmarks.md "Test suite and compile times").
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Shared with subprocesses the tests start (CLI tests), so each program compiles once per machine.
