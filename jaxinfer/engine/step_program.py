@@ -40,35 +40,29 @@ def is_stop(token_ids: jax.Array, stop_ids: jax.Array) -> jax.Array:
 
 
 class StepProgram:
-    """The step and write programs of one model structure and cache layout (``shared_program`` hands out one per
-    layout, so engines of the same model and settings share their compiled steps).
+    """The step and write programs of one model and cache layout.
 
-    graphdef, treedef: the model's nnx GraphDef and its state's treedef (the weights are arguments of every
-    program); config, dtype, mesh: the model's (mesh None: no parallel plan). backend: the attention backend
-    (models/attention.py): "pallas" reads the cache written inside the step; "xla" writes it afterwards in a second
-    program (``write``). ranks, max_rows: the token buffer's layout (slot rank * max_rows + row); prefill_capacity:
-    a prefill step's tokens per rank at most.
+    backend: the attention backend (models/attention.py): "pallas" reads the cache written inside the step; "xla"
+    writes it afterwards in a second program (``write``). ranks, max_rows: the token buffer's layout (slot rank *
+    max_rows + row); prefill_capacity: a prefill step's tokens per rank at most.
     """
 
-    def __init__(self, graphdef, treedef, config, dtype, mesh, *, backend: AttentionBackend, ranks: int,
-                 max_rows: int, prefill_capacity: int, batch_sharding):
-        self.graphdef = graphdef
+    def __init__(self, model, treedef, *, backend: AttentionBackend, ranks: int, max_rows: int,
+                 prefill_capacity: int, batch_sharding):
+        self.model = model
         self.treedef = treedef
-        self.config = config
-        self.dtype = dtype
-        self.mesh = mesh
         self.backend = backend
         self.ranks = ranks
         self.max_rows = max_rows
         self.prefill_capacity = prefill_capacity
         self.batch = batch_sharding
-        self.vocab_size = config.vocab_size
+        self.vocab_size = model.config.vocab_size
 
     @functools.cached_property
     def step(self):
         """step(state_leaves, layers, tokens, load_total, load_evict, packed, layout, screen) -> (sample output,
         layers (a backend that writes in the step) or (latents, slots) to write, tokens, (load_total, load))."""
-        graphdef, treedef = self.graphdef, self.treedef
+        graphdef, treedef = self.model.graphdef, self.treedef
         backend = self.backend
         write_cache = backend.writes_in_step
         # XLA hoists loop-invariant work out of a multi-step decode loop, the weights' converts and transposes
@@ -121,7 +115,7 @@ class StepProgram:
         the drafts) and accepts a prefix of the drafts (a VerifyOutput); the MTP module then runs over the
         accepted tokens. Both propose K drafts from the row's last token. To write: the MTP latents at the
         step's slots, and the main layers' latents too when the backend does not write in the step."""
-        graphdef, treedef = self.graphdef, self.treedef
+        graphdef, treedef = self.model.graphdef, self.treedef
         backend = self.backend
         write_cache = backend.writes_in_step
         options = None if write_cache else {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
@@ -185,7 +179,7 @@ class StepProgram:
         no_dest = self.ranks * self.max_rows  # out of the buffer: dropped
         c = model.config
         width = c.kv_lora_rank + c.qk_rope_head_dim
-        windows = None if write_cache else tuple(jnp.zeros((r, k, width), self.dtype) for _ in layers)
+        windows = None if write_cache else tuple(jnp.zeros((r, k, width), self.model.dtype) for _ in layers)
         cache = layers
         out_shapes = jax.eval_shape(sample, jax.ShapeDtypeStruct((r, self.vocab_size), jnp.float32), tensors)
         outs = jax.tree.map(lambda x: jnp.zeros((k, *x.shape), x.dtype), out_shapes)  # [k, R, ...]
@@ -234,20 +228,10 @@ class StepProgram:
     @functools.cached_property
     def write(self):
         """write(layers, latents, slots) -> layers: the XLA path's cache write after a step (layers donated)."""
-        mesh = self.mesh
+        mesh = self.model.mesh if self.model.plan is not None else None
 
         @functools.partial(jax.jit, donate_argnums=0)
         def write(layers, latents, slots):
             return tuple(write_latents(mesh, c, new, slots) for c, new in zip(layers, latents))
 
         return write
-
-
-@functools.lru_cache(maxsize=16)
-def shared_program(graphdef, treedef, config, dtype, mesh, *, backend: AttentionBackend, ranks: int, max_rows: int,
-                   prefill_capacity: int, batch_sharding) -> StepProgram:
-    """The StepProgram of a model structure and layout (StepProgram's arguments, all hashable), one per process:
-    a second engine of the same model and settings (a notebook's second LLM, a benchmark's engines) reuses the
-    first one's traced and compiled steps instead of tracing them again. It holds no weights."""
-    return StepProgram(graphdef, treedef, config, dtype, mesh, backend=backend, ranks=ranks, max_rows=max_rows,
-                       prefill_capacity=prefill_capacity, batch_sharding=batch_sharding)
