@@ -60,7 +60,7 @@ from jaxinfer.engine.buckets import MIN_PREFILL_T, bucket
 from jaxinfer.engine.scheduler_output import (NewRequest, RunnerOutput, ScheduledRequest, SchedulerOutput,
                                               StepKind)
 from jaxinfer.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
-from jaxinfer.engine.speculative import StepCost, step_cost as step_cost_of, verify_width
+from jaxinfer.engine.speculative import STEP_COSTS, StepCost, verify_width
 from jaxinfer.kv.page_allocator import PAGE_SIZE, PageAllocator
 from jaxinfer.kv.prefix_cache import PrefixCache
 
@@ -180,7 +180,7 @@ class Scheduler:
         self.speculative = bool(speculative)
         self.confidence_verify = bool(confidence_verify)
         self.num_drafts = num_drafts
-        self.step_cost = step_cost or step_cost_of("cpu")
+        self.step_cost = step_cost or STEP_COSTS["cpu"]
         self._confidence: list[float] = []  # per draft position: moving mean of recent drafts' probabilities
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.eos_token_id = eos_token_id

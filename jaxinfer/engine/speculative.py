@@ -115,8 +115,8 @@ class StepCost:
 # kernel issue's next GPU run measures it); a roofline estimate for DeepSeek-V3 on an H200: a decode pass reads every
 # weight once, so positions are nearly free below the machine balance (989 dense bf16 TFLOP/s / 4.8 TB/s ~ 206
 # FLOP per byte; a token does 2 FLOP per 2-byte weight, so ~200 tokens per rank for dense layers and more for
-# routed experts, which each see their share of the tokens: knee 128 errs low), the MTP module is 1 of 62 layers plus the head (mtp ~ 1/30), and the launch and the
-# host's work are a small fraction of a ~20 ms pass (fixed 16).
+# routed experts, which each see their share of the tokens: knee 128 errs low), the MTP module is 1 of 62 layers
+# plus the head (mtp ~ 1/30), and the launch and the host's work are a small fraction of a ~20 ms pass (fixed 16).
 STEP_COSTS = {"cpu": StepCost(knee=2.3, fixed=22.0, mtp=0.07), "gpu": StepCost(knee=128.0, fixed=16.0, mtp=1 / 30)}
 
 

@@ -344,9 +344,9 @@ def test_draft_verification_within_max_tokens():
 def test_confidence_verification_falls_back_to_plain_steps_under_load():
     """verify="confidence" (engine/speculative.py verify_width; a cost model of knee 8 + positions, drafting
     free): 32 decoding sequences whose drafts are not confident enough for one more column per row (plain: 32 / 40
-    = 0.8 tokens per unit, T = 2: 32 * 1.6 / 72 = 0.71) get a plain multi-step decode step (4 tokens each, drafts dropped); a lone sequence then speculates
-    again from the mean confidence of the earlier drafts (T = 2: 1.6 / 10 beats 1 / 9): it computes one token and
-    drafts; its confident drafts are verified."""
+    = 0.8 tokens per unit, T = 2: 32 * 1.6 / 72 = 0.71) get a plain multi-step decode step (4 tokens each, drafts
+    dropped); a lone sequence then speculates again from the mean confidence of the earlier drafts (T = 2:
+    1.6 / 10 beats 1 / 9): it computes one token and drafts; its confident drafts are verified."""
     sched = make(num_pages=256, num_scheduler_steps=4, max_num_seqs=32, max_num_batched_tokens=256,
                  speculative=True, confidence_verify=True, num_drafts=3,
                  step_cost=StepCost(knee=8, fixed=0, mtp=0))
