@@ -10,8 +10,11 @@ import pathlib
 
 import pytest
 
+# Compile with XLA:CPU's cheap pipeline: the tests run small shapes, so compiling dominates them, and these two flags
+# cut a test suite's compile time by about a quarter (docs/benchmarks.md "Test suite and compile times").
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Shared with subprocesses the tests start (CLI tests), so each program compiles once per machine.
@@ -23,6 +26,32 @@ import jax  # noqa: E402
 
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+# The slowest files, slowest first (worker seconds of a clean-clone run: docs/benchmarks.md "Test suite and compile
+# times"). `pytest -n 2 --dist loadfile` hands whole files to the workers in collection order (pyproject's addopts
+# turn off xdist's reordering by test count), so a long file started last cannot leave one worker idle at the end.
+SLOWEST_FILES = ("engine/test_engine.py", "kernels/mla/test_mla_decode.py", "kernels/fp8/test_fp8_gemm.py",
+                 "engine/test_speculative.py", "test_notebooks.py", "test_rebalance.py",
+                 "models/test_screened_head.py", "cli/test_sweep.py", "engine/test_llm.py",
+                 "models/test_paged_forward.py", "parallel/test_multihost.py", "engine/test_llm_engine.py",
+                 "cli/test_cli_generate.py", "cli/test_cli_speculative.py", "parallel/test_expert_parallel.py",
+                 "test_default_model.py", "engine/test_speculative_sampling.py", "test_orbax_model.py")
+
+
+def pytest_collection_modifyitems(items):
+    """Runs the slowest files first (SLOWEST_FILES), each file's tests in their own order."""
+    tests = pathlib.Path(__file__).parent
+    order = {name: i for i, name in enumerate(SLOWEST_FILES)}
+
+    def rank(item):
+        try:
+            name = pathlib.Path(item.fspath).relative_to(tests).as_posix()
+        except ValueError:
+            return len(order)
+        return order.get(name, len(order))
+
+    items.sort(key=rank)
 
 
 @pytest.fixture

@@ -34,7 +34,9 @@ rank has prefill work that fits, else a DECODE step over all ranks.
   step's cost (engine/speculative.py ``verify_width``, over all ranks; a sequence without drafts counts with the
   mean confidences of recent drafts); when that number is 0 the step is a plain multi-step decode step instead
   (no drafting, drafts dropped): the rule's cost model (``step_cost``) found that a round costs more than the
-  tokens it returns (on a CPU always: engine/speculative.py ``STEP_COSTS``).
+  tokens it returns (on a CPU always: engine/speculative.py ``STEP_COSTS``). After
+  ``PROBE_AFTER_PLAIN_STEPS`` plain steps in a row, where perfect drafts would pay, one round verifying one draft
+  refreshes every sequence's drafts (a stale estimate is never final).
 - Out of pages. A running sequence that cannot make progress preempts the newest running sequence (by arrival) of
   its rank, itself included: the victim frees its pages and goes to the FRONT of the rank's waiting queue with
   ``num_computed_tokens = 0``, keeping its outputs (it recomputes prompt + outputs as its next prefill; with
@@ -60,7 +62,7 @@ from jaxinfer.engine.buckets import MIN_PREFILL_T, bucket
 from jaxinfer.engine.scheduler_output import (NewRequest, RunnerOutput, ScheduledRequest, SchedulerOutput,
                                               StepKind)
 from jaxinfer.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
-from jaxinfer.engine.speculative import STEP_COSTS, StepCost, verify_width
+from jaxinfer.engine.speculative import PROBE_AFTER_PLAIN_STEPS, STEP_COSTS, StepCost, verify_width
 from jaxinfer.kv.page_allocator import PAGE_SIZE, PageAllocator
 from jaxinfer.kv.prefix_cache import PrefixCache
 
@@ -182,6 +184,7 @@ class Scheduler:
         self.num_drafts = num_drafts
         self.step_cost = step_cost or STEP_COSTS["cpu"]
         self._confidence: list[float] = []  # per draft position: moving mean of recent drafts' probabilities
+        self._plain_steps = 0               # consecutive plain decode steps chosen by the confidence rule
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.eos_token_id = eos_token_id
         self.cache_key = cache_key
@@ -328,8 +331,18 @@ class Scheduler:
         decoding = [[s for s in running if s.status is SequenceStatus.RUNNING and not s.is_prefilling]
                     for running in self.running]
         rows = bucket(max(map(len, decoding)) or 1)
-        return verify_width([s.draft_probs[:len(s.draft_token_ids)] if s.draft_token_ids else self._confidence
-                             for rank in decoding for s in rank], rows, self.num_drafts, self.step_cost)
+        seqs = [s for rank in decoding for s in rank]
+        width = verify_width([s.draft_probs[:len(s.draft_token_ids)] if s.draft_token_ids else self._confidence
+                              for s in seqs], rows, self.num_drafts, self.step_cost)
+        if width or not seqs:
+            self._plain_steps = 0 if width else self._plain_steps
+            return width
+        self._plain_steps += 1
+        if self._plain_steps > PROBE_AFTER_PLAIN_STEPS and verify_width(
+                [[1.0] * self.num_drafts] * len(seqs), rows, self.num_drafts, self.step_cost):
+            self._plain_steps = 0
+            return 1  # a probe (engine/speculative.py PROBE_AFTER_PLAIN_STEPS): draft afresh
+        return 0
 
     def _schedule_decode(self, rank: int, plan: _Plan, width: int | None = None) -> None:
         out = plan.chunks[rank]

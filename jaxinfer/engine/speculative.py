@@ -125,6 +125,14 @@ def step_cost(platform: str) -> StepCost:
     return STEP_COSTS["cpu" if platform == "cpu" else "gpu"]
 
 
+# Plain steps draft nothing, so after a plain step the rule knows the drafts only by the moving mean of earlier ones
+# (engine/scheduler.py), and an estimate that once said "plain" (e.g. from the uncertain drafts of prompts' last
+# tokens) would never be revised. After this many consecutive plain steps, when a round of perfect drafts would pay
+# at the step's load, the scheduler takes the narrowest round (one draft verified) to draft afresh: a deterministic
+# probe, never taken where no round can pay (the CPU's costs).
+PROBE_AFTER_PLAIN_STEPS = 4
+
+
 def verify_width(confidences: Sequence[Sequence[float]], rows: int, num_drafts: int, cost: StepCost) -> int:
     """Drafts every sequence of one decode step verifies (the module doc): 0 (a plain step) or the T - 1 >= 1 of
     the round with the most expected tokens, sum over sequences of 1 + S_1 + ... + S_{T-1}, per unit of time,

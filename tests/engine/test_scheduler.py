@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 
 from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.engine.buckets import bucket
-from jaxinfer.engine.speculative import StepCost
+from jaxinfer.engine.speculative import PROBE_AFTER_PLAIN_STEPS, STEP_COSTS, StepCost
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.scheduler_output import RunnerOutput, StepKind
 from jaxinfer.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
@@ -377,6 +377,36 @@ def test_confidence_verification_falls_back_to_plain_steps_under_load():
     sched.update_from_output(out, fake_result(out))                 # all three accepted, plus one
     run_all(sched)
     assert all((s.output_token_ids, s.finish_reason) == expected_outputs(s, 256) for s in seqs)
+
+
+def test_confidence_rule_probes_after_plain_steps():
+    """A lone sequence whose first drafts are unlikely (c = 0.05 each: plain 1 / 9 beats T = 2's 1.05 / 10 under knee
+    8 + positions) decodes in plain steps, and the mean confidence stays 0.05; after PROBE_AFTER_PLAIN_STEPS plain
+    steps one round computes its last token and drafts afresh (a perfect draft would pay: 2 / 10 > 1 / 9), and
+    the new, confident drafts are verified. Under the CPU's costs, where no round pays, it never probes."""
+    for cost, probes in [(StepCost(knee=8, fixed=0, mtp=0), True), (STEP_COSTS["cpu"], False)]:
+        sched = make(num_scheduler_steps=2, max_num_seqs=1, speculative=True, confidence_verify=True, num_drafts=3,
+                     step_cost=cost)
+        a = sched.add(seq(0, 3, max_tokens=60))
+        out = sched.schedule()
+        sched.update_from_output(out, RunnerOutput(fake_result(out).sampled, draft_token_ids={0: [5, 6, 7]},
+                                                   draft_probs={0: [0.05] * 3}))
+        kinds, proposed = [], []
+        for _ in range(PROBE_AFTER_PLAIN_STEPS + 2):
+            out = sched.schedule()
+            (r,) = out.requests[0]
+            kinds.append((out.speculative, r.num_tokens, r.draft_token_ids))
+            good = [fake_token(0, a.num_tokens + j) for j in range(3)]  # the tokens after its placeholder
+            drafts = dict(draft_token_ids={0: good}, draft_probs={0: [0.9, 0.8, 0.7]}) if out.speculative else {}
+            proposed.append(tuple(good))
+            sched.update_from_output(out, RunnerOutput(fake_result(out).sampled, **drafts))  # plain: no drafts
+        plain = [(False, 2, ())] * PROBE_AFTER_PLAIN_STEPS
+        if probes:
+            assert kinds == plain + [(True, 1, ()), (True, 4, proposed[-2])]
+        else:
+            assert kinds == plain + [(False, 2, ())] * 2
+        run_all(sched)
+        assert (a.output_token_ids, a.finish_reason) == expected_outputs(a, 256)
 
 
 # ---- property test ------------------------------------------------------------------------------------------------

@@ -19,9 +19,10 @@ from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.speculative import (STEP_COSTS, SpeculativeConfig, StepCost, step_cost, survival,
                                          verify_width, widths)
 
-# Few pages: four sequences of ~140 tokens sharing their first page need 9 pages of 64, a rank has 6 (5 usable):
-# preemption happens.
-KW = dict(dtype="float32", num_kv_pages=6, max_num_seqs=4, mesh="1x1")
+# Few pages: four sequences of 160-163 prompt tokens sharing their first page grow from 3 to 4 pages of 64 while they
+# decode (13 pages in all); a rank has 8 (7 usable), so growing sequences preempt others. Block tables stay in the
+# 4-page bucket throughout: fewer step shapes to compile.
+KW = dict(dtype="float32", num_kv_pages=8, max_num_seqs=4, mesh="1x1")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 POSITIONS_ONLY = StepCost(knee=8, fixed=0, mtp=0)  # a step costs knee + its positions; drafting is free
 
@@ -30,7 +31,7 @@ def spec(k: int = 3, verify: str = "all") -> dict:
     return {"method": "mtp", "num_speculative_tokens": k, "verify": verify}
 
 
-def prompts(n: int = 4, length: int = 100, seed: int = 0) -> list[list[int]]:
+def prompts(n: int = 4, length: int = 160, seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     shared = rng.integers(2, 4096, 66).tolist()  # one full page shared by all: the prefix cache serves it
     return [shared + rng.integers(2, 4096, length - 66 + i).tolist() for i in range(n)]
@@ -137,11 +138,10 @@ def test_stops_and_lengths_inside_an_accepted_run(speculative, greedy):
 
 def test_broken_mtp_changes_acceptance_not_outputs(speculative, greedy):
     """Scrambled MTP weights (every MTP array rolled along its first axis): drafts are garbage, greedy outputs are
-    still exactly the greedy tokens."""
-    ref = token_ids(greedy[0])
+    still exactly the greedy tokens (the checked run of ``greedy``, whose steps' shapes this run mostly reuses)."""
+    outs, stats = greedy[:2]
     model = speculative.engine.model
     saved = model.state
-    params = dataclasses.replace(GREEDY, max_tokens=16)
 
     def scramble(path, x):
         keys = [str(getattr(k, "key", k)) for k in path]
@@ -149,26 +149,25 @@ def test_broken_mtp_changes_acceptance_not_outputs(speculative, greedy):
             return jax.device_put(np.roll(np.asarray(x), 1, axis=0), x.sharding)
         return x
 
-    good = speculative.generate(BATCH, params, use_tqdm=False)
-    good_rate = speculative.stats.num_accepted_tokens / speculative.stats.num_draft_tokens
     try:
         model.state = jax.tree_util.tree_map_with_path(scramble, saved)
         speculative.engine.runner.refresh_state()
-        got = speculative.generate(BATCH, params, use_tqdm=False)
-        bad_rate = speculative.stats.num_accepted_tokens / speculative.stats.num_draft_tokens
+        got = speculative.generate(BATCH, GREEDY, use_tqdm=False)
+        bad = speculative.stats
     finally:
         model.state = saved
         speculative.engine.runner.refresh_state()
-    assert token_ids(got) == token_ids(good) == [r[:16] for r in ref]
-    assert bad_rate < good_rate
+    assert token_ids(got) == token_ids(outs)
+    assert bad.num_accepted_tokens / bad.num_draft_tokens < stats.num_accepted_tokens / stats.num_draft_tokens
 
 
 def test_confidence_verification_is_greedy_on_a_mesh(greedy):
     """verify="confidence" on a 2x4 mesh (DP attention: each rank verifies its own sequence; the MoE of the
     verification step sees (K + 1) x rows), with a cost model under which rounds pay (the CPU's says they never
-    do): the same greedy tokens, with fewer drafts verified than proposed."""
+    do): the same greedy tokens, with fewer drafts verified than proposed. The prompts' first drafts are unlikely,
+    so it starts with plain steps (2 tokens each) and probes (engine/speculative.py PROBE_AFTER_PLAIN_STEPS)."""
     ref = token_ids(greedy[0])
-    llm = LLM(**{**KW, "mesh": "2x4", "num_kv_pages": 8}, speculative_config=spec(3, "confidence"))
+    llm = LLM(**{**KW, "mesh": "2x4"}, num_scheduler_steps=2, speculative_config=spec(3, "confidence"))
     assert llm.engine.scheduler.step_cost == STEP_COSTS["cpu"]  # where no round pays: a cost model that verifies
     llm.engine.scheduler.step_cost = POSITIONS_ONLY
     got = llm.generate(BATCH[:2], dataclasses.replace(GREEDY, max_tokens=16), use_tqdm=False)
