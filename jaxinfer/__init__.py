@@ -6,8 +6,9 @@ from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.engine.llm import LLM
 from jaxinfer.engine.outputs import CompletionOutput, EngineStats, RequestOutput, RequestOutputKind
 from jaxinfer.engine.sampling_params import SamplingParams
+from jaxinfer.engine.structured_output import StructuredOutputsParams
 from jaxinfer.model import Model, load_model
 
 __all__ = ["LLM", "CompletionOutput", "EngineConfig", "EngineStats", "LLMEngine", "Model", "ModelConfig",
-           "RequestOutput", "RequestOutputKind", "SamplingParams", "load_model"]
+           "RequestOutput", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams", "load_model"]
 __version__ = "0.1.0"

@@ -3,8 +3,10 @@
 Prompts come from arguments, a text file (one prompt per line) or JSONL (``{"prompt": ...}`` or
 ``{"messages": [...]}`` plus optional sampling fields). Completions go to stdout as JSON lines
 ``{"prompt", "text", "token_ids", "finish_reason", "metrics"}`` (and to ``--output``), the progress bar and a
-summary in vLLM/SGLang vocabulary to stderr. ``--speculative-tokens K`` (bench.add_speculative_flags) decodes with
-MTP speculative decoding and adds a line of its counts in vLLM's spec-decode vocabulary (bench.format_speculative).
+summary in vLLM/SGLang vocabulary to stderr. ``--json-schema FILE | --regex RE | --choice A,B,C | --grammar
+FILE.lark`` constrain every output (a JSONL line's own ``"structured_outputs"`` wins). ``--speculative-tokens K``
+(bench.add_speculative_flags) decodes with MTP speculative decoding and adds a line of its counts in vLLM's
+spec-decode vocabulary (bench.format_speculative).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import time
 from jaxinfer import bench
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop", "stop_token_ids",
-                   "ignore_eos", "n", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty")
+                   "ignore_eos", "n", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                   "structured_outputs")
 
 
 def add_parser(sub) -> None:
@@ -36,7 +39,44 @@ def add_parser(sub) -> None:
     gen.add_argument("--output", help="write one JSON line per completion to this file")
     gen.add_argument("--expert-load-json", metavar="FILE",
                      help="after generating, write the tokens routed to each expert per MoE layer (LLM.expert_load)")
+    constraint = gen.add_argument_group("structured output (one of; engine/structured_output.py)")
+    one = constraint.add_mutually_exclusive_group()
+    one.add_argument("--json-schema", metavar="FILE", help="outputs follow this JSON Schema")
+    one.add_argument("--regex", metavar="RE", help="outputs match this regular expression")
+    one.add_argument("--choice", metavar="A,B,C", help="outputs are one of these comma-separated strings")
+    one.add_argument("--grammar", metavar="FILE.lark", help="outputs follow this Lark grammar (llguidance syntax)")
     bench.add_speculative_flags(gen)
+
+
+def structured_outputs(args):
+    """The StructuredOutputsParams of --json-schema / --regex / --choice / --grammar, or None."""
+    import jaxinfer
+
+    def read(path):
+        try:
+            return pathlib.Path(path).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read {path}: {e}") from None
+
+    if args.json_schema:
+        try:
+            return jaxinfer.StructuredOutputsParams(json=read(args.json_schema))
+        except ValueError as e:
+            raise ValueError(f"--json-schema {args.json_schema}: {e}") from None
+    if args.regex:
+        return jaxinfer.StructuredOutputsParams(regex=args.regex)
+    if args.choice:
+        return jaxinfer.StructuredOutputsParams(choice=[c for c in args.choice.split(",") if c])
+    if args.grammar:
+        return jaxinfer.StructuredOutputsParams(grammar=read(args.grammar))
+    return None
+
+
+def sampling_params(item: dict, defaults: dict):
+    """A request's SamplingParams: the command's flags (``defaults``), overridden by its JSONL line's fields."""
+    import jaxinfer
+
+    return jaxinfer.SamplingParams(**{**defaults, **{k: item[k] for k in SAMPLING_FIELDS if k in item}})
 
 
 def read_requests(args) -> list[dict]:
@@ -95,16 +135,16 @@ def run(args) -> None:
     from jaxinfer.parallel import multihost
 
     requests = read_requests(args)
+    constraint = structured_outputs(args)
     # compilation_cache="off": the CLI has configured JAX's cache from --compilation-cache (cli._start_jax).
     llm = jaxinfer.LLM(args.model, mesh=args.mesh, dtype=args.dtype, compilation_cache="off",
                        speculative_config=bench.speculative_config(args))
     defaults = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
-                    seed=args.seed)
+                    seed=args.seed, structured_outputs=constraint)
     prompts, params = [], []
     for number, item in enumerate(requests, 1):
         try:
-            params.append(jaxinfer.SamplingParams(**{**defaults, **{k: item[k] for k in SAMPLING_FIELDS
-                                                                     if k in item}}))
+            params.append(sampling_params(item, defaults))
         except (TypeError, ValueError) as e:
             raise ValueError(f"request {number}: {e}") from None
         if "messages" in item or args.chat:

@@ -7,6 +7,7 @@ from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.engine.llm import LLM
 from jaxinfer.engine.outputs import CompletionOutput, EngineStats, RequestOutput, RequestOutputKind
 from jaxinfer.engine.sampling_params import SamplingParams
+from jaxinfer.engine.structured_output import StructuredOutputsParams
 
 __all__ = ["LLM", "CompletionOutput", "EngineConfig", "EngineStats", "LLMEngine", "RequestOutput",
-           "RequestOutputKind", "SamplingParams"]
+           "RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]

@@ -26,6 +26,7 @@ from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.scheduler_output import SchedulerOutput
 from jaxinfer.engine.sequence import Sequence
 from jaxinfer.engine.speculative import step_cost
+from jaxinfer.engine.structured_output import Grammars
 from jaxinfer.engine.tokenizer import Tokenizer
 from jaxinfer.model import load_model
 from jaxinfer.rebalance import rebalance_model
@@ -87,6 +88,8 @@ class LLMEngine:
                                   max_logprobs=config.max_logprobs, expert_load_window=config.expert_load_window,
                                   num_scheduler_steps=config.num_scheduler_steps, eos_token_id=eos,
                                   greedy_screening=config.greedy_screening, num_drafts=self.num_drafts)
+        self.grammars = (Grammars(self.tokenizer.to_json(), self.model.config.vocab_size, eos)
+                         if self.tokenizer else None)
         self.stats = EngineStats(accepted_per_position=[0] * self.num_drafts)
         self._requests: dict[str, RequestState] = {}       # added, final output not yet returned
         self._seqs: dict[int, tuple[RequestState, int]] = {}  # seq_id -> (request, child)
@@ -113,6 +116,12 @@ class LLMEngine:
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        if params.structured_outputs is not None and self.num_drafts:
+            raise ValueError("structured_outputs with speculative decoding is not supported yet (drafts are not "
+                             "masked): build the engine without speculative_config")
+        if params.structured_outputs is not None and self.grammars is None:
+            raise ValueError(f"structured_outputs needs the checkpoint's tokenizer.json, and {self.model_path} "
+                             f"has none")
         try:
             output_kind = RequestOutputKind(output_kind)
         except ValueError:
@@ -124,6 +133,8 @@ class LLMEngine:
         request = RequestState(request_id, text, ids, params, seqs, self.tokenizer, time.perf_counter(), output_kind)
         self._requests[request_id] = request
         error = self._content_error(ids, params)
+        if error is None and params.structured_outputs is not None:
+            error = self.grammars.add([seq.seq_id for seq in seqs], params.structured_outputs)
         if error is None:
             for child, seq in enumerate(seqs):
                 self.scheduler.add(seq)
@@ -136,6 +147,7 @@ class LLMEngine:
                 if not seq.is_finished and seq.seq_id in self._seqs:
                     self.scheduler.finish(seq, "error", error)
                 self._seqs.pop(seq.seq_id, None)
+                self._drop_grammar(seq.seq_id)
             request.fail(error)
             self._ready[request_id] = request
 
@@ -150,6 +162,7 @@ class LLMEngine:
             for c in request.completions:
                 if self._seqs.pop(c.seq.seq_id, None) is not None and not c.seq.is_finished:
                     self.scheduler.finish(c.seq, "abort")
+                self._drop_grammar(c.seq.seq_id)
 
     def has_unfinished_requests(self) -> bool:
         """True until every request's finished output has been returned by ``step()``."""
@@ -200,15 +213,23 @@ class LLMEngine:
         self._in_flight = dispatched
         return self._outputs()
 
+    def _drop_grammar(self, seq_id: int) -> None:
+        if self.grammars is not None:
+            self.grammars.drop(seq_id)
+
     def _dispatch(self, out: SchedulerOutput) -> _Dispatched:
-        handle = self.runner.execute(out)
+        sampling = [r.req_id for r in out.all_requests() if r.num_sampled]
+        allowed = self.grammars.masks(sampling) if self.grammars is not None else {}
+        handle = self.runner.execute(out, allowed)
         self._steps_since_rebalance += 1
         self.stats.steps += 1
         self.stats.scheduled_tokens += out.num_scheduled_tokens
         self.stats.prefill_tokens += out.num_scheduled_tokens if out.kind == "prefill" else 0
-        # Drafts are verified by the next step, so speculative steps are applied before the next is built.
-        sync = out.speculative or any(self._seqs[r.req_id][0].params.uses_penalties
-                                          for r in out.all_requests() if r.num_sampled and r.req_id in self._seqs)
+        # Drafts are verified by the next step, and a constrained sequence's next mask needs this step's token, so
+        # such steps are applied before the next is built.
+        sync = out.speculative or bool(allowed) or any(self._seqs[r.req_id][0].params.uses_penalties
+                                                       for r in out.all_requests()
+                                                       if r.num_sampled and r.req_id in self._seqs)
         return _Dispatched(out, handle, sync)
 
     def _apply(self, step: _Dispatched) -> None:
@@ -228,6 +249,8 @@ class LLMEngine:
             request, child = entry
             logprobs = result.logprobs.get(seq.seq_id)
             request.tokens_arrived(child, t1, None if logprobs is None else logprobs[:update.num])
+            if self.grammars is not None and seq.seq_id in self.grammars:
+                self._advance_grammar(seq, update.num)
             if request.params.stop and request.find_stop_string(child):
                 if seq.is_finished:
                     seq.finish_reason = "stop"  # finished by length as the step was committed: "stop" wins
@@ -236,6 +259,21 @@ class LLMEngine:
             self._ready[request.request_id] = request
         self._close_finished([u.seq.seq_id for u in updates])
         self.stats.host_s += time.perf_counter() - t1
+
+    def _advance_grammar(self, seq: Sequence, num: int) -> None:
+        """Feeds a constrained sequence's new tokens to its matcher; a complete grammar ends the output with
+        "stop" (even with ignore_eos), a token it rejects (impossible under its masks) with "error"."""
+        ended = self.grammars.consume(seq.seq_id, seq.output_token_ids[seq.num_output_tokens - num:
+                                                                        seq.num_output_tokens])
+        if ended is None:
+            return
+        reason, message = ended
+        if not seq.is_finished:
+            self.scheduler.finish(seq, reason, message)
+        elif reason == "error":  # e.g. stopped by the EOS a stuck grammar was given: the output is not valid
+            seq.finish_reason, seq.error = "error", message
+        elif seq.finish_reason == "length":
+            seq.finish_reason = "stop"  # finished by length as the step was committed: "stop" wins
 
     def _close_finished(self, seq_ids: Iterable[int]) -> None:
         """Closes the completions whose sequences are finished and hold no placeholder."""
@@ -248,6 +286,7 @@ class LLMEngine:
             if not seq.is_finished or seq.num_placeholders:
                 continue
             del self._seqs[seq_id]
+            self._drop_grammar(seq_id)
             request.close(child)
             self.stats.finished_input_tokens += seq.num_prompt_tokens
             self.stats.finished_output_tokens += seq.num_output_tokens

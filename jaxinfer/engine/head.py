@@ -22,7 +22,7 @@ def head_sample(model, h: jax.Array, tensors: SamplingTensors, screen: HeadScree
         return sample(model.head(h[:, None])[:, 0], tensors)  # [R, V] logits -> [R]
 
     if (screen is None or tensors.max_logprobs is not None or tensors.output_counts is not None
-            or local_rows(h.shape[0], model.row_shards) != 1):
+            or tensors.allowed is not None or local_rows(h.shape[0], model.row_shards) != 1):
         return full()
 
     def greedy(_):

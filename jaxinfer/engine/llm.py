@@ -18,6 +18,7 @@ from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.engine.outputs import RequestOutput, RequestOutputKind
 from jaxinfer.engine.sampling_params import SamplingParams
+from jaxinfer.engine.structured_output import from_response_format
 
 
 class LLM:
@@ -72,13 +73,24 @@ class LLM:
             self.stats = engine.stats.since(before)
         return [results[rid] for rid in ids]
 
-    def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, *,
+             response_format=None) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them, through the tokenizer's chat
-        template (user text never becomes special tokens)."""
+        template (user text never becomes special tokens). response_format: OpenAI's {"type": "json_schema",
+        "json_schema": {"schema": ...}} or {"type": "json_object"}: the replies are constrained to it
+        (engine/structured_output.py); ValueError when sampling_params carry structured_outputs too."""
         if self.tokenizer is None:
             raise ValueError("chat needs tokenizer.json and a chat template beside the checkpoint")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        constraint = from_response_format(response_format)
+        if constraint is not None:
+            params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params]
+            params = [SamplingParams() if p is None else p for p in params]
+            if any(p.structured_outputs is not None for p in params):
+                raise ValueError("pass response_format or SamplingParams(structured_outputs=...), not both")
+            params = [dataclasses.replace(p, structured_outputs=constraint) for p in params]
+            sampling_params = params if isinstance(sampling_params, (list, tuple)) else params[0]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     # ---- expert load balancing ---------------------------------------------------------------------------

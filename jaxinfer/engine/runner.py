@@ -120,10 +120,11 @@ class ModelRunner:
         self.__dict__.pop("_state_leaves", None)
         self.__dict__.pop("head_screen", None)
 
-    def execute(self, out: SchedulerOutput) -> InFlight:
-        """Starts the step of ``out`` on the devices and returns without waiting for it."""
+    def execute(self, out: SchedulerOutput, allowed: dict[int, np.ndarray] | None = None) -> InFlight:
+        """Starts the step of ``out`` on the devices and returns without waiting for it. allowed: constrained
+        requests' allowed next tokens (``StepInputs.build``)."""
         self.inputs.update_states(out)
-        step = self.inputs.build(out)
+        step = self.inputs.build(out, allowed)
         packed, layout = packing.pack((*step.arrays, step.tensors))  # one transfer: packing.py says why
         widths = {req_id: self.inputs.requests[req_id].params.logprobs for _, req_id, _ in step.sampled}
         packed = global_array(packed, self._batch)

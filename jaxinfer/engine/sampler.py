@@ -61,6 +61,8 @@ class SamplingTensors:
       key_data: uint32 [B, 2] the row's per-request threefry key data (module docstring).
       steps: int32 [B], tokens generated so far by the row (the fold-in for this step's key).
       num_logprobs: int32 [B], the row's requested top-N, -1 for None.
+      allowed: int32 [B, ceil(V / 32)] llguidance bitmask words of each row's allowed tokens (all bits set on
+        unconstrained rows; ``unpack_allowed``), or None when no row is constrained (structured output).
       max_logprobs: static int or None: the logprobs width N of the output; None = compute no logprobs.
     """
 
@@ -77,6 +79,7 @@ class SamplingTensors:
     key_data: jax.Array
     steps: jax.Array
     num_logprobs: jax.Array
+    allowed: jax.Array | None = None
     max_logprobs: int | None = None
 
     @classmethod
@@ -93,6 +96,7 @@ class SamplingTensors:
         child_indices=None,
         engine_seed: int = 0,
         max_logprobs: int | None = None,
+        allowed_token_words=None,
     ) -> SamplingTensors:
         """Packs per-row settings into numpy arrays (host only; no JAX op runs).
 
@@ -111,6 +115,7 @@ class SamplingTensors:
           engine_seed: int, the engine-level seed of unseeded rows.
           max_logprobs: static logprobs width N (a fixed value bounds compilations); default: the largest
             requested `logprobs` in the batch, None when no row asks for logprobs.
+          allowed_token_words: int32 [B, ceil(V / 32)] allowed-token bitmask words (structured output), or None.
 
         Raises:
           ValueError: bad sizes, array shapes, a row asking for more logprobs than max_logprobs, or penalties
@@ -169,6 +174,8 @@ class SamplingTensors:
             key_data=seeds_key_data(seeds),
             steps=_host_array("steps", steps, (num_rows,), np.int32, default=0),
             num_logprobs=col(lambda p: -1 if p.logprobs is None else p.logprobs, -1, np.int32),
+            allowed=None if allowed_token_words is None else _host_array(
+                "allowed_token_words", allowed_token_words, (num_rows, -(-vocab_size // 32)), np.int32),
             max_logprobs=max_logprobs,
         )
 
@@ -319,15 +326,23 @@ def gumbel_noise(tensors: SamplingTensors, vocab_size: int) -> jax.Array:
     return jax.vmap(one)(tensors.key_data, tensors.steps)
 
 
+def unpack_allowed(words: jax.Array, vocab_size: int) -> jax.Array:
+    """int32 [B, W] llguidance bitmask words -> bool [B, V]: token t allowed when bit t % 32 of word t // 32 is set
+    (llguidance.numpy's order; engine/structured_output.py). Arithmetic shifts are fine: only the low bit is kept."""
+    b, w = words.shape
+    bits = (words[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
+    return bits.reshape(b, w * 32)[:, :vocab_size].astype(jnp.bool_)  # [B, V]
+
+
 def sample(logits: jax.Array, tensors: SamplingTensors, token_mask: jax.Array | None = None) -> SampleOutput:
     """Samples one token per row. Pure and jittable; compiled once per (B, V, max_logprobs, penalties on/off).
 
     Args:
       logits: float [B, V] next-token logits (cast to float32).
       tensors: SamplingTensors of B rows (from `SamplingTensors.build`, numpy or device arrays).
-      token_mask: optional bool [B, V], False = never sample (e.g. a grammar's allowed tokens; vLLM applies its
-        structured-output bitmask before the sampler, so it also shows in the logprobs). Every row must allow
-        at least one token.
+      token_mask: optional bool [B, V], False = never sample; ``tensors.allowed`` (a grammar's allowed tokens)
+        is applied the same way (vLLM applies its structured-output bitmask before the sampler, so it also shows
+        in the logprobs). Every row must allow at least one token.
 
     Returns:
       SampleOutput: token_ids int32 [B]; with max_logprobs set, the sampled token's logprob and rank and the
@@ -336,6 +351,9 @@ def sample(logits: jax.Array, tensors: SamplingTensors, token_mask: jax.Array | 
     """
     logits = logits.astype(jnp.float32)  # [B, V]
     b, v = logits.shape
+    if tensors.allowed is not None:
+        allowed = unpack_allowed(tensors.allowed, v)  # [B, V]
+        token_mask = allowed if token_mask is None else token_mask & allowed
     if token_mask is not None:
         logits = jnp.where(token_mask, logits, -jnp.inf)
     raw_logprobs = None if tensors.max_logprobs is None else jax.nn.log_softmax(logits, axis=-1)  # [B, V]

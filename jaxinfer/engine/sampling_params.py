@@ -13,6 +13,8 @@ import math
 import numbers
 from collections.abc import Iterable, Sequence
 
+from jaxinfer.engine.structured_output import StructuredOutputsParams
+
 # Temperatures below this are greedy, as vLLM's `_SAMPLING_EPS` (vllm/sampling_params.py and the v1 sampler):
 # dividing logits by a temperature this small would overflow float32 and argmax is what it tends to anyway.
 SAMPLING_EPS = 1e-5
@@ -64,6 +66,8 @@ class SamplingParams:
       logprobs: None, or N >= 0: the top-N logprobs per generated token plus the sampled token's.
       presence_penalty, frequency_penalty: in [-2, 2] (OpenAI API, as vLLM), on generated tokens.
       repetition_penalty: > 0 (1 = off), on tokens of the prompt or the output (vLLM, CTRL paper).
+      structured_outputs: None, or a StructuredOutputsParams (or its fields as a dict): the output follows a JSON
+        Schema, regex, choice or Lark grammar (engine/structured_output.py).
 
     Raises:
       ValueError naming the field and its value for anything outside these ranges or of the wrong type.
@@ -83,6 +87,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)
@@ -108,6 +113,10 @@ class SamplingParams:
                                          lo_open=True, hi_open=True))
         set_("stop", _stop_strings(self.stop))
         set_("stop_token_ids", _stop_token_ids(self.stop_token_ids))
+        try:
+            set_("structured_outputs", StructuredOutputsParams.parse(self.structured_outputs))
+        except ValueError as e:
+            raise ValueError(f"structured_outputs={self.structured_outputs!r}: {e}") from None
 
     @property
     def greedy(self) -> bool:

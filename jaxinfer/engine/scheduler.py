@@ -354,7 +354,9 @@ class Scheduler:
             drafts = seq.draft_token_ids[:left - 1 if width is None else min(left - 1, width)]
             if width == 0:  # a plain step: the drafts are dropped (the next speculative step drafts again)
                 seq.draft_token_ids, seq.draft_probs = (), ()
-            alone = 1 if plan.speculative else min(left, self.num_scheduler_steps)  # a round drafts after 1 token
+            # A round drafts after 1 token; a constrained sequence's next token needs a mask from its last one.
+            one = plan.speculative or seq.params.structured_outputs is not None
+            alone = 1 if one else min(left, self.num_scheduler_steps)
             n = self._grow(seq, 1 + len(drafts) if drafts else alone, plan)
             if n:
                 out.append(_Chunk(seq, n, n, drafts[:n - 1]))

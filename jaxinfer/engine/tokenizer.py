@@ -191,6 +191,10 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    def to_json(self) -> str:
+        """The ``tokenizers`` JSON of this tokenizer (what llguidance builds its tokenizer from)."""
+        return self._tok.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 

@@ -10,7 +10,7 @@ from jaxinfer.engine import SamplingParams
 
 CONTRACT_DEFAULTS = dict(temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, max_tokens=16, seed=None, stop=(),
                          stop_token_ids=(), ignore_eos=False, n=1, logprobs=None, presence_penalty=0.0,
-                         frequency_penalty=0.0, repetition_penalty=1.0)
+                         frequency_penalty=0.0, repetition_penalty=1.0, structured_outputs=None)
 
 
 def test_defaults_are_the_contract():
@@ -33,6 +33,7 @@ BAD = [
     ("seed", 1.5), ("seed", "7"), ("seed", True),
     ("ignore_eos", 1),
     ("stop", ""), ("stop", ["ok", ""]), ("stop", [3]), ("stop", 5),
+    ("structured_outputs", "json"), ("structured_outputs", {"regex": "a", "choice": ["a"]}),
     ("stop_token_ids", [1, -1]), ("stop_token_ids", [1.0]), ("stop_token_ids", "12"), ("stop_token_ids", 7),
 ]
 
