@@ -32,8 +32,8 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 # times"). `pytest -n 2 --dist loadfile` hands whole files to the workers in collection order (pyproject's addopts
 # turn off xdist's reordering by test count), so a long file started last cannot leave one worker idle at the end.
 SLOWEST_FILES = ("engine/test_engine.py", "kernels/mla/test_mla_decode.py", "kernels/fp8/test_fp8_gemm.py",
-                 "engine/test_speculative.py", "engine/test_structured_output.py", "test_notebooks.py", "test_rebalance.py",
-                 "models/test_screened_head.py", "cli/test_sweep.py", "engine/test_llm.py",
+                 "engine/test_speculative.py", "engine/test_structured_output.py", "test_notebooks.py",
+                 "test_rebalance.py", "models/test_screened_head.py", "cli/test_sweep.py", "engine/test_llm.py",
                  "models/test_paged_forward.py", "parallel/test_multihost.py", "engine/test_llm_engine.py",
                  "cli/test_cli_generate.py", "cli/test_cli_speculative.py", "parallel/test_expert_parallel.py",
                  "test_default_model.py", "engine/test_speculative_sampling.py", "test_orbax_model.py")

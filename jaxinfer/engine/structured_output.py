@@ -30,7 +30,8 @@ KINDS = ("json", "regex", "choice", "grammar", "json_object")
 class StructuredOutputsParams:
     """One constraint on a request's output, from its first output token (vLLM's ``StructuredOutputsParams``).
 
-    Exactly one of: json (a JSON Schema, dict or str; stored as canonical JSON text, so the params stay hashable),
+    Exactly one of: json (a JSON Schema, dict or str; stored as compact JSON text, keys in their order, so the
+    params stay hashable),
     regex (the whole output matches it), choice (a non-empty list of strings: the output is one of them), grammar
     (a Lark grammar in llguidance's syntax), json_object (any JSON object). disable_any_whitespace: JSON without
     free whitespace (vLLM's option). Construction checks these and that a str schema parses as JSON; what
@@ -118,7 +119,7 @@ def _canonical_schema(schema) -> str:
     if not isinstance(schema, (dict, bool)):
         raise ValueError(f"StructuredOutputsParams json must be a JSON Schema (an object or a bool), got "
                          f"{type(schema).__name__}")
-    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    return json.dumps(schema, separators=(",", ":"))  # keys keep their order: it is the output's property order
 
 
 @functools.lru_cache(maxsize=256)  # a pure function of hashable params: requests repeat constraints

@@ -149,8 +149,10 @@ def test_bad_constraints(llm):
 
 def test_params_are_canonical_and_hashable():
     a = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}})
-    b = StructuredOutputsParams(json='{"properties": {"a": {"type": "integer"}}, "type": "object"}')
+    b = StructuredOutputsParams(json='{"type": "object",  "properties": {"a": {"type": "integer"}}}')
     assert a == b and hash(a) == hash(b) and a.kind == "json"
+    assert StructuredOutputsParams(json={"properties": {}, "type": "object"}) != StructuredOutputsParams(
+        json={"type": "object", "properties": {}})  # key order is the output's property order: kept
     assert StructuredOutputsParams(choice=["x", "y"]).choice == ("x", "y")
     assert SamplingParams(structured_outputs={"choice": ["x"]}).structured_outputs == StructuredOutputsParams(
         choice=["x"])
