@@ -116,9 +116,6 @@ class LLMEngine:
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        if params.structured_outputs is not None and self.num_drafts:
-            raise ValueError("structured_outputs with speculative decoding is not supported yet (drafts are not "
-                             "masked): build the engine without speculative_config")
         if params.structured_outputs is not None and self.grammars is None:
             raise ValueError(f"structured_outputs needs the checkpoint's tokenizer.json, and {self.model_path} "
                              f"has none")
@@ -219,7 +216,8 @@ class LLMEngine:
 
     def _dispatch(self, out: SchedulerOutput) -> _Dispatched:
         sampling = [r.req_id for r in out.all_requests() if r.num_sampled]
-        allowed = self.grammars.masks(sampling) if self.grammars is not None else {}
+        drafts = {r.req_id: r.draft_token_ids for r in out.all_requests() if r.draft_token_ids}
+        allowed = self.grammars.masks(sampling, drafts) if self.grammars is not None else {}
         handle = self.runner.execute(out, allowed)
         self._steps_since_rebalance += 1
         self.stats.steps += 1

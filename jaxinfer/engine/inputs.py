@@ -146,8 +146,9 @@ class InputBatch:
         """Host arrays of one step (after ``update_states``). A multi-step decode step (chunks of more than one
         token) has slots [rows, k], column j for iteration j, and ids / positions [rows, 1] for each row's first
         token. stop_ids [rows, DEVICE_STOP_IDS]: each sampling row's stop tokens (-1: none). allowed: the allowed
-        tokens of constrained requests' next sample, int32 [ceil(V / 32)] bitmask words by request id (structured
-        output; engine/structured_output.py).
+        tokens of constrained requests, int32 [1 + drafts, ceil(V / 32)] bitmask words by request id (structured
+        output; engine/structured_output.py ``Grammars.masks``): a verification step's rows get one mask per
+        column, other steps' rows the first.
 
         Raises RuntimeError when a chunk's input token is unknown to the runner (neither fetched nor sampled by the
         last dispatched step), or a row with penalties has outputs not fetched yet (the caller applies the
@@ -209,7 +210,14 @@ class InputBatch:
                 elif out.speculative and not decode:  # a prefill chunk short of the end: its next token is known
                     next_ids[row] = (state.prompt_token_ids + state.output_token_ids)[end]
         self._feed = feed
-        tensors = self._tensors(params, states, steps, allowed)
+        words = None
+        if allowed:  # [rows, T or 1, W]: a verification row's columns decide its next tokens, each with its mask
+            words = np.full((n_rows, t if verifying else 1, -(-self.vocab_size // 32)), -1, np.int32)
+            for row, req_id, _ in sampled:
+                mask = allowed.get(req_id)  # [1 + drafts, W]
+                if mask is not None:
+                    words[row, words.shape[1] - len(mask):] = mask if verifying else mask[:1]
+        tensors = self._tensors(params, states, steps, words)
         arrays = [ids, src, positions, block_table, seqlens, slots, dest, stop_ids]
         return StepInputs(arrays + [next_ids] if out.speculative else arrays, tensors, sampled, verifying)
 
@@ -233,14 +241,10 @@ class InputBatch:
         return chunk
 
     def _tensors(self, params: list[SamplingParams], states: list[RequestState | None], steps: np.ndarray,
-                 allowed: dict[int, np.ndarray] | None) -> SamplingTensors:
+                 words: np.ndarray | None) -> SamplingTensors:
         kwargs = {}
-        if allowed:
-            words = np.full((len(params), -(-self.vocab_size // 32)), -1, np.int32)  # [rows, W]: all allowed
-            for row, state in enumerate(states):
-                if state is not None and state.req_id in allowed:
-                    words[row] = allowed[state.req_id]
-            kwargs["allowed_token_words"] = words
+        if words is not None:
+            kwargs["allowed_token_words"] = words.reshape(len(params), -1)  # [rows, columns x W]
         if any(p.uses_penalties for p in params):
             for state, step in zip(states, steps):
                 if state is not None and state.params.uses_penalties and len(state.output_token_ids) != step:

@@ -6,9 +6,11 @@ One verification step scores T columns per row (engine/step_program.py): the row
 x_1 .. x_{n-1}. The logits of column c give the target distribution p_c of the token after it, so draft
 x = ids[c + 1] is judged by p_c.
 
-Target distributions are the sampler's processed ones (engine/sampler.py, vLLM's order): penalties (at column c
-they count the row's outputs plus the drafts before column c + 1, as if those were already output), then
-temperature, min-p, top-k and top-p. Drafts are the MTP module's argmax (engine/drafter.py), a draft
+Target distributions are the sampler's processed ones (engine/sampler.py, vLLM's order): a structured-output
+row's grammar mask for column c (the tokens allowed after its outputs and the drafts before column c + 1;
+engine/structured_output.py), penalties (at column c they count the row's outputs plus the drafts before column
+c + 1, as if those were already output), then temperature, min-p, top-k and top-p. A draft the grammar rejects has
+p_c(x) = 0: it is rejected, and the token drawn in its place is one the grammar allows. Drafts are the MTP module's argmax (engine/drafter.py), a draft
 distribution q that is a point mass on x (vLLM's EAGLE and MTP proposers pass no draft probabilities either):
   greedy row: accept while x == argmax p_c; the token after the accepted run is argmax p at its column.
   random row: accept x with probability min(1, p_c(x) / q(x)) = p_c(x); at the first rejection the token is
@@ -26,7 +28,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.engine.sampler import _IMPL, SamplingTensors, apply_penalties, filter_logits, first_argmax
+from jaxinfer.engine.sampler import (_IMPL, SamplingTensors, apply_penalties, filter_logits, first_argmax,
+                                     unpack_allowed)
 
 ACCEPT, RECOVER = 1, 2  # fold-ins of an output index's key (DRAFT = 0 is kept for sampled drafts)
 
@@ -91,11 +94,13 @@ def verify(logits: jax.Array, ids: jax.Array, first: jax.Array, tensors: Samplin
     def per_column(x):  # [R, ...] -> [R * T, ...]
         return jnp.repeat(x, t, axis=0)
 
-    flat = jax.tree.map(per_column, dataclasses.replace(tensors, output_counts=None, prompt_mask=None))
+    flat = jax.tree.map(per_column, dataclasses.replace(tensors, output_counts=None, prompt_mask=None, allowed=None))
     if tensors.output_counts is not None:
         counts = _column_counts(tensors, ids, first).reshape(r * t, v)
         flat = dataclasses.replace(flat, output_counts=counts, prompt_mask=per_column(tensors.prompt_mask))
     raw = logits.reshape(r * t, v)
+    if tensors.allowed is not None:  # [R, T x W]: each column's grammar mask (structured output), as the sampler
+        raw = jnp.where(unpack_allowed(tensors.allowed.reshape(r * t, -1), v), raw, -jnp.inf)
     processed = apply_penalties(raw, flat)  # [R * T, V]
     greedy_ids = first_argmax(processed).reshape(r, t)
     greedy_ok = greedy_ids == drafts  # [R, T]

@@ -62,7 +62,8 @@ class SamplingTensors:
       steps: int32 [B], tokens generated so far by the row (the fold-in for this step's key).
       num_logprobs: int32 [B], the row's requested top-N, -1 for None.
       allowed: int32 [B, ceil(V / 32)] llguidance bitmask words of each row's allowed tokens (all bits set on
-        unconstrained rows; ``unpack_allowed``), or None when no row is constrained (structured output).
+        unconstrained rows; ``unpack_allowed``), or None when no row is constrained (structured output); a
+        verification step's [B, T x ceil(V / 32)], one mask per column.
       max_logprobs: static int or None: the logprobs width N of the output; None = compute no logprobs.
     """
 
@@ -115,7 +116,8 @@ class SamplingTensors:
           engine_seed: int, the engine-level seed of unseeded rows.
           max_logprobs: static logprobs width N (a fixed value bounds compilations); default: the largest
             requested `logprobs` in the batch, None when no row asks for logprobs.
-          allowed_token_words: int32 [B, ceil(V / 32)] allowed-token bitmask words (structured output), or None.
+          allowed_token_words: int32 [B, ceil(V / 32)] allowed-token bitmask words (structured output), or None;
+            [B, T x ceil(V / 32)] for a verification step's T columns per row (engine/rejection_sampler.py).
 
         Raises:
           ValueError: bad sizes, array shapes, a row asking for more logprobs than max_logprobs, or penalties
@@ -174,8 +176,8 @@ class SamplingTensors:
             key_data=seeds_key_data(seeds),
             steps=_host_array("steps", steps, (num_rows,), np.int32, default=0),
             num_logprobs=col(lambda p: -1 if p.logprobs is None else p.logprobs, -1, np.int32),
-            allowed=None if allowed_token_words is None else _host_array(
-                "allowed_token_words", allowed_token_words, (num_rows, -(-vocab_size // 32)), np.int32),
+            allowed=None if allowed_token_words is None else _allowed_words(allowed_token_words, num_rows,
+                                                                               vocab_size),
             max_logprobs=max_logprobs,
         )
 
@@ -240,6 +242,14 @@ def token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int, num_rows: 
             raise ValueError(f"row {i}: token id {bad} outside [0, {vocab_size=})")
         np.add.at(out[i], ids, 1)
     return out
+
+
+def _allowed_words(value, num_rows: int, vocab_size: int) -> np.ndarray:
+    words = np.asarray(value)
+    width = -(-vocab_size // 32)
+    if words.ndim != 2 or words.shape[0] != num_rows or not words.shape[1] or words.shape[1] % width:
+        raise ValueError(f"allowed_token_words has shape {words.shape}, expected ({num_rows}, a multiple of {width})")
+    return words.astype(np.int32)
 
 
 def _host_array(name, value, shape, dtype, default=None) -> np.ndarray:

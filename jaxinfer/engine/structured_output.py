@@ -186,39 +186,50 @@ class Grammars:
         self._matchers.update(zip(seq_ids, matchers))
         return None
 
-    def masks(self, seq_ids: Sequence[int]) -> dict[int, np.ndarray]:
-        """int32 [W] allowed-token words of each constrained sequence among ``seq_ids`` (llguidance's parallel
-        fill). A grammar that allows no token (the tokenizer cannot spell what it needs) gets EOS only, and
-        ``consume`` then ends it with "error"."""
+    def masks(self, seq_ids: Sequence[int], drafts: dict[int, Sequence[int]] | None = None
+              ) -> dict[int, np.ndarray]:
+        """int32 [1 + D, W] allowed-token words of each constrained sequence among ``seq_ids``: row 0 for its next
+        token, row j for the token after its first j drafts (``drafts``: the D draft tokens a speculative step
+        verifies; llguidance's parallel fill, with draft tokens where there are any). Rows after a draft the grammar
+        rejects are left all-allowed: verification stops at that draft. A grammar that allows no token (the
+        tokenizer cannot spell what it needs) gets EOS only at row 0, and ``consume`` then ends it with "error"."""
         import llguidance.numpy as llg_numpy
 
         ids = [i for i in seq_ids if i in self._matchers]
         if not ids:
             return {}
-        words = np.zeros((len(ids), self.words), np.int32)
-        llg_numpy.fill_next_token_bitmask_par(self._executor, [(self._matchers[i], row)
-                                                               for row, i in enumerate(ids)], words)
+        drafts = {i: [int(t) for t in drafts.get(i, ())] for i in ids} if drafts else {}
+        offsets = np.cumsum([0] + [1 + len(drafts.get(i, ())) for i in ids])  # [len(ids) + 1]
+        words = np.full((offsets[-1], self.words), -1, np.int32)  # [rows, W]
+        if any(drafts.values()):
+            llg_numpy.fill_next_token_bitmask_par_with_draft_tokens(
+                self._executor, [(self._matchers[i], int(offsets[k]), drafts[i]) for k, i in enumerate(ids)], words)
+        else:
+            llg_numpy.fill_next_token_bitmask_par(
+                self._executor, [(self._matchers[i], int(offsets[k])) for k, i in enumerate(ids)], words)
         eos = np.zeros(self.words, np.int32)  # [W]: EOS alone
         if self.eos_token_id is not None:
             eos[self.eos_token_id // 32] = np.uint32(1 << self.eos_token_id % 32).view(np.int32)
-        # Stuck: nothing allowed, or only EOS (llguidance's answer when the vocabulary cannot go on) before the
-        # grammar is complete.
-        stuck = ~words.any(axis=1)  # [rows]
-        for row in np.flatnonzero((words == eos).all(axis=1)):
-            stuck[row] = not self._matchers[ids[row]].is_accepting()
-        for row in np.flatnonzero(stuck):
-            self._stuck.add(ids[row])
-            words[row] = eos
-        return dict(zip(ids, words))
+        for k, i in enumerate(ids):
+            # Stuck: nothing allowed, or only EOS (llguidance's answer when the vocabulary cannot go on) before the
+            # grammar is complete.
+            first = words[offsets[k]]
+            if not first.any() or ((first == eos).all() and not self._matchers[i].is_accepting()):
+                self._stuck.add(i)
+                words[offsets[k]:offsets[k + 1]] = eos
+        return {i: words[offsets[k]:offsets[k + 1]] for k, i in enumerate(ids)}
 
     def consume(self, seq_id: int, token_ids: Sequence[int]) -> tuple[str, str | None] | None:
         """Advances a sequence's matcher by the tokens it kept -> None (go on), ("stop", None) when the grammar
-        is complete (only EOS could follow), or ("error", message)."""
+        is complete (only EOS could follow; tokens after that point are not fed), or ("error", message)."""
         matcher = self._matchers[seq_id]
         if seq_id in self._stuck:
             return "error", "structured_outputs: no token of the vocabulary can continue the grammar"
-        if not matcher.consume_tokens([int(t) for t in token_ids]):
-            return "error", f"structured_outputs: {matcher.get_error()}"
+        for token in token_ids:
+            if matcher.is_stopped():
+                break
+            if not matcher.consume_token(int(token)):
+                return "error", f"structured_outputs: {matcher.get_error()}"
         return ("stop", None) if matcher.is_stopped() else None
 
     def drop(self, seq_id: int) -> None:

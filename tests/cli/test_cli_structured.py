@@ -23,7 +23,7 @@ def test_flags_build_the_constraint(tmp_path):
     grammar.write_text('start: "x" | "y"\n')
     assert structured_outputs(parse()) is None
     assert structured_outputs(parse("--json-schema", str(schema))) == StructuredOutputsParams(
-        json={"required": ["a"], "type": "object"})
+        json={"type": "object", "required": ["a"]})
     assert structured_outputs(parse("--regex", "[0-9]+")) == StructuredOutputsParams(regex="[0-9]+")
     assert structured_outputs(parse("--choice", "red,green")) == StructuredOutputsParams(choice=["red", "green"])
     assert structured_outputs(parse("--grammar", str(grammar))) == StructuredOutputsParams(grammar='start: "x" | "y"\n')

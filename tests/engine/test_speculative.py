@@ -19,10 +19,10 @@ from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.speculative import (STEP_COSTS, SpeculativeConfig, StepCost, step_cost, survival,
                                          verify_width, widths)
 
-# Few pages: four sequences of 160-163 prompt tokens sharing their first page grow from 3 to 4 pages of 64 while they
-# decode (13 pages in all); a rank has 8 (7 usable), so growing sequences preempt others. Block tables stay in the
-# 4-page bucket throughout: fewer step shapes to compile.
-KW = dict(dtype="float32", num_kv_pages=8, max_num_seqs=4, mesh="1x1")
+# Few pages: sequences of 160-163 prompt tokens sharing their first page grow from 3 to 4 pages of 64 while they
+# decode; a rank has 6 (5 usable), so two growing sequences preempt each other. Block tables stay in the 4-page
+# bucket and steps have at most 2 rows: few step shapes to compile.
+KW = dict(dtype="float32", num_kv_pages=6, max_num_seqs=2, mesh="1x1")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 POSITIONS_ONLY = StepCost(knee=8, fixed=0, mtp=0)  # a step costs knee + its positions; drafting is free
 
@@ -152,24 +152,25 @@ def test_broken_mtp_changes_acceptance_not_outputs(speculative, greedy):
     try:
         model.state = jax.tree_util.tree_map_with_path(scramble, saved)
         speculative.engine.runner.refresh_state()
-        got = speculative.generate(BATCH, GREEDY, use_tqdm=False)
+        got = speculative.generate(BATCH[:2], GREEDY, use_tqdm=False)
         bad = speculative.stats
     finally:
         model.state = saved
         speculative.engine.runner.refresh_state()
-    assert token_ids(got) == token_ids(outs)
+    assert token_ids(got) == token_ids(outs)[:2]
     assert bad.num_accepted_tokens / bad.num_draft_tokens < stats.num_accepted_tokens / stats.num_draft_tokens
 
 
 def test_confidence_verification_is_greedy_on_a_mesh(greedy):
     """verify="confidence" on a 2x4 mesh (DP attention: each rank verifies its own sequence; the MoE of the
     verification step sees (K + 1) x rows), with a cost model under which rounds pay (the CPU's says they never
-    do): the same greedy tokens, with fewer drafts verified than proposed. The prompts' first drafts are unlikely,
-    so it starts with plain steps (2 tokens each) and probes (engine/speculative.py PROBE_AFTER_PLAIN_STEPS)."""
+    do; a pass costs 256 + positions, drafting free: a round of one draft pays from a first confidence of 1 / 257,
+    all three once the second and third drafts are worth 2 more columns): the same greedy tokens, with fewer
+    drafts verified than proposed."""
     ref = token_ids(greedy[0])
-    llm = LLM(**{**KW, "mesh": "2x4"}, num_scheduler_steps=2, speculative_config=spec(3, "confidence"))
+    llm = LLM(**{**KW, "mesh": "2x4"}, speculative_config=spec(3, "confidence"))
     assert llm.engine.scheduler.step_cost == STEP_COSTS["cpu"]  # where no round pays: a cost model that verifies
-    llm.engine.scheduler.step_cost = POSITIONS_ONLY
+    llm.engine.scheduler.step_cost = StepCost(knee=256, fixed=0, mtp=0)
     got = llm.generate(BATCH[:2], dataclasses.replace(GREEDY, max_tokens=16), use_tqdm=False)
     assert token_ids(got) == [r[:16] for r in ref[:2]]
     assert 0 < llm.stats.num_draft_tokens < 3 * llm.stats.num_drafts
@@ -226,3 +227,51 @@ def test_bad_settings_raise(tmp_path):
     hf_oracle.write_config(no_mtp, {**cfg, "num_nextn_predict_layers": 0})
     with pytest.raises(ValueError, match="MTP"):
         LLM(no_mtp, **KW, speculative_config=spec(2))
+
+
+def test_structured_output_with_drafts(speculative):
+    """Constrained requests with K = 3 drafts (engine/structured_output.py masks per verified column), one batch:
+    greedy, every output token is the argmax of the cache-free logits (``Model.logits``) over the tokens the
+    grammar allows after the earlier ones (llguidance masks recomputed here, token by token), drafts were accepted,
+    the outputs stop and are valid; a sampled JSON request (temperature 1) stops with valid JSON too."""
+    import json
+    import re
+
+    import jsonschema
+    import llguidance
+    import llguidance.numpy as llg_numpy
+
+    from jaxinfer import StructuredOutputsParams
+    from jaxinfer.engine.structured_output import grammar_text
+
+    small = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
+                                              "ok": {"type": "boolean"}, "tag": {"enum": ["ab", "cd"]}},
+             "required": ["n", "ok", "tag"], "additionalProperties": False}
+    phone = r"\(\d{3}\) \d{3}-\d{4}"
+    constraints = [StructuredOutputsParams(json=small, disable_any_whitespace=True),
+                   StructuredOutputsParams(regex=phone), StructuredOutputsParams(choice=["red", "green", "blue"])]
+    prompts = [p[-40:] for p in BATCH]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=c) for c in constraints]
+    params.append(SamplingParams(temperature=1.0, max_tokens=40, seed=7, structured_outputs=constraints[0]))
+    outs = speculative.generate(prompts, params, use_tqdm=False)
+    assert speculative.stats.num_accepted_tokens > 0
+    texts = [o.outputs[0].text for o in outs]
+    assert [o.outputs[0].finish_reason for o in outs] == ["stop"] * 4, texts
+    jsonschema.validate(json.loads(texts[0]), small)
+    jsonschema.validate(json.loads(texts[3]), small)
+    assert re.fullmatch(phone, texts[1]) and texts[2] in ("red", "green", "blue")
+    model, tok = speculative.engine.model, speculative.tokenizer
+    lltok = llguidance.LLTokenizer(tok.to_json(), n_vocab=model.config.vocab_size, eos_token=tok.eos_token_id)
+    final = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs[:3])]
+    width = max(map(len, final))
+    every = np.asarray(model.logits(np.array([f + [0] * (width - len(f)) for f in final])))  # [3, width, V]
+    for i, (prompt, c, o) in enumerate(zip(prompts, constraints, outs)):
+        logits = every[i, len(prompt) - 1:]  # row j: the logits of output token j
+        matcher = llguidance.LLMatcher(lltok, grammar_text(c), log_level=0)
+        words = llg_numpy.allocate_token_bitmask(1, model.config.vocab_size)
+        for j, token in enumerate(o.outputs[0].token_ids):
+            llg_numpy.fill_next_token_bitmask(matcher, words)
+            allowed = np.unpackbits(words[0].view(np.uint8), bitorder="little")[:model.config.vocab_size] > 0
+            assert token == int(np.where(allowed, logits[j], -np.inf).argmax()), (c.kind, j)
+            assert matcher.consume_token(token)
+        assert matcher.is_stopped()
