@@ -10,8 +10,9 @@ Target distributions are the sampler's processed ones (engine/sampler.py, vLLM's
 row's grammar mask for column c (the tokens allowed after its outputs and the drafts before column c + 1;
 engine/structured_output.py), penalties (at column c they count the row's outputs plus the drafts before column
 c + 1, as if those were already output), then temperature, min-p, top-k and top-p. A draft the grammar rejects has
-p_c(x) = 0: it is rejected, and the token drawn in its place is one the grammar allows. Drafts are the MTP module's argmax (engine/drafter.py), a draft
-distribution q that is a point mass on x (vLLM's EAGLE and MTP proposers pass no draft probabilities either):
+p_c(x) = 0: it is rejected, and the token drawn in its place is one the grammar allows. Drafts are the MTP
+module's argmax (engine/drafter.py), a draft distribution q that is a point mass on x (vLLM's EAGLE and MTP
+proposers pass no draft probabilities either):
   greedy row: accept while x == argmax p_c; the token after the accepted run is argmax p at its column.
   random row: accept x with probability min(1, p_c(x) / q(x)) = p_c(x); at the first rejection the token is
     drawn from the residual max(p_c - q, 0) normalised, i.e. p_c without x; after all drafts are accepted, the
