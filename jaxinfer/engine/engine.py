@@ -211,13 +211,15 @@ class LLMEngine:
         return self._outputs()
 
     def _drop_grammar(self, seq_id: int) -> None:
-        if self.grammars is not None:
+        if self.grammars:
             self.grammars.drop(seq_id)
 
     def _dispatch(self, out: SchedulerOutput) -> _Dispatched:
-        sampling = [r.req_id for r in out.all_requests() if r.num_sampled]
-        drafts = {r.req_id: r.draft_token_ids for r in out.all_requests() if r.draft_token_ids}
-        allowed = self.grammars.masks(sampling, drafts) if self.grammars is not None else {}
+        allowed = {}
+        if self.grammars:  # constrained sequences exist: their masks (per verified column)
+            allowed = self.grammars.masks([r.req_id for r in out.all_requests() if r.num_sampled],
+                                          {r.req_id: r.draft_token_ids for r in out.all_requests()
+                                           if r.draft_token_ids})
         handle = self.runner.execute(out, allowed)
         self._steps_since_rebalance += 1
         self.stats.steps += 1
@@ -247,13 +249,10 @@ class LLMEngine:
             request, child = entry
             logprobs = result.logprobs.get(seq.seq_id)
             request.tokens_arrived(child, t1, None if logprobs is None else logprobs[:update.num])
-            if self.grammars is not None and seq.seq_id in self.grammars:
+            if self.grammars and seq.seq_id in self.grammars:
                 self._advance_grammar(seq, update.num)
             if request.params.stop and request.find_stop_string(child):
-                if seq.is_finished:
-                    seq.finish_reason = "stop"  # finished by length as the step was committed: "stop" wins
-                else:
-                    self.scheduler.finish(seq, "stop")
+                self._finish_late(seq, "stop")
             self._ready[request.request_id] = request
         self._close_finished([u.seq.seq_id for u in updates])
         self.stats.host_s += time.perf_counter() - t1
@@ -263,15 +262,19 @@ class LLMEngine:
         "stop" (even with ignore_eos), a token it rejects (impossible under its masks) with "error"."""
         ended = self.grammars.consume(seq.seq_id, seq.output_token_ids[seq.num_output_tokens - num:
                                                                         seq.num_output_tokens])
-        if ended is None:
-            return
-        reason, message = ended
+        if ended is not None:
+            self._finish_late(seq, *ended)
+
+    def _finish_late(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        """Ends a sequence for what its applied tokens showed (a stop string, a grammar's end): it may already be
+        finished by length as the step was committed, and then "stop" wins; "error" (e.g. stopped by the EOS a
+        stuck grammar was given: the output is not valid) wins over any reason."""
         if not seq.is_finished:
-            self.scheduler.finish(seq, reason, message)
-        elif reason == "error":  # e.g. stopped by the EOS a stuck grammar was given: the output is not valid
-            seq.finish_reason, seq.error = "error", message
+            self.scheduler.finish(seq, reason, error)
+        elif reason == "error":
+            seq.finish_reason, seq.error = "error", error
         elif seq.finish_reason == "length":
-            seq.finish_reason = "stop"  # finished by length as the step was committed: "stop" wins
+            seq.finish_reason = "stop"
 
     def _close_finished(self, seq_ids: Iterable[int]) -> None:
         """Closes the completions whose sequences are finished and hold no placeholder."""

@@ -334,8 +334,10 @@ class Scheduler:
         seqs = [s for rank in decoding for s in rank]
         width = verify_width([s.draft_probs[:len(s.draft_token_ids)] if s.draft_token_ids else self._confidence
                               for s in seqs], rows, self.num_drafts, self.step_cost)
-        if width or not seqs:
-            self._plain_steps = 0 if width else self._plain_steps
+        if not seqs:
+            return width
+        if width:
+            self._plain_steps = 0
             return width
         self._plain_steps += 1
         if self._plain_steps > PROBE_AFTER_PLAIN_STEPS and verify_width(

@@ -159,6 +159,9 @@ class Grammars:
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._matchers
 
+    def __len__(self) -> int:  # constrained sequences: an engine without any skips the per-step work
+        return len(self._matchers)
+
     @functools.cached_property
     def _tokenizer(self):
         import llguidance
