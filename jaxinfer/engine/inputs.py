@@ -249,7 +249,7 @@ class InputBatch:
             for state, step in zip(states, steps):
                 if state is not None and state.params.uses_penalties and len(state.output_token_ids) != step:
                     raise RuntimeError(f"request {state.req_id} uses penalties: apply the previous step first")
-            kwargs = dict(output_token_counts=token_counts([s.output_token_ids if s else [] for s in states],
+            kwargs.update(output_token_counts=token_counts([s.output_token_ids if s else [] for s in states],
                                                            self.vocab_size),
                           prompt_token_mask=token_counts([s.prompt_token_ids if s else [] for s in states],
                                                          self.vocab_size) > 0)
