@@ -139,6 +139,12 @@ class LLMEngine:
                     error = seq.error
                     break
                 self._seqs[seq.seq_id] = (request, child)
+        if error is None and params.structured_outputs is not None:
+            for seq in seqs:  # a grammar's forced start is computed with the prompt (its first token: after it)
+                ended = self._fast_forward(seq)
+                if ended is not None:
+                    self._finish_late(seq, *ended)
+            self._close_finished([seq.seq_id for seq in seqs])
         if error is not None:
             for seq in seqs:
                 if not seq.is_finished and seq.seq_id in self._seqs:
@@ -247,10 +253,10 @@ class LLMEngine:
             if entry is None or update.num == 0:
                 continue
             request, child = entry
+            if self.grammars and seq.seq_id in self.grammars:  # before the text: it may append forced tokens
+                self._advance_grammar(seq, update.num)
             logprobs = result.logprobs.get(seq.seq_id)
             request.tokens_arrived(child, t1, None if logprobs is None else logprobs[:update.num])
-            if self.grammars and seq.seq_id in self.grammars:
-                self._advance_grammar(seq, update.num)
             if request.params.stop and request.find_stop_string(child):
                 self._finish_late(seq, "stop")
             self._ready[request.request_id] = request
@@ -258,12 +264,30 @@ class LLMEngine:
         self.stats.host_s += time.perf_counter() - t1
 
     def _advance_grammar(self, seq: Sequence, num: int) -> None:
-        """Feeds a constrained sequence's new tokens to its matcher; a complete grammar ends the output with
-        "stop" (even with ignore_eos), a token it rejects (impossible under its masks) with "error"."""
+        """Feeds a constrained sequence's new tokens to its matcher, then appends the tokens its grammar forces
+        (``_fast_forward``); a complete grammar ends the output with "stop" (even with ignore_eos), a token it
+        rejects (impossible under its masks) with "error"."""
         ended = self.grammars.consume(seq.seq_id, seq.output_token_ids[seq.num_output_tokens - num:
                                                                         seq.num_output_tokens])
+        if ended is None:
+            ended = self._fast_forward(seq)
         if ended is not None:
             self._finish_late(seq, *ended)
+
+    def _fast_forward(self, seq: Sequence) -> tuple[str, str | None] | None:
+        """Appends the tokens a constrained sequence's grammar forces next (llguidance's fast-forward tokens) as
+        outputs without sampling them: its next step computes them in one chunk and samples the token after them
+        (scheduler.py "Known tokens"), so a JSON object's keys and punctuation cost no step each. Each is what
+        sampling would give (the only token its mask allows); not for requests with logprobs (they get one per
+        sampled token) or speculative engines (their rounds verify MTP drafts). Returns ``consume``'s ending."""
+        if (self.scheduler.speculative or seq.params.logprobs is not None or seq.is_finished
+                or seq.num_placeholders):
+            return None
+        forced = self.grammars.forced(seq.seq_id)
+        if not forced:
+            return None
+        n = self.scheduler.append_outputs(seq, forced)
+        return self.grammars.consume(seq.seq_id, forced[:n])
 
     def _finish_late(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         """Ends a sequence for what its applied tokens showed (a stop string, a grammar's end): it may already be

@@ -6,7 +6,9 @@ sits at the END of its row of T columns, so that mla_decode's causal rule (query
 holds for every real token; padding columns write nothing (slot -1) and padding rows see no keys.
 
 Bounded compilation: the step compiles once per (rows, T, pages) bucket, penalties on/off and logprobs on/off.
-Decode steps: T = 1 (a multi-step decode step: slots [rows, k]), rows per rank a power of two. Prefill steps: T a
+Decode steps: T = 1 (a multi-step decode step: slots [rows, k]), rows per rank a power of two; a decode step with
+chunks of known tokens (host-appended outputs, Scheduler.append_outputs) has T a power of two >= its longest
+chunk, laid out as a prefill step. Prefill steps: T a
 power of two >= the scheduler's min_prefill_t and rows per rank a power of two, rows * T <= prefill_capacity (the
 scheduler keeps every rank's chunks within that). Pages per row: a power of two >= MIN_PAGES. A prefill grid is
 no larger than its chunks need: one 64-token prompt runs a [1, 64] grid, not a full 1024-token one.
@@ -72,11 +74,17 @@ def step_shape(out: SchedulerOutput, num_pages: dict[int, int], min_prefill_t: i
     pages = bucket(max((num_pages[r.req_id] for r in requests), default=1), MIN_PAGES)
     rows = bucket(max(len(rank) for rank in out.requests))
     if out.kind is StepKind.DECODE:
-        return rows, 1, pages
-    t = bucket(max((r.num_tokens for r in requests), default=1), min_prefill_t)
+        if out.speculative:  # InputBatch.shape sets a verification step's T
+            return rows, 1, pages
+        # 1, or a step of known tokens: the longest chunk's
+        t = bucket(max((r.num_input_tokens(out.kind) for r in requests), default=1))
+        if t == 1:
+            return rows, 1, pages
+    else:
+        t = bucket(max((r.num_tokens for r in requests), default=1), min_prefill_t)
     if rows * t > prefill_capacity:
-        raise RuntimeError(f"prefill step of {[len(rank) for rank in out.requests]} chunks of up to {t} tokens "
-                           f"exceeds {prefill_capacity} tokens per rank")
+        raise RuntimeError(f"{out.kind.value} step of {[len(rank) for rank in out.requests]} chunks of up to {t} "
+                           f"tokens exceeds {prefill_capacity} tokens per rank")
     return rows, t, pages
 
 
@@ -121,7 +129,9 @@ class InputBatch:
             self.requests[new.req_id] = RequestState(new.req_id, new.rank, list(new.prompt_token_ids),
                                                      list(new.output_token_ids), new.params, new.child_index, [])
         for r in out.all_requests():
-            self.requests[r.req_id].pages.extend(r.new_page_ids)
+            state = self.requests[r.req_id]
+            state.pages.extend(r.new_page_ids)
+            state.output_token_ids.extend(r.new_token_ids)
 
     def record(self, sampled: dict[int, list[int]]) -> None:
         """Appends a fetched step's tokens to its requests (for later prefills and penalty counts)."""
@@ -156,15 +166,17 @@ class InputBatch:
         rows, t, pages = self.shape(out)
         decode = out.kind is StepKind.DECODE
         verifying = decode and out.speculative
+        multi = decode and not verifying and t == 1  # slots [rows, k]: iteration j's in column j
         k = t
         if decode and not verifying:
-            most = max((r.num_tokens for r in out.all_requests() if not r.draft_token_ids), default=1)
-            if most > self.num_scheduler_steps:
-                raise RuntimeError(f"decode chunk of {most} tokens exceeds num_scheduler_steps="
-                                   f"{self.num_scheduler_steps}")
             if any(r.draft_token_ids for r in out.all_requests()):
                 raise NotImplementedError("draft token verification has no step program yet")
-            k = 1 if most == 1 else self.num_scheduler_steps  # two programs per bucket: one step or k
+            most = max((r.num_sampled for r in out.all_requests()), default=1)
+            if most > (self.num_scheduler_steps if multi else 1):
+                raise RuntimeError(f"a decode chunk samples {most} tokens in a step of {t} columns "
+                                   f"(num_scheduler_steps={self.num_scheduler_steps})")
+            if multi:
+                k = 1 if most <= 1 else self.num_scheduler_steps  # two programs per bucket: one step or k
         n_rows = self.ranks * rows
         ids = np.zeros((n_rows, t), np.int32)
         src = np.full((n_rows, t), -1, np.int32)
@@ -195,14 +207,14 @@ class InputBatch:
                 positions[row, t - n_in:] = range(r.start, end)
                 block_table[row, : len(state.pages)] = state.pages
                 pos = np.arange(r.start, r.start + n)  # [n] positions computed
-                cols = slice(0, n) if decode and not verifying else slice(t - n, t)
+                cols = slice(0, n) if multi else slice(t - n, t)
                 slots[row, cols] = block_table[row, pos // self.page_size] * self.page_size + pos % self.page_size
                 seqlens[row] = end
                 if r.num_sampled:
                     sampled.append((row, r.req_id, r.num_sampled))
                     params[row], states[row] = state.params, state
                     # outputs before this sample (the first of a verification): the key fold-in
-                    steps[row] = (r.start + 1 if decode else end) - len(state.prompt_token_ids)
+                    steps[row] = r.first_sampled - len(state.prompt_token_ids)
                     dest[row] = rank * self.max_rows + i
                     feed[r.req_id] = int(dest[row])
                     stops = state.params.stop_tokens(self.eos_token_id)[:DEVICE_STOP_IDS]

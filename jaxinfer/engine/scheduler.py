@@ -37,6 +37,12 @@ rank has prefill work that fits, else a DECODE step over all ranks.
   tokens it returns (on a CPU always: engine/speculative.py ``STEP_COSTS``). After
   ``PROBE_AFTER_PLAIN_STEPS`` plain steps in a row, where perfect drafts would pay, one round verifying one draft
   refreshes every sequence's drafts (a stale estimate is never final).
+- Known tokens. Outputs the host appends without sampling (structured output's forced tokens, ``append_outputs``)
+  are computed by the sequence's next step as one chunk, which then samples the token after them (a decode
+  sequence's chunk covers its last token and the appended ones; a waiting sequence computes them in its prefill).
+  A decode step with such chunks lays every row out in T columns (the chunks right aligned, as in prefill; T a power
+  of two >= the longest, at most ``MAX_KNOWN_COLUMNS`` and within ``prefill_capacity`` per rank), and every row
+  samples at most one token in it: no multi-step iterations. Not with ``speculative`` (a round verifies drafts).
 - Out of pages. A running sequence that cannot make progress preempts the newest running sequence (by arrival) of
   its rank, itself included: the victim frees its pages and goes to the FRONT of the rank's waiting queue with
   ``num_computed_tokens = 0``, keeping its outputs (it recomputes prompt + outputs as its next prefill; with
@@ -65,6 +71,11 @@ from jaxinfer.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from jaxinfer.engine.speculative import PROBE_AFTER_PLAIN_STEPS, STEP_COSTS, StepCost, verify_width
 from jaxinfer.kv.page_allocator import PAGE_SIZE, PageAllocator
 from jaxinfer.kv.prefix_cache import PrefixCache
+
+# The most columns of a decode step that computes known tokens (``Scheduler.append_outputs``): a longer run of them
+# takes more steps; a wider grid costs every row the columns of the longest (docs/benchmarks.md "Structured output
+# (CPU)").
+MAX_KNOWN_COLUMNS = 8
 
 
 @dataclasses.dataclass
@@ -269,6 +280,36 @@ class Scheduler:
             del seq.output_token_ids[seq.num_output_tokens - seq.num_placeholders:]  # tokens of steps in flight
         self._drop_if_complete(seq)
 
+    def append_outputs(self, seq: Sequence, token_ids: list[int]) -> int:
+        """Appends outputs the host knows without sampling (structured output's forced tokens) to an unfinished
+        sequence whose outputs are all known; its next step computes them before it samples (see "Known tokens").
+        Tokens past ``max_tokens`` or ``max_model_len`` are not appended, and a sequence that reaches either
+        finishes with "length"; a stop token (EOS, ``stop_token_ids``) is appended and finishes it with "stop", as
+        a sampled one would. Returns the number appended.
+
+        Raises ValueError for a sequence that is not an unfinished one of this scheduler, one with outputs of a
+        step in flight (placeholders), or a speculative scheduler (its rounds verify drafts, not known tokens)."""
+        if seq.is_finished or self._seqs.get(seq.seq_id) is not seq:
+            raise ValueError(f"sequence {seq.seq_id} is not an unfinished sequence of this scheduler")
+        if seq.num_placeholders:
+            raise ValueError(f"sequence {seq.seq_id} has {seq.num_placeholders} outputs of a step in flight")
+        if self.speculative:
+            raise ValueError("a speculative scheduler does not take appended outputs")
+        room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+        tokens = [int(t) for t in token_ids[:max(room, 0)]]
+        stops = seq.params.stop_tokens(self.eos_token_id)
+        stop = next((j for j, t in enumerate(tokens) if t in stops), None)
+        if stop is not None:
+            tokens = tokens[:stop + 1]
+        seq.output_token_ids.extend(tokens)
+        if seq.status is SequenceStatus.RUNNING:
+            seq.unsent_token_ids.extend(tokens)
+        if stop is not None:
+            self.finish(seq, "stop")
+        elif self._at_length_limit(seq):
+            self.finish(seq, "length")
+        return len(tokens)
+
     # ---- scheduling ----------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput | None:
         """The next step, committed (see the module doc): a prefill step if any rank has prefill work that fits,
@@ -282,8 +323,9 @@ class Scheduler:
             plan.kind = StepKind.DECODE
             width = self._verify_width()
             plan.speculative = self.speculative and width != 0
+            columns = self._known_columns()
             for rank in range(self.num_ranks):
-                self._schedule_decode(rank, plan, width)
+                self._schedule_decode(rank, plan, width, columns)
         if plan.empty() and not self._finished_ids and not plan.preempted:
             return None
         return self._commit(plan, admitted)
@@ -328,8 +370,7 @@ class Scheduler:
         width worth its cost over the whole step (engine/speculative.py ``verify_width``)."""
         if not self.confidence_verify:
             return None
-        decoding = [[s for s in running if s.status is SequenceStatus.RUNNING and not s.is_prefilling]
-                    for running in self.running]
+        decoding = self._decoding()
         rows = bucket(max(map(len, decoding)) or 1)
         seqs = [s for rank in decoding for s in rank]
         width = verify_width([s.draft_probs[:len(s.draft_token_ids)] if s.draft_token_ids else self._confidence
@@ -346,10 +387,31 @@ class Scheduler:
             return 1  # a probe (engine/speculative.py PROBE_AFTER_PLAIN_STEPS): draft afresh
         return 0
 
-    def _schedule_decode(self, rank: int, plan: _Plan, width: int | None = None) -> None:
+    def _decoding(self) -> list[list[Sequence]]:
+        return [[s for s in running if s.status is SequenceStatus.RUNNING and not s.is_prefilling]
+                for running in self.running]
+
+    def _known_columns(self) -> int:
+        """0 when no decoding sequence has appended tokens to compute; else the columns T of the next decode step
+        (see "Known tokens"): a power of two >= the most tokens a sequence has to compute, at most
+        ``MAX_KNOWN_COLUMNS``, and within ``prefill_capacity`` per rank (at least 1)."""
+        decoding = self._decoding()
+        most = max((s.num_tokens - s.num_computed_tokens for rank in decoding for s in rank), default=0)
+        if most <= 1:
+            return 0
+        rows = bucket(max(map(len, decoding)))
+        room = 1 << max(0, (self.prefill_capacity // rows).bit_length() - 1)  # largest T: rows * T <= capacity
+        return max(1, min(bucket(most), MAX_KNOWN_COLUMNS, room))
+
+    def _schedule_decode(self, rank: int, plan: _Plan, width: int | None = None, columns: int = 0) -> None:
         out = plan.chunks[rank]
         for seq in list(self.running[rank]):
             if seq.status is not SequenceStatus.RUNNING or seq.is_prefilling:
+                continue
+            if columns:  # a step of known tokens: each row computes what it can of its own and samples after them
+                n = self._grow(seq, min(seq.num_tokens - seq.num_computed_tokens, columns), plan)
+                if n:
+                    out.append(_Chunk(seq, n, int(seq.num_computed_tokens + n == seq.num_tokens)))
                 continue
             # Tokens it may still sample (>= 1: commit finishes a sequence that reaches either limit).
             left = max(1, min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens))
@@ -418,6 +480,7 @@ class Scheduler:
             return 0
         seq.pages = cached + cache.allocate(need)
         seq.num_pages_sent = 0
+        seq.unsent_token_ids = []  # its NewRequest carries all its outputs
         seq.num_computed_tokens = len(cached) * self.page_size
         seq.status = SequenceStatus.RUNNING
         seq.num_prefill_tokens = seq.num_tokens
@@ -435,6 +498,7 @@ class Scheduler:
         seq.num_preemptions += 1
         seq.draft_token_ids = ()
         seq.draft_probs = ()
+        seq.unsent_token_ids = []
         self.waiting[seq.rank].appendleft(seq)
 
     def _release(self, seq: Sequence) -> None:
@@ -468,8 +532,9 @@ class Scheduler:
                 seq = c.seq
                 rank_requests.append(ScheduledRequest(seq.seq_id, seq.num_computed_tokens, c.num_tokens,
                                                       c.num_sampled, tuple(seq.pages[seq.num_pages_sent:]),
-                                                      c.drafts))
+                                                      c.drafts, tuple(seq.unsent_token_ids)))
                 seq.num_pages_sent = len(seq.pages)
+                seq.unsent_token_ids = []
                 seq.num_computed_tokens += c.num_tokens
                 self._register_full_pages(seq)
                 seq.output_token_ids.extend([PLACEHOLDER] * c.num_sampled)
@@ -502,7 +567,7 @@ class Scheduler:
             if seq is None or r.num_sampled == 0:
                 continue
             # Its first placeholder: the output after the chunk's last known token (drafts are not outputs yet).
-            first = r.start + (r.num_tokens if output.kind is StepKind.PREFILL else 1) - seq.num_prompt_tokens
+            first = r.first_sampled - seq.num_prompt_tokens
             outputs = seq.output_token_ids
             if first >= len(outputs) or outputs[first] != PLACEHOLDER:
                 continue                               # dropped: the sequence stopped at an earlier token

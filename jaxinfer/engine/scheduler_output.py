@@ -48,10 +48,14 @@ class ScheduledRequest:
     num_sampled: tokens the step samples for it: 0 for a prefill chunk short of the request's last token; 1 for
       a prefill chunk reaching it; for a decode step without drafts, one per iteration (multi-step decode: the
       chunk computes its last token, then each token it samples itself, ``num_tokens`` iterations); with drafts,
-      at most 1 + len(draft_token_ids) (``RunnerOutput`` may hold fewer: the rejected ones are rolled back).
+      at most 1 + len(draft_token_ids) (``RunnerOutput`` may hold fewer: the rejected ones are rolled back);
+      for a decode chunk of tokens the host appended (``new_token_ids``, now or in an earlier step), 1 when it
+      reaches the request's last token, else 0: such a chunk computes known tokens, like a prefill chunk.
     new_page_ids: pages appended to the request's block table by this step (rank-local ids; its whole table for
       a ``NewRequest``).
     draft_token_ids: speculative tokens verified in this step (the inputs at positions start + 1 ...).
+    new_token_ids: outputs the host appended since the runner last heard of the request (structured output's
+      forced tokens, Scheduler.append_outputs); the runner appends them to its own copy before the step.
     """
 
     req_id: int
@@ -60,13 +64,21 @@ class ScheduledRequest:
     num_sampled: int
     new_page_ids: tuple[int, ...] = ()
     draft_token_ids: tuple[int, ...] = ()
+    new_token_ids: tuple[int, ...] = ()
 
     def num_input_tokens(self, kind: StepKind) -> int:
-        """Positions whose input token exists before the step: the whole chunk of a prefill step or of a draft
-        verification; the last token of a multi-step decode chunk (its later inputs are sampled in the step)."""
-        if kind is StepKind.PREFILL or self.draft_token_ids:
+        """Positions whose input token exists before the step: the whole chunk of a prefill step, of a draft
+        verification or of known tokens; the last token of a (multi-step) decode chunk (its later inputs are
+        sampled in the step)."""
+        if kind is StepKind.PREFILL or self.draft_token_ids or self.num_sampled < self.num_tokens:
             return self.num_tokens
         return 1
+
+    @property
+    def first_sampled(self) -> int:
+        """Position of the first token the step samples (with drafts: the first it verifies): a chunk samples
+        after its known tokens, or from its first position on (multi-step decode, verification)."""
+        return self.start + self.num_tokens - self.num_sampled + 1
 
 
 @dataclasses.dataclass(frozen=True)

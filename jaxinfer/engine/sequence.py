@@ -10,7 +10,8 @@ Life cycle: WAITING (queued on its DP rank, holds no pages) -> RUNNING -> FINISH
 after a preemption) in one or more chunks; the chunk that reaches ``num_tokens`` yields the logits of the next token.
 Then it *decodes*: a step computes its last token (``num_computed_tokens == num_tokens - 1`` before the step) and
 samples the next (a multi-step decode step also computes the tokens it samples; a verification step computes
-the draft tokens after it, see scheduler.py). A preempted sequence goes back to WAITING with no pages and
+the draft tokens after it; tokens the host appended, structured output's forced ones, are computed as one chunk
+before the next sample: see scheduler.py). A preempted sequence goes back to WAITING with no pages and
 ``num_computed_tokens = 0``, keeping its outputs; it recomputes them as its next prefill.
 """
 
@@ -61,6 +62,7 @@ class Sequence:
         self.num_preemptions = 0
         self.num_registered_pages = 0   # leading pages of ``pages`` already offered to the prefix cache
         self.num_pages_sent = 0         # leading pages of ``pages`` the runner was told about (new_page_ids)
+        self.unsent_token_ids: list[int] = []  # outputs appended by the host, not told to the runner yet
         self.draft_token_ids: tuple[int, ...] = ()  # proposed by the runner, verified by the next decode step
         self.draft_probs: tuple[float, ...] = ()    # the drafter's probability of each draft (DSpark)
         self.num_draft_tokens = 0       # drafts verified (speculative decoding)

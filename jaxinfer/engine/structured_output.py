@@ -235,6 +235,15 @@ class Grammars:
                 return "error", f"structured_outputs: {matcher.get_error()}"
         return ("stop", None) if matcher.is_stopped() else None
 
+    def forced(self, seq_id: int) -> list[int]:
+        """The tokens the grammar forces next (llguidance's fast-forward tokens: the only continuation its
+        grammar and the tokenizer allow, each with probability 1 under the masks), not consumed; [] for a complete
+        or stuck grammar."""
+        matcher = self._matchers[seq_id]
+        if seq_id in self._stuck or matcher.is_stopped() or matcher.is_error():
+            return []
+        return [int(t) for t in matcher.compute_ff_tokens()]
+
     def drop(self, seq_id: int) -> None:
         self._matchers.pop(seq_id, None)
         self._stuck.discard(seq_id)

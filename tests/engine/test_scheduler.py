@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.engine.buckets import bucket
 from jaxinfer.engine.speculative import PROBE_AFTER_PLAIN_STEPS, STEP_COSTS, StepCost
-from jaxinfer.engine.scheduler import Scheduler
-from jaxinfer.engine.scheduler_output import RunnerOutput, StepKind
+from jaxinfer.engine.scheduler import MAX_KNOWN_COLUMNS, Scheduler
+from jaxinfer.engine.scheduler_output import RunnerOutput
 from jaxinfer.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 S = 4          # page size of these tests
@@ -41,12 +41,12 @@ def expected_outputs(seq: Sequence, max_model_len: int, eos=EOS) -> tuple[list[i
 
 def fake_result(out) -> RunnerOutput:
     """The fake model's tokens for a step: for each request, the tokens at the positions after its chunk's last
-    known token (a prefill chunk's end; a decode chunk's first position), one per sampled token."""
+    known token (a prefill chunk's or a chunk of known tokens' end; a multi-step decode chunk's first position),
+    one per sampled token."""
     sampled = {}
     for r in out.all_requests():
-        base = r.start + (r.num_tokens if out.kind is StepKind.PREFILL else 1)
         if r.num_sampled:
-            sampled[r.req_id] = [fake_token(r.req_id, base + j) for j in range(r.num_sampled)]
+            sampled[r.req_id] = [fake_token(r.req_id, r.first_sampled + j) for j in range(r.num_sampled)]
     return RunnerOutput(sampled)
 
 
@@ -291,6 +291,69 @@ def test_multi_step_decode_chunks():
     assert a.num_output_tokens == 6
 
 
+# ---- known tokens ---------------------------------------------------------------------------------------------
+def test_appended_outputs_are_computed_as_one_chunk():
+    """Outputs the host appends (structured output's forced tokens) reach the runner once (new_token_ids) and are
+    computed by the next decode step as one chunk that samples the token after them; the other rows of that step
+    sample one token (no multi-step iterations); a long run is cut at MAX_KNOWN_COLUMNS and samples after its
+    last chunk; a waiting sequence computes them in its prefill."""
+    sched = make(num_pages=32, num_scheduler_steps=4, max_num_batched_tokens=64)
+    a, b = sched.add(seq(0, 5, max_tokens=30)), sched.add(seq(1, 3, max_tokens=30))
+    step(sched)                                                     # prefill: one output each
+    assert sched.append_outputs(a, [11, 12, 13]) == 3
+    out = sched.schedule()
+    assert out.kind == "decode"
+    assert [(r.req_id, r.start, r.num_tokens, r.num_sampled, r.new_token_ids) for r in out.requests[0]] == [
+        (0, 5, 4, 1, (11, 12, 13)), (1, 3, 1, 1, ())]
+    sched.update_from_output(out, fake_result(out))
+    assert a.output_token_ids == [fake_token(0, 5), 11, 12, 13, fake_token(0, 9)]
+    out, _ = step(sched)                                            # multi-step again, nothing sent twice
+    assert [(r.num_tokens, r.num_sampled, r.new_token_ids) for r in out.requests[0]] == [(4, 4, ()), (4, 4, ())]
+    run = list(range(20, 31))                                       # 11 known tokens + the last sampled one
+    sched.append_outputs(a, run)
+    expected, left = [], 12
+    while left > MAX_KNOWN_COLUMNS:
+        expected.append([(MAX_KNOWN_COLUMNS, 0), (1, 1)])
+        left -= MAX_KNOWN_COLUMNS
+    expected.append([(left, 1), (1, 1)])
+    sizes = []
+    for _ in expected:
+        out, _ = step(sched)
+        sizes.append([(r.num_tokens, r.num_sampled) for r in out.requests[0]])
+    assert sizes == expected
+    assert a.output_token_ids[-12:-1] == run and a.num_computed_tokens == a.num_tokens - 1
+    w = sched.add(seq(2, 4, max_tokens=30))                         # waiting: its prefill computes them
+    sched.append_outputs(w, [5, 6])
+    out = sched.schedule()
+    assert out.kind == "prefill" and out.new_requests[0].output_token_ids == (5, 6)
+    assert [(r.start, r.num_tokens, r.num_sampled, r.new_token_ids) for r in out.requests[0]] == [(0, 6, 1, ())]
+
+
+def test_appended_outputs_within_limits_and_stops():
+    """append_outputs stops at max_tokens / max_model_len ("length") and at a stop token ("stop", the token
+    kept, as a sampled one); it refuses sequences with tokens in flight, finished ones and speculative
+    schedulers."""
+    sched = make(num_pages=32, max_model_len=12)
+    a = sched.add(seq(0, 3, max_tokens=4))
+    b = sched.add(Sequence(1, [1, 2, 3], SamplingParams(max_tokens=20, stop_token_ids=[9])))
+    c = sched.add(seq(2, 3, max_tokens=20))
+    step(sched)
+    assert sched.append_outputs(a, [1, 2, 3, 4, 5]) == 3 and (a.finish_reason, a.num_output_tokens) == ("length", 4)
+    assert sched.append_outputs(b, [1, 9, 2]) == 2 and b.finish_reason == "stop" and b.output_token_ids[-1] == 9
+    assert sched.append_outputs(c, list(range(10))) == 8 and c.finish_reason == "length" and c.num_tokens == 12
+    with pytest.raises(ValueError, match="not an unfinished"):
+        sched.append_outputs(a, [1])
+    d = sched.add(seq(3, 3, max_tokens=20))
+    step(sched)
+    sched.schedule()                                                # d holds a placeholder now
+    with pytest.raises(ValueError, match="in flight"):
+        sched.append_outputs(d, [1])
+    spec = make(speculative=True, num_drafts=2)
+    e = spec.add(seq(0, 3))
+    with pytest.raises(ValueError, match="speculative"):
+        spec.append_outputs(e, [1])
+
+
 # ---- draft tokens ---------------------------------------------------------------------------------------------
 def test_draft_verification_rolls_back_rejected_tokens():
     """A decode step verifies the runner's draft tokens: its chunk covers the last token and the drafts; the
@@ -455,6 +518,9 @@ def _check_step(sched: Scheduler, out, seqs: dict, before: list, tables: BlockTa
             if out.kind == "prefill":
                 assert r.start + r.num_tokens <= tokens_before
                 assert r.num_sampled == (r.start + r.num_tokens == tokens_before)
+            elif any(q.num_sampled < q.num_tokens for q in out.all_requests()):  # known tokens: 1 sample at most
+                assert r.num_sampled == (r.start + r.num_tokens == tokens_before)
+                assert r.num_tokens <= MAX_KNOWN_COLUMNS and r.start + r.num_tokens <= tokens_before
             else:  # the last token, then up to k - 1 it samples itself, within max_tokens and max_model_len
                 assert r.num_sampled == r.num_tokens and r.start == tokens_before - 1
                 assert r.num_tokens <= min(sched.num_scheduler_steps, s.params.max_tokens + 1 - (
@@ -500,7 +566,20 @@ def workloads(draw):
     return dict(reqs=reqs, num_ranks=draw(st.integers(1, 3)), extra_pages=draw(st.integers(0, 6)),
                 max_num_seqs=draw(st.integers(1, 4)), max_num_batched_tokens=draw(st.integers(1, 16)),
                 max_model_len=draw(st.integers(8, 40)), prefix=draw(st.booleans()),
-                min_prefill_t=draw(st.sampled_from([1, 2, 8])), steps=draw(st.sampled_from([1, 2, 4])))
+                min_prefill_t=draw(st.sampled_from([1, 2, 8])), steps=draw(st.sampled_from([1, 2, 4])),
+                forcing=draw(st.booleans()))
+
+
+def force(sched: Scheduler, updates) -> None:
+    """A fake grammar's forced tokens: after an output token divisible by 3, the next (token % 4) * 3 tokens the
+    fake model would sample are appended (so the expected outputs stay the same), for sequences with nothing in
+    flight."""
+    for u in updates:
+        s = u.seq
+        if s.is_finished or s.num_placeholders or not s.output_token_ids or s.output_token_ids[-1] % 3:
+            continue
+        n = s.num_tokens
+        sched.append_outputs(s, [fake_token(s.seq_id, n + j) for j in range(s.output_token_ids[-1] % 4 * 3)])
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
@@ -508,7 +587,8 @@ def workloads(draw):
 @given(w=workloads())
 def test_random_workloads(w, overlap):
     """sync: schedule, update. async (the engine's loop): step n + 1 is scheduled (committed) before step n's
-    tokens are applied, so sequences carry placeholders while being scheduled."""
+    tokens are applied, so sequences carry placeholders while being scheduled. forcing: a fake grammar appends
+    known tokens (``force``), computed in chunks of their own."""
     L = w["max_model_len"]
     # Every admissible request fits alone: pages for min(prompt + max_tokens - 1, max_model_len) positions.
     need = max(-(-min(len(p) + sp.max_tokens - 1, L) // S) for _, p, sp in w["reqs"])
@@ -526,12 +606,15 @@ def test_random_workloads(w, overlap):
         out = sched.schedule()
         if out is not None:
             _check_step(sched, out, seqs, before, tables)
+        updates = []
         if overlap:
             if in_flight is not None:
-                sched.update_from_output(in_flight, fake_result(in_flight))
+                updates = sched.update_from_output(in_flight, fake_result(in_flight))
             in_flight = out
         elif out is not None:
-            sched.update_from_output(out, fake_result(out))
+            updates = sched.update_from_output(out, fake_result(out))
+        if w["forcing"]:
+            force(sched, updates)
         if out is None and not pending and in_flight is None:
             break
     else:

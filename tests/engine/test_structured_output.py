@@ -92,6 +92,48 @@ def test_sampled_outputs_are_valid_and_stop(llm):
     assert all(len(set(t)) > 1 for kind, t in texts.items()), texts  # sampled, not one fixed answer
 
 
+def test_greedy_outputs_are_the_masked_argmax_chain(llm):
+    """Greedy constrained outputs, with the grammar's forced tokens appended without sampling and computed in
+    chunks (engine.py ``_fast_forward``): every output token is the argmax of the cache-free logits
+    (``Model.logits``) over the tokens llguidance allows after the earlier ones (masks recomputed here token by
+    token), so a forced token is what sampling would have given; the batch took fewer steps than its longest
+    output has tokens. A request with repetition and presence penalties is valid too (its step carries both the
+    masks and the penalties' counts). A choice of one option is forced whole: "stop" before any step."""
+    import llguidance
+    import llguidance.numpy as llg_numpy
+
+    from jaxinfer.engine.structured_output import grammar_text
+
+    constraints = [StructuredOutputsParams(json=PERSON, disable_any_whitespace=True),
+                   StructuredOutputsParams(regex=PHONE), StructuredOutputsParams(choice=COLORS),
+                   StructuredOutputsParams(grammar=SUM)]
+    params = [SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=c) for c in constraints]
+    params.append(SamplingParams(temperature=0.0, max_tokens=40, repetition_penalty=1.5, presence_penalty=0.5,
+                                 structured_outputs=constraints[1]))
+    outs = llm.generate([f"Record {i}:" for i in range(5)], params, use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in outs] == ["stop"] * 5
+    assert re.fullmatch(PHONE, outs[4].outputs[0].text), outs[4].outputs[0].text
+    assert llm.stats.steps < max(len(o.outputs[0].token_ids) for o in outs)
+    model, tok = llm.engine.model, llm.tokenizer
+    lltok = llguidance.LLTokenizer(tok.to_json(), n_vocab=model.config.vocab_size, eos_token=tok.eos_token_id)
+    final = [o.prompt_token_ids + list(o.outputs[0].token_ids) for o in outs[:4]]
+    width = max(map(len, final))
+    every = np.asarray(model.logits(np.array([f + [0] * (width - len(f)) for f in final])))  # [4, width, V]
+    for i, (c, o) in enumerate(zip(constraints, outs)):
+        logits = every[i, len(o.prompt_token_ids) - 1:]  # row j: the logits of output token j
+        matcher = llguidance.LLMatcher(lltok, grammar_text(c), log_level=0)
+        words = llg_numpy.allocate_token_bitmask(1, model.config.vocab_size)
+        for j, token in enumerate(o.outputs[0].token_ids):
+            llg_numpy.fill_next_token_bitmask(matcher, words)
+            allowed = np.unpackbits(words[0].view(np.uint8), bitorder="little")[:model.config.vocab_size] > 0
+            assert token == int(np.where(allowed, logits[j], -np.inf).argmax()), (c.kind, j)
+            assert matcher.consume_token(token)
+        assert matcher.is_stopped()
+        check(c.kind if c.kind != "grammar" else "lark", o.outputs[0].text)
+    (one,) = llm.generate(["x"], SamplingParams(structured_outputs={"choice": ["dark magenta"]}), use_tqdm=False)
+    assert (one.outputs[0].text, one.outputs[0].finish_reason, llm.stats.steps) == ("dark magenta", "stop", 0)
+
+
 def test_constrained_rows_on_a_dp_mesh(llm):
     """A 2x4 mesh (DP attention: each rank samples its own rows, masks sharded with the step's packed inputs): the
     outputs are valid and stop, and a seeded request gives the tokens it gives on one device."""
@@ -111,7 +153,7 @@ def test_constrained_rows_on_a_dp_mesh(llm):
 
 def test_unconstrained_rows_are_unchanged_by_constrained_neighbours(llm):
     """Greedy unconstrained requests give the same tokens alone and batched with constrained ones (whose rows
-    run one token per step while theirs run multi-step chunks)."""
+    sample one token per step, some after chunks of forced tokens, while theirs run multi-step chunks)."""
     plain = ["The with statement is used to", "def fibonacci(n):"]
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     alone = llm.generate(plain, greedy, use_tqdm=False)
