@@ -3,7 +3,9 @@
 Tensors are memory-mapped and read one at a time by ``jax.make_array_from_callback``: every device shard reads
 only its own slice (for stacked experts: only its experts), so a 671B checkpoint never sits in host RAM whole.
 FP8 weights (``F8_E4M3`` + ``weight_scale_inv``) are either kept with their scales (``quantized=True``) or
-dequantized exactly (fp8 * scale_inv per 128x128 block; docs/architecture.md "Reference semantics").
+dequantized exactly (fp8 * scale_inv per 128x128 block; docs/architecture.md "Reference semantics") on the device,
+after their bytes are placed. Whole tensors are read with positioned reads into page-aligned host arrays that
+XLA:CPU keeps as device buffers (one copy from the page cache; stacked experts straight into their slots).
 
 Names follow DeepSeek's release: ``model.layers.{i}.self_attn.q_a_proj.weight``,
 ``model.layers.{i}.mlp.experts.{e}.gate_proj.weight``, MTP module k at ``model.layers.{num_hidden_layers + k}``
@@ -20,8 +22,8 @@ import jax
 import numpy as np
 
 from jaxinfer.checkpoint.errors import CheckpointError
-from jaxinfer.checkpoint.fp8 import dequantize_blockwise, scale_shape
-from jaxinfer.checkpoint.safetensors_io import SafetensorsCheckpoint
+from jaxinfer.checkpoint.fp8 import dequantize_blockwise_jnp, scale_shape
+from jaxinfer.checkpoint.safetensors_io import SafetensorsCheckpoint, host_array
 from jaxinfer.checkpoint.tree import flatten_tree, unflatten_tree
 from jaxinfer.config import ModelConfig
 from jaxinfer.parallel.placement import identity_phy2log, placement_values
@@ -124,14 +126,30 @@ def _cast(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return np.asarray(array.astype(dtype))
 
 
-def _reader(ckpt: SafetensorsCheckpoint, src: Source, dtype: np.dtype) -> Callable[[tuple], np.ndarray]:
-    """A callback for make_array_from_callback: reads (and dequantizes) just the requested slice."""
+def _sliced_shape(shape: tuple, index: tuple) -> tuple:
+    return tuple(len(range(*i.indices(n))) if isinstance(i, slice) else 1 for i, n in zip(index, shape)) + tuple(
+        shape[len(index):])
 
-    def one(name: str, scale: str | None, index: tuple) -> np.ndarray:
-        raw = ckpt.read(name)
-        if scale is not None and dtype != FP8_NP:  # dequantize, unless the model keeps FP8 weights
-            return _cast(dequantize_blockwise(raw, ckpt.read(scale))[index], dtype)
-        return _cast(raw[index], dtype)
+
+def _reader(ckpt: SafetensorsCheckpoint, src: Source, dtype: np.dtype) -> Callable[[tuple], np.ndarray]:
+    """A callback for make_array_from_callback: reads just the requested slice, cast to ``dtype`` (an FP8 source
+    read as FP8 stays raw: ``load_hf_params`` dequantizes on the device).
+
+    A whole tensor in its own dtype (the bulk of a checkpoint) is read with positioned reads into a page-aligned
+    host array (``host_array``: XLA:CPU keeps it as the device buffer, no second copy); stacked experts are read
+    straight into their slots of one such array."""
+
+    def one(name: str, index: tuple, out: np.ndarray | None = None) -> np.ndarray:
+        info = ckpt.info(name)
+        if info.dtype == dtype and _sliced_shape(info.shape, index) == info.shape:
+            out = host_array(info.shape, dtype) if out is None else out
+            ckpt.read_into(name, out)
+            return out
+        value = _cast(ckpt.read(name)[index], dtype)
+        if out is None:
+            return value
+        out[...] = value
+        return out
 
     done: dict[str, np.ndarray] = {}  # replicated shards ask for the same slice once per device
 
@@ -139,14 +157,23 @@ def _reader(ckpt: SafetensorsCheckpoint, src: Source, dtype: np.dtype) -> Callab
         key = repr(index)
         if key not in done:
             if not src.stacked:
-                done[key] = one(src.names[0], src.scale_names[0] if src.scale_names else None, index)
+                done[key] = one(src.names[0], index)
             else:
                 experts = range(len(src.names))[index[0]]
-                done[key] = np.stack([one(src.names[e], src.scale_names[e] if src.scale_names else None,
-                                          index[1:]) for e in experts])
+                shape = _sliced_shape(ckpt.info(src.names[0]).shape, index[1:])
+                out = host_array((len(experts), *shape), dtype)
+                for k, e in enumerate(experts):
+                    one(src.names[e], index[1:], out[k])
+                done[key] = out
         return done[key]
 
     return read
+
+
+# FP8 weights loaded in a float dtype: e4m3 bytes and scales placed, then one elementwise program per shape (XLA
+# fuses the cast, the per-block product and the final cast; ~1.3 G elements/s on 2 CPU cores against ~0.1 for
+# numpy's, docs/benchmarks.md "Checkpoint loading"). Elementwise, so the result has the weight's sharding.
+_dequantize = jax.jit(dequantize_blockwise_jnp, static_argnames=("block", "dtype"))
 
 
 def _check(ckpt: SafetensorsCheckpoint, src: Source, shape: tuple, dtype: np.dtype, problems: dict) -> None:
@@ -205,7 +232,19 @@ def load_hf_params(config: ModelConfig, ckpt: SafetensorsCheckpoint, abstract: d
         raise CheckpointError("\n".join(lines))
     out = [(path, jax.make_array_from_callback(value.shape, sharding_for(path, value.shape),
                                                lambda index, v=value: v[index])) for path, value in placements.items()]
+    pending = None  # the last dequantization dispatched: one in flight, so FP8 bytes never pile up in memory
     for path, leaf, src, dtype in plan:
-        sharding = sharding_for(path, tuple(leaf.shape))
-        out.append((path, jax.make_array_from_callback(tuple(leaf.shape), sharding, _reader(ckpt, src, dtype))))
+        shape = tuple(leaf.shape)
+        sharding = sharding_for(path, shape)
+        if src.scale_names and dtype != FP8_NP:  # dequantized on the device (see _dequantize)
+            if pending is not None:
+                pending.block_until_ready()
+            weight = jax.make_array_from_callback(shape, sharding, _reader(ckpt, src, FP8_NP))
+            scale = jax.make_array_from_callback(scale_shape(shape), sharding,
+                                                 _reader(ckpt, Source(src.scale_names, src.stacked), np.float32))
+            value = pending = _dequantize(weight, scale, dtype=dtype)
+            del weight, scale  # their host buffers go as soon as the product is computed
+        else:
+            value = jax.make_array_from_callback(shape, sharding, _reader(ckpt, src, dtype))
+        out.append((path, value))
     return unflatten_tree(out)

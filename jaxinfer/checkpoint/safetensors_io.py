@@ -259,6 +259,23 @@ class SafetensorsCheckpoint:
             raise CheckpointError(f"{info.file} changed since it was opened, cannot read {name!r}: {e}") from None
         return flat.reshape(info.shape)
 
+    def read_into(self, name: str, out: np.ndarray) -> None:
+        """Copies one tensor's bytes into ``out`` (C-contiguous, of the tensor's size in bytes, any dtype) with
+        positioned reads (``os.preadv``): one copy from the page cache, without mapping the file's pages."""
+        info = self.info(name)
+        if not out.flags.c_contiguous or out.nbytes != info.nbytes:
+            raise ValueError(f"read_into {name!r}: needs a C-contiguous array of {info.nbytes} bytes, got "
+                             f"{out.nbytes} bytes (contiguous: {out.flags.c_contiguous})")
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        done = 0
+        with open(info.file, "rb") as f:
+            while done < info.nbytes:  # preadv may return fewer bytes than asked (e.g. > 2 GiB at once)
+                got = os.preadv(f.fileno(), [view[done:]], info.offset + done)
+                if got == 0:
+                    raise CheckpointError(f"{info.file} ends before tensor {name!r} does (changed since it was "
+                                          f"opened?)")
+                done += got
+
     def _mmap(self, file: pathlib.Path) -> mmap.mmap:
         if file not in self._mmaps:
             with open(file, "rb") as f:
@@ -279,6 +296,20 @@ class SafetensorsCheckpoint:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def host_array(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """An uninitialised array in its own page-aligned anonymous mapping, released with the last array viewing it.
+
+    Why not ``np.empty``: XLA:CPU takes a page-aligned numpy array as a device buffer without copying it
+    (``device_put`` aliases it), while numpy's large allocations start 16 bytes into a page and are copied: a
+    loaded checkpoint would sit in memory twice while it is placed (docs/benchmarks.md "Checkpoint loading")."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return np.empty(shape, dtype)
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return np.frombuffer(buffer, dtype).reshape(shape)
 
 
 def _as_writable_array(name: object, value: object) -> np.ndarray:

@@ -12,6 +12,7 @@ from jaxinfer.checkpoint.errors import CheckpointError
 from jaxinfer.checkpoint.safetensors_io import (
     INDEX_FILE,
     SafetensorsCheckpoint,
+    host_array,
     write_safetensors,
     write_sharded_safetensors,
 )
@@ -81,6 +82,33 @@ def test_read_is_memory_mapped_and_read_only(tmp_path, rng):
         out[0, 0] = 1.0
     ckpt.close()  # arrays already handed out stay valid
     np.testing.assert_array_equal(out, arr)
+
+
+def test_read_into_page_aligned_host_arrays(tmp_path, rng):
+    """read_into copies a tensor's bytes (any dtype, the destination's dtype free) into a host_array, which is
+    page-aligned and writable; a destination of the wrong size is refused, and a file cut short after its header
+    was read is a CheckpointError, not silent garbage."""
+    tensors = {f"t.{np.dtype(d).name}": random_array(rng, (7, 129), d) for d in DTYPES}
+    path = write_safetensors(tmp_path / "m.safetensors", tensors)
+    ckpt = SafetensorsCheckpoint(path)
+    for name, arr in tensors.items():
+        out = host_array(arr.shape, arr.dtype)
+        assert out.ctypes.data % mmap.PAGESIZE == 0 and out.flags.writeable and out.flags.c_contiguous
+        ckpt.read_into(name, out)
+        assert_bits_equal(out, arr)
+    stacked = host_array((2, 7, 129), ml_dtypes.bfloat16)  # a slot of a stacked array
+    ckpt.read_into("t.bfloat16", stacked[1])
+    assert_bits_equal(stacked[1], tensors["t.bfloat16"])
+    with pytest.raises(ValueError, match="C-contiguous array of 7224 bytes"):
+        ckpt.read_into("t.float64", np.empty((7, 128)))
+    with pytest.raises(ValueError, match="contiguous: False"):
+        ckpt.read_into("t.uint8", np.empty((129, 7), np.uint8).T)
+    last = max(tensors, key=lambda n: ckpt.info(n).offset)
+    with open(path, "r+b") as f:
+        f.truncate(ckpt.info(last).offset + 3)
+    with pytest.raises(CheckpointError, match=f"ends before tensor '{last}'"):
+        ckpt.read_into(last, host_array(tensors[last].shape, tensors[last].dtype))
+    assert host_array((0, 3), np.float32).shape == (0, 3)
 
 
 def test_our_files_read_by_official_library(tmp_path, rng):
