@@ -231,9 +231,10 @@ class LLMEngine:
         self.stats.steps += 1
         self.stats.scheduled_tokens += out.num_scheduled_tokens
         self.stats.prefill_tokens += out.num_scheduled_tokens if out.kind == "prefill" else 0
-        # Drafts are verified by the next step, and a constrained sequence's next mask needs this step's token, so
-        # such steps are applied before the next is built.
-        sync = out.speculative or bool(allowed) or any(self._seqs[r.req_id][0].params.uses_penalties
+        # Drafts are verified by the next step, and penalties count every token, so such steps are applied before
+        # the next is built (a constrained sequence waits for its own tokens instead: scheduler.py "Constrained
+        # sequences").
+        sync = out.speculative or any(self._seqs[r.req_id][0].params.uses_penalties
                                                        for r in out.all_requests()
                                                        if r.num_sampled and r.req_id in self._seqs)
         return _Dispatched(out, handle, sync)

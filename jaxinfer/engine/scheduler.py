@@ -43,6 +43,11 @@ rank has prefill work that fits, else a DECODE step over all ranks.
   A decode step with such chunks lays every row out in T columns (the chunks right aligned, as in prefill; T a power
   of two >= the longest, at most ``MAX_KNOWN_COLUMNS`` and within ``prefill_capacity`` per rank), and every row
   samples at most one token in it: no multi-step iterations. Not with ``speculative`` (a round verifies drafts).
+- Constrained sequences (structured output) sample one token per step (their mask needs the previous token) and
+  are not scheduled while a step of theirs is in flight (``num_placeholders``), so the engine schedules the next
+  step before applying one that carries them. Where a rank has ``SPLIT_CONSTRAINED_ROWS`` or more of them and none
+  in flight, a step takes the first half: the two halves then alternate, one computed on the device while the
+  host applies the other's tokens and builds its masks.
 - Out of pages. A running sequence that cannot make progress preempts the newest running sequence (by arrival) of
   its rank, itself included: the victim frees its pages and goes to the FRONT of the rank's waiting queue with
   ``num_computed_tokens = 0``, keeping its outputs (it recomputes prompt + outputs as its next prefill; with
@@ -76,6 +81,12 @@ from jaxinfer.kv.prefix_cache import PrefixCache
 # takes more steps; a wider grid costs every row the columns of the longest (docs/benchmarks.md "Structured output
 # (CPU)").
 MAX_KNOWN_COLUMNS = 8
+
+# A rank with at least this many constrained decoding sequences, none of them in a step in flight, schedules the
+# first half of them; the other half go in the next step, scheduled while this one runs (see "Constrained
+# sequences"). Below it a step of half the rows costs about as much as one of all of them on CPU (docs/benchmarks.md
+# "Structured output (CPU)"); unmeasured on GPU.
+SPLIT_CONSTRAINED_ROWS = 16
 
 
 @dataclasses.dataclass
@@ -405,8 +416,16 @@ class Scheduler:
 
     def _schedule_decode(self, rank: int, plan: _Plan, width: int | None = None, columns: int = 0) -> None:
         out = plan.chunks[rank]
+        constrained = [s for s in self.running[rank] if s.status is SequenceStatus.RUNNING and not s.is_prefilling
+                       and s.params.structured_outputs is not None]
+        ready = [s for s in constrained if not s.num_placeholders]
+        if len(ready) == len(constrained) >= SPLIT_CONSTRAINED_ROWS:  # see "Constrained sequences"
+            ready = ready[:(len(ready) + 1) // 2]
+        ready_ids = {s.seq_id for s in ready}
         for seq in list(self.running[rank]):
             if seq.status is not SequenceStatus.RUNNING or seq.is_prefilling:
+                continue
+            if seq.params.structured_outputs is not None and seq.seq_id not in ready_ids:
                 continue
             if columns:  # a step of known tokens: each row computes what it can of its own and samples after them
                 n = self._grow(seq, min(seq.num_tokens - seq.num_computed_tokens, columns), plan)

@@ -10,9 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from jaxinfer.engine.sampling_params import SamplingParams
+from jaxinfer.engine.structured_output import StructuredOutputsParams
 from jaxinfer.engine.buckets import bucket
 from jaxinfer.engine.speculative import PROBE_AFTER_PLAIN_STEPS, STEP_COSTS, StepCost
-from jaxinfer.engine.scheduler import MAX_KNOWN_COLUMNS, Scheduler
+from jaxinfer.engine.scheduler import MAX_KNOWN_COLUMNS, SPLIT_CONSTRAINED_ROWS, Scheduler
 from jaxinfer.engine.scheduler_output import RunnerOutput
 from jaxinfer.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
@@ -354,6 +355,44 @@ def test_appended_outputs_within_limits_and_stops():
         spec.append_outputs(e, [1])
 
 
+def constrained(i, n, max_tokens=30):
+    prompt = [(i * 31 + j) % VOCAB for j in range(n)]
+    return Sequence(i, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                              structured_outputs=StructuredOutputsParams(regex="[a-z]*")))
+
+
+def test_constrained_sequences_wait_for_their_tokens_and_alternate_in_halves():
+    """A constrained sequence samples one token per step and is not scheduled while a step of its own is in
+    flight (its mask needs that token). With SPLIT_CONSTRAINED_ROWS of them on a rank and none in flight, a step
+    takes the first half; in the engine's async loop (step n + 1 scheduled before step n is applied) the halves
+    then alternate, while an unconstrained sequence runs multi-step chunks in every step."""
+    n = SPLIT_CONSTRAINED_ROWS
+    sched = make(num_pages=128, max_num_seqs=n + 1, num_scheduler_steps=4, max_num_batched_tokens=512)
+    cons = [sched.add(constrained(i, 3)) for i in range(n)]
+    free = sched.add(seq(n, 3, max_tokens=30))
+    step(sched)                                                     # prefill: one output each
+    first, second = {s.seq_id for s in cons[:n // 2]}, {s.seq_id for s in cons[n // 2:]}
+    scheduled = []
+    in_flight = None
+    for _ in range(4):
+        out = sched.schedule()
+        scheduled.append({r.req_id for r in out.requests[0]})
+        assert all(r.num_sampled == r.num_tokens == 1 for r in out.requests[0] if r.req_id != free.seq_id)
+        if in_flight is not None:
+            sched.update_from_output(in_flight, fake_result(in_flight))
+        in_flight = out
+    assert scheduled == [first | {n}, second | {n}, first | {n}, second | {n}]
+    sched.update_from_output(in_flight, fake_result(in_flight))
+    out, _ = step(sched)                                            # nothing in flight again: the first half
+    assert {r.req_id for r in out.requests[0]} == first | {n}
+    few = make(num_pages=128, max_num_seqs=n, max_num_batched_tokens=512)
+    for i in range(n - 1):
+        few.add(constrained(i, 3))
+    step(few)
+    out = few.schedule()                                            # below the threshold: all of them
+    assert len(out.requests[0]) == n - 1 and few.schedule() is None  # and none while in flight
+
+
 # ---- draft tokens ---------------------------------------------------------------------------------------------
 def test_draft_verification_rolls_back_rejected_tokens():
     """A decode step verifies the runner's draft tokens: its chunk covers the last token and the drafts; the
@@ -518,6 +557,9 @@ def _check_step(sched: Scheduler, out, seqs: dict, before: list, tables: BlockTa
             if out.kind == "prefill":
                 assert r.start + r.num_tokens <= tokens_before
                 assert r.num_sampled == (r.start + r.num_tokens == tokens_before)
+            elif s.params.structured_outputs is not None:  # one token, none of its own in flight before
+                assert r.num_sampled <= 1 and s.num_placeholders == r.num_sampled
+                assert r.num_sampled == (r.start + r.num_tokens == tokens_before)
             elif any(q.num_sampled < q.num_tokens for q in out.all_requests()):  # known tokens: 1 sample at most
                 assert r.num_sampled == (r.start + r.num_tokens == tokens_before)
                 assert r.num_tokens <= MAX_KNOWN_COLUMNS and r.start + r.num_tokens <= tokens_before
@@ -561,7 +603,8 @@ def workloads(draw):
         prefix = draw(st.sampled_from(PREFIXES))
         suffix = draw(st.lists(st.integers(0, VOCAB - 1), min_size=0 if prefix else 1, max_size=10))
         params = SamplingParams(max_tokens=draw(st.integers(1, 12)), ignore_eos=draw(st.booleans()),
-                                stop_token_ids=draw(st.lists(st.integers(0, VOCAB - 1), max_size=2)))
+                                stop_token_ids=draw(st.lists(st.integers(0, VOCAB - 1), max_size=2)),
+                                structured_outputs={"regex": "[a-z]*"} if draw(st.booleans()) else None)
         reqs.append((draw(st.integers(0, 6)), prefix + suffix, params))    # (arrival step, prompt, params)
     return dict(reqs=reqs, num_ranks=draw(st.integers(1, 3)), extra_pages=draw(st.integers(0, 6)),
                 max_num_seqs=draw(st.integers(1, 4)), max_num_batched_tokens=draw(st.integers(1, 16)),
@@ -615,8 +658,8 @@ def test_random_workloads(w, overlap):
             updates = sched.update_from_output(out, fake_result(out))
         if w["forcing"]:
             force(sched, updates)
-        if out is None and not pending and in_flight is None:
-            break
+        if out is None and not pending and in_flight is None and not sched.has_unfinished():
+            break  # (None with unfinished work: its constrained sequences were in flight, now applied)
     else:
         raise AssertionError("workload did not finish")
     assert not sched.has_unfinished()
