@@ -15,7 +15,9 @@ with ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` and the block's own
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, Callable
 
 import jax
@@ -131,19 +133,20 @@ def _sliced_shape(shape: tuple, index: tuple) -> tuple:
         shape[len(index):])
 
 
-def _reader(ckpt: SafetensorsCheckpoint, src: Source, dtype: np.dtype) -> Callable[[tuple], np.ndarray]:
+def _reader(ckpt: SafetensorsCheckpoint, src: Source, dtype: np.dtype,
+            pool: Executor | None = None) -> Callable[[tuple], np.ndarray]:
     """A callback for make_array_from_callback: reads just the requested slice, cast to ``dtype`` (an FP8 source
     read as FP8 stays raw: ``load_hf_params`` dequantizes on the device).
 
     A whole tensor in its own dtype (the bulk of a checkpoint) is read with positioned reads into a page-aligned
     host array (``host_array``: XLA:CPU keeps it as the device buffer, no second copy); stacked experts are read
-    straight into their slots of one such array."""
+    straight into their slots of one such array. ``pool``: threads for the reads (pieces of a tensor, or experts)."""
 
-    def one(name: str, index: tuple, out: np.ndarray | None = None) -> np.ndarray:
+    def one(name: str, index: tuple, out: np.ndarray | None = None, pool: Executor | None = None) -> np.ndarray:
         info = ckpt.info(name)
         if info.dtype == dtype and _sliced_shape(info.shape, index) == info.shape:
             out = host_array(info.shape, dtype) if out is None else out
-            ckpt.read_into(name, out)
+            ckpt.read_into(name, out, pool)
             return out
         value = _cast(ckpt.read(name)[index], dtype)
         if out is None:
@@ -157,18 +160,25 @@ def _reader(ckpt: SafetensorsCheckpoint, src: Source, dtype: np.dtype) -> Callab
         key = repr(index)
         if key not in done:
             if not src.stacked:
-                done[key] = one(src.names[0], index)
+                done[key] = one(src.names[0], index, pool=pool)
             else:
                 experts = range(len(src.names))[index[0]]
                 shape = _sliced_shape(ckpt.info(src.names[0]).shape, index[1:])
                 out = host_array((len(experts), *shape), dtype)
-                for k, e in enumerate(experts):
-                    one(src.names[e], index[1:], out[k])
+                reads = [(src.names[e], index[1:], out[k]) for k, e in enumerate(experts)]
+                if pool is None:
+                    for args in reads:
+                        one(*args)
+                else:  # one expert per task (each reads alone: tasks do not wait on the pool)
+                    for task in [pool.submit(one, *args) for args in reads]:
+                        task.result()
                 done[key] = out
         return done[key]
 
     return read
 
+
+READ_THREADS = 8  # at most, for a checkpoint's reads (the first touches of fresh memory scale with cores)
 
 # FP8 weights loaded in a float dtype: e4m3 bytes and scales placed, then one elementwise program per shape (XLA
 # fuses the cast, the per-block product and the final cast; ~1.3 G elements/s on 2 CPU cores against ~0.1 for
@@ -232,19 +242,20 @@ def load_hf_params(config: ModelConfig, ckpt: SafetensorsCheckpoint, abstract: d
         raise CheckpointError("\n".join(lines))
     out = [(path, jax.make_array_from_callback(value.shape, sharding_for(path, value.shape),
                                                lambda index, v=value: v[index])) for path, value in placements.items()]
-    pending = None  # the last dequantization dispatched: one in flight, so FP8 bytes never pile up in memory
-    for path, leaf, src, dtype in plan:
-        shape = tuple(leaf.shape)
-        sharding = sharding_for(path, shape)
-        if src.scale_names and dtype != FP8_NP:  # dequantized on the device (see _dequantize)
-            if pending is not None:
-                pending.block_until_ready()
-            weight = jax.make_array_from_callback(shape, sharding, _reader(ckpt, src, FP8_NP))
-            scale = jax.make_array_from_callback(scale_shape(shape), sharding,
-                                                 _reader(ckpt, Source(src.scale_names, src.stacked), np.float32))
-            value = pending = _dequantize(weight, scale, dtype=dtype)
-            del weight, scale  # their host buffers go as soon as the product is computed
-        else:
-            value = jax.make_array_from_callback(shape, sharding, _reader(ckpt, src, dtype))
-        out.append((path, value))
+    pending = None  # the last dequantization dispatched: one in flight, so FP8 bytes of at most two tensors live
+    with ThreadPoolExecutor(min(READ_THREADS, os.cpu_count() or 1)) as pool:
+        for path, leaf, src, dtype in plan:
+            shape = tuple(leaf.shape)
+            sharding = sharding_for(path, shape)
+            if src.scale_names and dtype != FP8_NP:  # dequantized on the device (see _dequantize)
+                weight = jax.make_array_from_callback(shape, sharding, _reader(ckpt, src, FP8_NP, pool))
+                scale = jax.make_array_from_callback(scale_shape(shape), sharding,
+                                                     _reader(ckpt, Source(src.scale_names, src.stacked), np.float32))
+                if pending is not None:  # read while the previous product was computed; now that one is done
+                    pending.block_until_ready()
+                value = pending = _dequantize(weight, scale, dtype=dtype)
+                del weight, scale  # their host buffers go as soon as the product is computed
+            else:
+                value = jax.make_array_from_callback(shape, sharding, _reader(ckpt, src, dtype, pool))
+            out.append((path, value))
     return unflatten_tree(out)

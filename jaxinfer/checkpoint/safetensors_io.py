@@ -23,6 +23,7 @@ import os
 import pathlib
 import struct
 from collections.abc import Mapping
+from concurrent.futures import Executor
 
 import ml_dtypes
 import numpy as np
@@ -259,22 +260,22 @@ class SafetensorsCheckpoint:
             raise CheckpointError(f"{info.file} changed since it was opened, cannot read {name!r}: {e}") from None
         return flat.reshape(info.shape)
 
-    def read_into(self, name: str, out: np.ndarray) -> None:
+    def read_into(self, name: str, out: np.ndarray, pool: Executor | None = None) -> None:
         """Copies one tensor's bytes into ``out`` (C-contiguous, of the tensor's size in bytes, any dtype) with
-        positioned reads (``os.preadv``): one copy from the page cache, without mapping the file's pages."""
+        positioned reads (``os.preadv``): one copy from the page cache, without mapping the file's pages. With a
+        thread pool, pieces of ``READ_CHUNK`` bytes are read in parallel (the first touch of fresh memory, not the
+        copy, bounds a read: docs/benchmarks.md "Checkpoint loading")."""
         info = self.info(name)
         if not out.flags.c_contiguous or out.nbytes != info.nbytes:
             raise ValueError(f"read_into {name!r}: needs a C-contiguous array of {info.nbytes} bytes, got "
                              f"{out.nbytes} bytes (contiguous: {out.flags.c_contiguous})")
         view = memoryview(out.reshape(-1).view(np.uint8))
-        done = 0
-        with open(info.file, "rb") as f:
-            while done < info.nbytes:  # preadv may return fewer bytes than asked (e.g. > 2 GiB at once)
-                got = os.preadv(f.fileno(), [view[done:]], info.offset + done)
-                if got == 0:
-                    raise CheckpointError(f"{info.file} ends before tensor {name!r} does (changed since it was "
-                                          f"opened?)")
-                done += got
+        if pool is None or info.nbytes <= READ_CHUNK:
+            _pread(info, view, 0, info.nbytes)
+            return
+        for piece in [pool.submit(_pread, info, view, begin, min(begin + READ_CHUNK, info.nbytes))
+                      for begin in range(0, info.nbytes, READ_CHUNK)]:
+            piece.result()
 
     def _mmap(self, file: pathlib.Path) -> mmap.mmap:
         if file not in self._mmaps:
@@ -296,6 +297,23 @@ class SafetensorsCheckpoint:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+READ_CHUNK = 8 << 20  # bytes per parallel read of one tensor
+
+
+def _pread(info: TensorInfo, view: memoryview, begin: int, end: int) -> None:
+    """Bytes [begin, end) of a tensor's data into view[begin:end]."""
+    fd = os.open(info.file, os.O_RDONLY)
+    try:
+        while begin < end:  # preadv may return fewer bytes than asked (e.g. > 2 GiB at once)
+            got = os.preadv(fd, [view[begin:end]], info.offset + begin)
+            if got == 0:
+                raise CheckpointError(f"{info.file} ends before tensor {info.name!r} does (changed since it was "
+                                      f"opened?)")
+            begin += got
+    finally:
+        os.close(fd)
 
 
 def host_array(shape: tuple[int, ...], dtype) -> np.ndarray:

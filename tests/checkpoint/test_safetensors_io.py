@@ -3,11 +3,13 @@
 import json
 import mmap
 import struct
+from concurrent.futures import ThreadPoolExecutor
 
 import ml_dtypes
 import numpy as np
 import pytest
 
+from jaxinfer.checkpoint import safetensors_io
 from jaxinfer.checkpoint.errors import CheckpointError
 from jaxinfer.checkpoint.safetensors_io import (
     INDEX_FILE,
@@ -84,9 +86,9 @@ def test_read_is_memory_mapped_and_read_only(tmp_path, rng):
     np.testing.assert_array_equal(out, arr)
 
 
-def test_read_into_page_aligned_host_arrays(tmp_path, rng):
+def test_read_into_page_aligned_host_arrays(tmp_path, rng, monkeypatch):
     """read_into copies a tensor's bytes (any dtype, the destination's dtype free) into a host_array, which is
-    page-aligned and writable; a destination of the wrong size is refused, and a file cut short after its header
+    page-aligned and writable, alone or in parallel pieces; a destination of the wrong size is refused, and a file cut short after its header
     was read is a CheckpointError, not silent garbage."""
     tensors = {f"t.{np.dtype(d).name}": random_array(rng, (7, 129), d) for d in DTYPES}
     path = write_safetensors(tmp_path / "m.safetensors", tensors)
@@ -96,6 +98,11 @@ def test_read_into_page_aligned_host_arrays(tmp_path, rng):
         assert out.ctypes.data % mmap.PAGESIZE == 0 and out.flags.writeable and out.flags.c_contiguous
         ckpt.read_into(name, out)
         assert_bits_equal(out, arr)
+    with ThreadPoolExecutor(2) as pool:  # in pieces of READ_CHUNK bytes (3 and a partial one here)
+        monkeypatch.setattr(safetensors_io, "READ_CHUNK", 2000)
+        out = host_array((7, 129), np.float64)
+        ckpt.read_into("t.float64", out, pool)
+        assert_bits_equal(out, tensors["t.float64"])
     stacked = host_array((2, 7, 129), ml_dtypes.bfloat16)  # a slot of a stacked array
     ckpt.read_into("t.bfloat16", stacked[1])
     assert_bits_equal(stacked[1], tensors["t.bfloat16"])
