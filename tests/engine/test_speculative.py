@@ -238,11 +238,9 @@ def test_structured_output_with_drafts(speculative):
     import re
 
     import jsonschema
-    import llguidance
-    import llguidance.numpy as llg_numpy
+    from masked_argmax import assert_masked_argmax_chain
 
     from jaxinfer import StructuredOutputsParams
-    from jaxinfer.engine.structured_output import grammar_text
 
     small = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
                                               "ok": {"type": "boolean"}, "tag": {"enum": ["ab", "cd"]}},
@@ -260,18 +258,4 @@ def test_structured_output_with_drafts(speculative):
     jsonschema.validate(json.loads(texts[0]), small)
     jsonschema.validate(json.loads(texts[3]), small)
     assert re.fullmatch(phone, texts[1]) and texts[2] in ("red", "green", "blue")
-    model, tok = speculative.engine.model, speculative.tokenizer
-    lltok = llguidance.LLTokenizer(tok.to_json(), n_vocab=model.config.vocab_size, eos_token=tok.eos_token_id)
-    final = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs[:3])]
-    width = max(map(len, final))
-    every = np.asarray(model.logits(np.array([f + [0] * (width - len(f)) for f in final])))  # [3, width, V]
-    for i, (prompt, c, o) in enumerate(zip(prompts, constraints, outs)):
-        logits = every[i, len(prompt) - 1:]  # row j: the logits of output token j
-        matcher = llguidance.LLMatcher(lltok, grammar_text(c), log_level=0)
-        words = llg_numpy.allocate_token_bitmask(1, model.config.vocab_size)
-        for j, token in enumerate(o.outputs[0].token_ids):
-            llg_numpy.fill_next_token_bitmask(matcher, words)
-            allowed = np.unpackbits(words[0].view(np.uint8), bitorder="little")[:model.config.vocab_size] > 0
-            assert token == int(np.where(allowed, logits[j], -np.inf).argmax()), (c.kind, j)
-            assert matcher.consume_token(token)
-        assert matcher.is_stopped()
+    assert_masked_argmax_chain(speculative, constraints, outs[:3])

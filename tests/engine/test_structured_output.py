@@ -20,6 +20,8 @@ import pytest
 from jaxinfer import LLM, SamplingParams, StructuredOutputsParams
 from jaxinfer.engine.sampler import unpack_allowed
 
+from masked_argmax import assert_masked_argmax_chain
+
 PERSON = {
     "type": "object",
     "properties": {
@@ -99,11 +101,6 @@ def test_greedy_outputs_are_the_masked_argmax_chain(llm):
     token), so a forced token is what sampling would have given; the batch took fewer steps than its longest
     output has tokens. A request with repetition and presence penalties is valid too (its step carries both the
     masks and the penalties' counts). A choice of one option is forced whole: "stop" before any step."""
-    import llguidance
-    import llguidance.numpy as llg_numpy
-
-    from jaxinfer.engine.structured_output import grammar_text
-
     constraints = [StructuredOutputsParams(json=PERSON, disable_any_whitespace=True),
                    StructuredOutputsParams(regex=PHONE), StructuredOutputsParams(choice=COLORS),
                    StructuredOutputsParams(grammar=SUM)]
@@ -114,21 +111,8 @@ def test_greedy_outputs_are_the_masked_argmax_chain(llm):
     assert [o.outputs[0].finish_reason for o in outs] == ["stop"] * 5
     assert re.fullmatch(PHONE, outs[4].outputs[0].text), outs[4].outputs[0].text
     assert llm.stats.steps < max(len(o.outputs[0].token_ids) for o in outs)
-    model, tok = llm.engine.model, llm.tokenizer
-    lltok = llguidance.LLTokenizer(tok.to_json(), n_vocab=model.config.vocab_size, eos_token=tok.eos_token_id)
-    final = [o.prompt_token_ids + list(o.outputs[0].token_ids) for o in outs[:4]]
-    width = max(map(len, final))
-    every = np.asarray(model.logits(np.array([f + [0] * (width - len(f)) for f in final])))  # [4, width, V]
-    for i, (c, o) in enumerate(zip(constraints, outs)):
-        logits = every[i, len(o.prompt_token_ids) - 1:]  # row j: the logits of output token j
-        matcher = llguidance.LLMatcher(lltok, grammar_text(c), log_level=0)
-        words = llg_numpy.allocate_token_bitmask(1, model.config.vocab_size)
-        for j, token in enumerate(o.outputs[0].token_ids):
-            llg_numpy.fill_next_token_bitmask(matcher, words)
-            allowed = np.unpackbits(words[0].view(np.uint8), bitorder="little")[:model.config.vocab_size] > 0
-            assert token == int(np.where(allowed, logits[j], -np.inf).argmax()), (c.kind, j)
-            assert matcher.consume_token(token)
-        assert matcher.is_stopped()
+    assert_masked_argmax_chain(llm, constraints, outs[:4])
+    for c, o in zip(constraints, outs):
         check(c.kind if c.kind != "grammar" else "lark", o.outputs[0].text)
     (one,) = llm.generate(["x"], SamplingParams(structured_outputs={"choice": ["dark magenta"]}), use_tqdm=False)
     assert (one.outputs[0].text, one.outputs[0].finish_reason, llm.stats.steps) == ("dark magenta", "stop", 0)
