@@ -88,8 +88,8 @@ def test_read_is_memory_mapped_and_read_only(tmp_path, rng):
 
 def test_read_into_page_aligned_host_arrays(tmp_path, rng, monkeypatch):
     """read_into copies a tensor's bytes (any dtype, the destination's dtype free) into a host_array, which is
-    page-aligned and writable, alone or in parallel pieces; a destination of the wrong size is refused, and a file cut short after its header
-    was read is a CheckpointError, not silent garbage."""
+    page-aligned and writable, alone or in parallel pieces; a destination of the wrong size is refused, and a
+    file cut short after its header was read is a CheckpointError, not silent garbage."""
     tensors = {f"t.{np.dtype(d).name}": random_array(rng, (7, 129), d) for d in DTYPES}
     path = write_safetensors(tmp_path / "m.safetensors", tensors)
     ckpt = SafetensorsCheckpoint(path)
