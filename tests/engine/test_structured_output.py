@@ -69,7 +69,7 @@ def check(kind: str, text: str) -> None:
 
 
 def test_sampled_outputs_are_valid_and_stop(llm):
-    """Temperature 1 (the embedded model's least obedient setting), 32 samples per constraint in one batch (seeded
+    """Temperature 1 (the embedded model's least obedient setting), 50 samples per constraint in one batch (seeded
     and unseeded requests, n = 2, preemptions): every output is valid by the independent checker and finishes with
     "stop"."""
     constraints = {"json": StructuredOutputsParams(json=PERSON, disable_any_whitespace=True),
@@ -78,7 +78,7 @@ def test_sampled_outputs_are_valid_and_stop(llm):
                    "lark": StructuredOutputsParams(grammar=SUM)}
     prompts, params, kinds = [], [], []
     for kind, c in constraints.items():
-        for i in range(16):
+        for i in range(25):
             prompts.append(f"Record {i}:")
             params.append(SamplingParams(temperature=1.0, max_tokens=120, n=2, structured_outputs=c,
                                          seed=i if i % 2 else None))
