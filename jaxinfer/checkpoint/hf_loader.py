@@ -15,6 +15,7 @@ with ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` and the block's own
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -181,9 +182,9 @@ def _reader(ckpt: SafetensorsCheckpoint, src: Source, dtype: np.dtype,
 READ_THREADS = 8  # at most, for a checkpoint's reads (the first touches of fresh memory scale with cores)
 
 # FP8 weights loaded in a float dtype: e4m3 bytes and scales placed, then one elementwise program per shape (XLA
-# fuses the cast, the per-block product and the final cast; ~1.3 G elements/s on 2 CPU cores against ~0.1 for
+# fuses the decode, the per-block product and the final cast; ~1.5 G elements/s on 2 CPU cores against ~0.1 for
 # numpy's, docs/benchmarks.md "Checkpoint loading"). Elementwise, so the result has the weight's sharding.
-_dequantize = jax.jit(dequantize_blockwise_jnp, static_argnames=("block", "dtype"))
+_dequantize = jax.jit(functools.partial(dequantize_blockwise_jnp, lookup=True), static_argnames=("block", "dtype"))
 
 
 def _check(ckpt: SafetensorsCheckpoint, src: Source, shape: tuple, dtype: np.dtype, problems: dict) -> None:
