@@ -1,10 +1,10 @@
 """Greedy generation: jaxinfer's engine (LLM.generate) vs transformers' generate on the same random checkpoint.
 
     python benchmarks/generate_vs_transformers.py [--batch-sizes 1,32] [--input-len 64] [--output-len 64]
-        [--dtype float32] [--mesh 1x1] [--num-scheduler-steps K]
+        [--dtype float32] [--mesh 1x1] [--num-scheduler-steps K] [--shapes bench,v2lite,...]
 
-The model is the V3-shaped one of forward_vs_transformers.py (hidden 512, 4 layers of which 3 MoE, 16 routed
-experts top-4, q_lora, YaRN), saved in DeepSeek's checkpoint format. For each batch size B: B random prompts of
+The models are bench_model.py's ``SHAPES`` (default "bench": hidden 512, 4 layers of which 3 MoE, 16 routed experts
+top-4, q_lora, YaRN; the others the grid of issue 33), each saved in DeepSeek's checkpoint format in turn. For each batch size B: B random prompts of
 --input-len tokens, --output-len new tokens, greedy, EOS ignored (transformers: eos_token_id=None, min_new_tokens).
 Decode throughput = B * (output_len - 1) / (time of output_len tokens - time of 1 token), so the prefill and the
 first token are left out for both; the time of 1 token (prefill + first token, the TTFT of a batch) is printed on its
@@ -50,22 +50,29 @@ def main() -> None:
     p.add_argument("--greedy-screening", choices=["auto", "on", "off"], default="auto",
                    help="LLM's greedy_screening (auto: its default, on for float32 on CPU)")
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--shapes", default="bench", help="comma-separated bench_model.SHAPES names, or 'all'")
     args = p.parse_args()
 
     import jax
 
+    from bench_model import SHAPES
     from jaxinfer.parallel.mesh import mesh_shape
 
     jax.config.update("jax_num_cpu_devices", args.cpu_devices or math.prod(mesh_shape(args.mesh, 1)))
+    for shape in list(SHAPES) if args.shapes == "all" else args.shapes.split(","):
+        run_shape(args, shape)
 
+
+def run_shape(args, shape: str) -> None:
+    """The benchmark of the module doc on one of bench_model.py's SHAPES."""
     import numpy as np
     import torch
 
     from jaxinfer import LLM, SamplingParams
 
-    from bench_model import build_reference
+    from bench_model import build_reference, describe
 
-    cfg, ref = build_reference(args.threads)
+    cfg, ref = build_reference(args.threads, shape=shape)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     tmp = tempfile.TemporaryDirectory()
@@ -85,7 +92,7 @@ def main() -> None:
         return time.perf_counter() - t0
 
     print(f"greedy generation, input {args.input_len}, output {args.output_len}, dtype {args.dtype}, mesh "
-          f"{args.mesh} (hidden 512, 4 layers, 16 experts top-4), num_scheduler_steps "
+          f"{args.mesh} ({describe(shape)}), num_scheduler_steps "
           f"{llm.config.num_scheduler_steps}, greedy_screening {llm.config.greedy_screening}; decode tok/s exclude "
           f"prefill + first token; median of {args.repeats} alternating rounds")
     for b in batch_sizes:

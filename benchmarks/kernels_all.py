@@ -1,7 +1,7 @@
 """The kernel benchmarks in one command: FlashMLA's sweep (kernels_mla.py), then DeepGEMM's shapes
 (kernels_fp8.py), each line with the published H800 figures beside ours, appended to two files in --out-dir.
 
-    PYTHONPATH=. python benchmarks/kernels.py [--out-dir DIR] [--cases all|compare] [--kernel default|both]
+    PYTHONPATH=. python benchmarks/kernels_all.py [--out-dir DIR] [--cases all|compare] [--kernel default|both]
 
 Files: DIR/bench_mla.txt and DIR/bench_fp8.txt. --cases compare: the short subsets (the goal shapes, FlashMLA's
 varlen batch; then XLA's ceilings). --kernel both: every kernel variant side by side. The two scripts take more
