@@ -32,6 +32,9 @@ SHAPES = {
     "h64_e8k2": dict(hidden_size=64, intermediate_size=176, moe_intermediate_size=32, num_attention_heads=4,
                      num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
                      q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16),
+    # A larger vocabulary (the head's share of a token grows), no q_lora, 32 experts top-2 of width 512.
+    "h512_v32k_e32k2": dict(vocab_size=32000, moe_intermediate_size=512, n_routed_experts=32, num_experts_per_tok=2,
+                            n_group=1, topk_group=1, q_lora_rank=None),
     # The shape the issue was found on: smaller than "bench", 3 layers.
     "h256_e16k4": dict(hidden_size=256, intermediate_size=704, moe_intermediate_size=128, num_hidden_layers=3,
                        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=96, kv_lora_rank=64),
