@@ -130,6 +130,8 @@ def _cast(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 
 def _sliced_shape(shape: tuple, index: tuple) -> tuple:
+    """The shape of ``array[index]`` for an array of ``shape`` (index: slices and ints, as make_array_from_callback
+    passes them)."""
     return tuple(len(range(*i.indices(n))) if isinstance(i, slice) else 1 for i, n in zip(index, shape)) + tuple(
         shape[len(index):])
 
@@ -143,11 +145,11 @@ def _reader(ckpt: SafetensorsCheckpoint, src: Source, dtype: np.dtype,
     host array (``host_array``: XLA:CPU keeps it as the device buffer, no second copy); stacked experts are read
     straight into their slots of one such array. ``pool``: threads for the reads (pieces of a tensor, or experts)."""
 
-    def one(name: str, index: tuple, out: np.ndarray | None = None, pool: Executor | None = None) -> np.ndarray:
+    def one(name: str, index: tuple, out: np.ndarray | None = None, pieces: Executor | None = None) -> np.ndarray:
         info = ckpt.info(name)
         if info.dtype == dtype and _sliced_shape(info.shape, index) == info.shape:
             out = host_array(info.shape, dtype) if out is None else out
-            ckpt.read_into(name, out, pool)
+            ckpt.read_into(name, out, pieces)
             return out
         value = _cast(ckpt.read(name)[index], dtype)
         if out is None:
@@ -161,7 +163,7 @@ def _reader(ckpt: SafetensorsCheckpoint, src: Source, dtype: np.dtype,
         key = repr(index)
         if key not in done:
             if not src.stacked:
-                done[key] = one(src.names[0], index, pool=pool)
+                done[key] = one(src.names[0], index, pieces=pool)
             else:
                 experts = range(len(src.names))[index[0]]
                 shape = _sliced_shape(ckpt.info(src.names[0]).shape, index[1:])
@@ -170,7 +172,7 @@ def _reader(ckpt: SafetensorsCheckpoint, src: Source, dtype: np.dtype,
                 if pool is None:
                     for args in reads:
                         one(*args)
-                else:  # one expert per task (each reads alone: tasks do not wait on the pool)
+                else:  # one expert per task, read in one piece (a task never waits on the pool)
                     for task in [pool.submit(one, *args) for args in reads]:
                         task.result()
                 done[key] = out

@@ -235,8 +235,7 @@ class LLMEngine:
         # the next is built (a constrained sequence waits for its own tokens instead: scheduler.py "Constrained
         # sequences").
         sync = out.speculative or any(self._seqs[r.req_id][0].params.uses_penalties
-                                                       for r in out.all_requests()
-                                                       if r.num_sampled and r.req_id in self._seqs)
+                                      for r in out.all_requests() if r.num_sampled and r.req_id in self._seqs)
         return _Dispatched(out, handle, sync)
 
     def _apply(self, step: _Dispatched) -> None:

@@ -8,9 +8,8 @@ holds for every real token; padding columns write nothing (slot -1) and padding 
 Bounded compilation: the step compiles once per (rows, T, pages) bucket, penalties on/off and logprobs on/off.
 Decode steps: T = 1 (a multi-step decode step: slots [rows, k]), rows per rank a power of two; a decode step with
 chunks of known tokens (host-appended outputs, Scheduler.append_outputs) has T a power of two >= its longest
-chunk, laid out as a prefill step. Prefill steps: T a
-power of two >= the scheduler's min_prefill_t and rows per rank a power of two, rows * T <= prefill_capacity (the
-scheduler keeps every rank's chunks within that). Pages per row: a power of two >= MIN_PAGES. A prefill grid is
+chunk, laid out as a prefill step. Prefill steps: T a power of two >= the scheduler's min_prefill_t and rows per
+rank a power of two, rows * T <= prefill_capacity (the scheduler keeps every rank's chunks within that). Pages per row: a power of two >= MIN_PAGES. A prefill grid is
 no larger than its chunks need: one 64-token prompt runs a [1, 64] grid, not a full 1024-token one.
 
 Tokens the host does not know yet: every step writes its sampled tokens into a device buffer (slot rank *
@@ -74,10 +73,8 @@ def step_shape(out: SchedulerOutput, num_pages: dict[int, int], min_prefill_t: i
     pages = bucket(max((num_pages[r.req_id] for r in requests), default=1), MIN_PAGES)
     rows = bucket(max(len(rank) for rank in out.requests))
     if out.kind is StepKind.DECODE:
-        if out.speculative:  # InputBatch.shape sets a verification step's T
-            return rows, 1, pages
-        # 1, or a step of known tokens: the longest chunk's
-        t = bucket(max((r.num_input_tokens(out.kind) for r in requests), default=1))
+        # 1 (InputBatch.shape sets a verification step's T), or a step of known tokens: its longest chunk's
+        t = 1 if out.speculative else bucket(max((r.num_input_tokens(out.kind) for r in requests), default=1))
         if t == 1:
             return rows, 1, pages
     else:
