@@ -4,8 +4,9 @@
         [--dtype float32] [--mesh 1x1] [--num-scheduler-steps K] [--shapes bench,v2lite,...]
 
 The models are bench_model.py's ``SHAPES`` (default "bench": hidden 512, 4 layers of which 3 MoE, 16 routed experts
-top-4, q_lora, YaRN; the others the grid of issue 33), each saved in DeepSeek's checkpoint format in turn. For each batch size B: B random prompts of
---input-len tokens, --output-len new tokens, greedy, EOS ignored (transformers: eos_token_id=None, min_new_tokens).
+top-4, q_lora, YaRN; the others the grid of issue 33), each saved in DeepSeek's checkpoint format in turn. For each
+batch size B: B random prompts of --input-len tokens, --output-len new tokens, greedy, EOS ignored (transformers:
+eos_token_id=None, min_new_tokens).
 Decode throughput = B * (output_len - 1) / (time of output_len tokens - time of 1 token), so the prefill and the
 first token are left out for both; the time of 1 token (prefill + first token, the TTFT of a batch) is printed on its
 own line. After a warm-up (jaxinfer's compilation) the two run in alternation, --repeats rounds of (jaxinfer 1 token,

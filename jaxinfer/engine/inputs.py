@@ -9,8 +9,9 @@ Bounded compilation: the step compiles once per (rows, T, pages) bucket, penalti
 Decode steps: T = 1 (a multi-step decode step: slots [rows, k]), rows per rank a power of two; a decode step with
 chunks of known tokens (host-appended outputs, Scheduler.append_outputs) has T a power of two >= its longest
 chunk, laid out as a prefill step. Prefill steps: T a power of two >= the scheduler's min_prefill_t and rows per
-rank a power of two, rows * T <= prefill_capacity (the scheduler keeps every rank's chunks within that). Pages per row: a power of two >= MIN_PAGES. A prefill grid is
-no larger than its chunks need: one 64-token prompt runs a [1, 64] grid, not a full 1024-token one.
+rank a power of two, rows * T <= prefill_capacity (the scheduler keeps every rank's chunks within that). Pages per
+row: a power of two >= MIN_PAGES. A prefill grid is no larger than its chunks need: one 64-token prompt runs a
+[1, 64] grid, not a full 1024-token one.
 
 Tokens the host does not know yet: every step writes its sampled tokens into a device buffer (slot rank *
 max_rows + row), and a request's input token sampled by the last dispatched step, whose value has not reached the
