@@ -1,22 +1,262 @@
-"""The four XLA compute paths of the routed experts (jaxinfer/models/moe.py expert_ffn) by batch size, on CPU.
+"""The XLA compute paths of the routed experts (jaxinfer/models/moe.py expert_ffn) by batch size, and the
+calibration of their cost model (jaxinfer/models/moe_cost.py).
 
     python benchmarks/moe_paths.py [--hidden 512] [--inter 256] [--experts 16] [--top-k 4] [--dtype float32]
-        [--skew 0.0]
+        [--skew 0.0] [--rows 1,2,4,...]
+    python benchmarks/moe_paths.py --calibrate [--dtypes float32,bfloat16] [--save-measurements F | --measurements F]
+        [--write-table]
 
-Times one jitted expert_ffn call per path for M tokens (median of --repeats after a warm-up, the paths
-interleaved) and prints which path ``moe_path`` picks for each M. The defaults are the routed experts of the
-benchmark model of forward_vs_transformers.py / generate_vs_transformers.py. Routing: each token's top-k distinct
-experts drawn with probability proportional to rank^-skew (0: uniform; 1: Zipf-like); "busiest" is the busiest
-expert's count over the mean (for each skew and for the random benchmark model's own routing: docs/benchmarks.md
-"Routed-expert paths (CPU)").
+Without --calibrate: times one jitted expert_ffn call per path for M tokens (median of --repeats after a warm-up,
+the paths interleaved), with what the cost model predicts and which path it picks for each M. The defaults are the
+routed experts of bench_model.py's "bench" model. Routing: each token's top-k distinct experts drawn with
+probability proportional to rank^-skew (0: uniform; 1: Zipf-like); "busiest" is the busiest expert's count over
+the mean.
+
+--calibrate: measures every path on a grid of expert shapes (the routed experts of bench_model.SHAPES, issue 33's
+grid, plus V3's 256 narrow experts and a few wide ones) and row counts (1 to 1024) under uniform routing, fits each
+path's seconds per unit of work (moe_cost.FEATURES) by non-negative least squares on relative error, and prints how
+well the fit chooses: for every shape held out of the fit in turn, the measured time of the path the fit on the
+other shapes chooses over the fastest measured path ("regret"), next to the earlier fixed rule's. --write-table
+stores the fit on all shapes as this backend's entry of jaxinfer/models/moe_costs.json. Points whose work is far
+beyond the others' (dense and ragged, which compute every row against every expert on CPU, at many rows) are not
+timed: they are counted as never the fastest.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
+import json
+import pathlib
 import statistics
+import sys
 import time
+
+CALIBRATION_SHAPES = {  # name -> (slots, top_k, hidden, moe_intermediate)
+    "bench": (16, 4, 512, 256),
+    "v2lite": (64, 6, 2048, 1408),
+    "h1024_e64k8": (64, 8, 1024, 512),
+    "h64_e8k2": (8, 2, 64, 32),
+    "h512_v32k_e32k2": (32, 2, 512, 512),
+    "h256_e16k4": (16, 4, 256, 128),
+    "v3_narrow": (256, 8, 256, 64),  # V3's expert count and top-k at a small width
+    "few_wide": (4, 2, 1024, 2048),
+}
+CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+MAX_FLOPS = 6e10  # points of more work than this are not timed (dense / ragged at many rows: seconds each)
+# The engine's step programs on CPU compile without while-loop-invariant code motion (engine/step_program.py: the
+# pass hoists the conversion of every weight out of a loop), and so does expert_ffn here: with it, the gather
+# path's loop over bf16 weights takes 130 instead of 4.5 ms (64 experts of [512, 1024], 16 assignments).
+ENGINE_OPTIONS = {"cpu": {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}}
+MAX_WEIGHT_BYTES = 1.2e10
+
+
+def old_rule(rows: int, top_k: int, num_slots: int) -> str:
+    """The fixed thresholds moe_cost replaced (fitted on the "bench" shape): gather up to two assignments per slot
+    and at most 32, grouped (then "tiled") from 64 assignments per slot, capacity between (CPU)."""
+    a = rows * top_k
+    if a <= min(2 * num_slots, 32):
+        return "gather"
+    return "grouped" if a >= 64 * num_slots else "capacity"
+
+
+def _inputs(rows, s, k, d, skew, dtype, rng):
+    import jax.numpy as jnp
+    import numpy as np
+
+    popularity = np.arange(1, s + 1, dtype=np.float64) ** -skew
+    ids = np.stack([rng.choice(s, k, replace=False, p=popularity / popularity.sum()) for _ in range(rows)])
+    x = jnp.asarray(rng.normal(size=(rows, d)), dtype)
+    return x, jnp.asarray(rng.random((rows, k)), jnp.float32), jnp.asarray(ids, jnp.int32), ids
+
+
+def _params(s, d, i, dtype, seed=0):
+    import jax
+    import jax.numpy as jnp
+
+    keys = jax.random.split(jax.random.key(seed), 3)
+    make = jax.jit(lambda key, shape: (jax.random.normal(key, shape, jnp.float32) * 0.02).astype(dtype),
+                   static_argnums=1)
+    return {"gate_proj": make(keys[0], (s, i, d)), "up_proj": make(keys[1], (s, i, d)),
+            "down_proj": make(keys[2], (s, d, i))}
+
+
+def _time(fn, args, budget_s=0.3, least=3, most=15):
+    """Median seconds of fn(*args) after a warm-up: at least `least` calls, more while under budget_s."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    samples = []
+    while len(samples) < least or (sum(samples) < budget_s and len(samples) < most):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def measure(dtypes, rows_list, shapes, log=print) -> list[dict]:
+    """Times every path on every (shape, rows, dtype) of the grid within MAX_FLOPS / MAX_WEIGHT_BYTES."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxinfer.models import moe_cost
+    from jaxinfer.models.moe import expert_ffn
+
+    backend = jax.default_backend()
+    out = []
+    for dtype_name in dtypes:
+        dtype = jnp.dtype(dtype_name)
+        for name in shapes:
+            s, k, d, i = CALIBRATION_SHAPES[name]
+            params = _params(s, d, i, dtype)
+            rng = np.random.default_rng(0)
+            for rows in rows_list:
+                x, w, ids, _ = _inputs(rows, s, k, d, 0.0, dtype, rng)
+                shape = moe_cost.ExpertShape(rows, k, s, d, i, dtype.itemsize)
+                times = {}
+                for path in moe_cost.PATHS:
+                    work = moe_cost.work(path, shape, backend)
+                    if work["flops"] > MAX_FLOPS or work["weight_bytes"] > MAX_WEIGHT_BYTES:
+                        continue
+                    fn = jax.jit(functools.partial(expert_ffn, dtype=dtype, path=path),
+                                 compiler_options=ENGINE_OPTIONS.get(backend))
+                    times[path] = _time(fn, (params, x, w, ids))
+                out.append(dict(shape=name, dtype=dtype_name, rows=rows, slots=s, top_k=k, hidden=d, inter=i,
+                                itemsize=dtype.itemsize, times=times))
+                log(f"{dtype_name:>8} {name:>16} M={rows:>5} " + " ".join(
+                    f"{p}={1e3 * t:.3f}" for p, t in times.items()) + " ms", flush=True)
+            del params
+    return out
+
+
+def fit(points: list[dict], backend: str) -> dict:
+    """path -> feature -> seconds per unit: NNLS of measured time on work, each point weighted by 1 / its time
+    (relative error), features scaled to unit columns for the solver."""
+    import numpy as np
+    from scipy.optimize import nnls
+
+    from jaxinfer.models import moe_cost
+
+    coeffs = {}
+    for path in moe_cost.PATHS:
+        rows, y = [], []
+        for p in points:
+            if path in p["times"]:
+                work = moe_cost.work(path, _shape(p), backend)
+                rows.append([work[f] for f in moe_cost.FEATURES])
+                y.append(p["times"][path])
+        a, y = np.asarray(rows, np.float64), np.asarray(y)
+        scale = np.maximum(np.abs(a).max(0), 1e-30)
+        c, _ = nnls(a / scale / y[:, None], np.ones(len(y)), maxiter=10000)
+        coeffs[path] = {f: float(f"{v:.4g}") for f, v in zip(moe_cost.FEATURES, c / scale)}
+    return coeffs
+
+
+def _shape(p):
+    from jaxinfer.models import moe_cost
+
+    return moe_cost.ExpertShape(p["rows"], p["top_k"], p["slots"], p["hidden"], p["inter"], p["itemsize"])
+
+
+def _choice(coeffs, p, backend):
+    from jaxinfer.models import moe_cost
+
+    def cost(path):
+        work = moe_cost.work(path, _shape(p), backend)
+        return sum(coeffs[path][f] * work[f] for f in moe_cost.FEATURES)
+
+    return min(moe_cost.PATHS, key=cost)
+
+
+def _regret(p, path):
+    """Measured time of `path` over the fastest measured; inf where `path` was not timed (far more work)."""
+    return p["times"].get(path, float("inf")) / min(p["times"].values())
+
+
+def calibrate(args) -> None:
+    import jax
+    import numpy as np
+
+    backend = jax.default_backend()
+    if args.measurements:
+        points = json.loads(pathlib.Path(args.measurements).read_text())["points"]
+    else:
+        points = measure(args.dtypes.split(","), [int(r) for r in args.rows.split(",")], list(CALIBRATION_SHAPES))
+        if args.save_measurements:
+            pathlib.Path(args.save_measurements).write_text(json.dumps(
+                dict(backend=backend, jax=jax.__version__, points=points), indent=1))
+    points = [p for p in points if p["times"]]  # every path past MAX_FLOPS: nothing to compare
+    print(f"\nleave-one-shape-out: measured time of the chosen path / the fastest path's, {backend}")
+    print(f"{'dtype':>8} {'held out':>16} {'fit median':>10} {'fit max':>8} {'old median':>10} {'old max':>8}")
+    summary = {}
+    for dtype in sorted({p["dtype"] for p in points}):
+        ours, olds = [], []
+        for name in CALIBRATION_SHAPES:
+            held = [p for p in points if p["dtype"] == dtype and p["shape"] == name]
+            rest = [p for p in points if p["dtype"] == dtype and p["shape"] != name]
+            if not held:
+                continue
+            coeffs = fit(rest, backend)
+            r = [_regret(p, _choice(coeffs, p, backend)) for p in held]
+            o = [_regret(p, old_rule(p["rows"], p["top_k"], p["slots"])) for p in held]
+            ours += r
+            olds += o
+            print(f"{dtype:>8} {name:>16} {np.median(r):>10.3f} {max(r):>8.3f} {np.median(o):>10.3f} {max(o):>8.3f}")
+        summary[dtype] = (np.median(ours), max(ours), np.mean(ours), np.median(olds), max(olds), np.mean(olds))
+        print(f"{dtype:>8} {'all':>16} {summary[dtype][0]:>10.3f} {summary[dtype][1]:>8.3f} "
+              f"{summary[dtype][3]:>10.3f} {summary[dtype][4]:>8.3f}   (means {summary[dtype][2]:.3f} vs "
+              f"{summary[dtype][5]:.3f})")
+    if args.write_table:
+        from jaxinfer.models import moe_cost
+
+        table = json.loads(moe_cost.TABLE.read_text())
+        entry = table["backends"].setdefault(backend, {})
+        for dtype in sorted({p["dtype"] for p in points}):
+            entry[dtype] = dict(
+                source=f"measured {datetime.date.today().isoformat()}, jax {jax.__version__}",
+                grid=f"{len(CALIBRATION_SHAPES)} shapes, rows {min(p['rows'] for p in points)}-"
+                     f"{max(p['rows'] for p in points)}",
+                held_out=f"chosen / fastest: median {summary[dtype][0]:.3f}, mean {summary[dtype][2]:.3f}, "
+                         f"max {summary[dtype][1]:.3f}",
+                paths=fit([p for p in points if p["dtype"] == dtype], backend))
+        moe_cost.TABLE.write_text(json.dumps(table, indent=1) + "\n")
+        print(f"wrote {moe_cost.TABLE}")
+
+
+def compare(args) -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxinfer.models import moe_cost
+    from jaxinfer.models.moe import expert_ffn
+
+    dtype = jnp.dtype(args.dtype)
+    backend = jax.default_backend()
+    s, d, i, k = args.experts, args.hidden, args.inter, args.top_k
+    params = _params(s, d, i, dtype)
+    rng = np.random.default_rng(0)
+    print(f"expert_ffn, {s} experts top-{k}, hidden {d}, moe_intermediate {i}, {args.dtype}, skew {args.skew}; "
+          f"ms per call, measured (cost model's prediction)")
+    print(f"{'M':>6} {'busiest':>8} " + " ".join(f"{path:>17}" for path in moe_cost.PATHS) + "  chosen")
+    for m in (int(r) for r in args.rows.split(",")):
+        x, w, ids, ids_np = _inputs(m, s, k, d, args.skew, dtype, rng)
+        busiest = np.bincount(ids_np.ravel(), minlength=s).max() / (m * k / s)
+        shape = moe_cost.ExpertShape(m, k, s, d, i, dtype.itemsize)
+        cells = []
+        for path in moe_cost.PATHS:
+            predicted = moe_cost.predict(path, shape, dtype.name, backend) * 1e3
+            work = moe_cost.work(path, shape, backend)
+            if work["flops"] > MAX_FLOPS or work["weight_bytes"] > MAX_WEIGHT_BYTES:
+                cells.append(f"{'-':>8} ({predicted:>6.2f})")
+                continue
+            fn = jax.jit(functools.partial(expert_ffn, dtype=dtype, path=path),
+                         compiler_options=ENGINE_OPTIONS.get(backend))
+            cells.append(f"{_time(fn, (params, x, w, ids), least=args.repeats) * 1e3:>8.2f} ({predicted:>6.2f})")
+        print(f"{m:>6} {busiest:>7.2f}x " + " ".join(cells) + f"  {moe_cost.choose(shape, dtype.name, backend)}",
+              flush=True)
 
 
 def main() -> None:
@@ -26,49 +266,22 @@ def main() -> None:
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--top-k", type=int, default=4)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,1024")
-    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--rows", default=None, help="comma-separated row counts")
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--skew", type=float, default=0.0, help="expert popularity ~ rank^-skew")
+    p.add_argument("--calibrate", action="store_true")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--measurements", help="--calibrate: fit these saved measurements instead of measuring")
+    p.add_argument("--save-measurements", help="--calibrate: save the measurements (JSON) here")
+    p.add_argument("--write-table", action="store_true", help="--calibrate: write jaxinfer/models/moe_costs.json")
     args = p.parse_args()
-
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from jaxinfer.models.moe import expert_ffn, moe_path
-
-    dtype = jnp.dtype(args.dtype)
-    rng = np.random.default_rng(0)
-    s, d, i, k = args.experts, args.hidden, args.inter, args.top_k
-    params = {"gate_proj": jnp.asarray(rng.normal(size=(s, i, d)), dtype),
-              "up_proj": jnp.asarray(rng.normal(size=(s, i, d)), dtype),
-              "down_proj": jnp.asarray(rng.normal(size=(s, d, i)), dtype)}
-    print(f"expert_ffn, {s} experts top-{k}, hidden {d}, moe_intermediate {i}, {args.dtype}, skew {args.skew}; "
-          f"ms per call")
-    paths = ("gather", "dense", "capacity", "tiled")
-    print(f"{'M':>6} {'busiest':>8} " + " ".join(f"{path:>9}" for path in paths) + "  auto")
-    popularity = np.arange(1, s + 1, dtype=np.float64) ** -args.skew
-    for m in (int(r) for r in args.rows.split(",")):
-        x = jnp.asarray(rng.normal(size=(m, d)), dtype)
-        ids_np = np.stack([rng.choice(s, k, replace=False, p=popularity / popularity.sum()) for _ in range(m)])
-        ids = jnp.asarray(ids_np, jnp.int32)
-        w = jnp.asarray(rng.random((m, k)), jnp.float32)
-        busiest = np.bincount(ids_np.ravel(), minlength=s).max() / (m * k / s)
-        # one unrolled matvec per assignment: the gather path compiles too long beyond 128 assignments
-        fns = {path: jax.jit(functools.partial(expert_ffn, dtype=dtype, path=path)) for path in paths
-               if not (path == "gather" and m * k > 128)}
-        samples = {path: [] for path in fns}
-        for fn in fns.values():
-            jax.block_until_ready(fn(params, x, w, ids))
-        for _ in range(args.repeats):
-            for path, fn in fns.items():
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn(params, x, w, ids))
-                samples[path].append(time.perf_counter() - t0)
-        times = {path: statistics.median(samples[path]) * 1e3 if path in samples else float("nan") for path in paths}
-        print(f"{m:>6} {busiest:>7.2f}x " + " ".join(f"{times[path]:>9.2f}" for path in paths) +
-              f"  {moe_path(m, k, s)}", flush=True)
+    if args.calibrate:
+        args.rows = args.rows or ",".join(map(str, CALIBRATION_ROWS))
+        calibrate(args)
+    else:
+        args.rows = args.rows or "1,2,4,8,16,32,64,128,256,1024"
+        compare(args)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -90,7 +90,7 @@ class Model:
     def random(cls, config: ModelConfig, mesh: MeshSpec = None, dtype="float32", seed: int = 0,
                **parallel) -> Model:
         """Random weights (normal, std 0.02): for smoke runs and benchmarks of architectures, not outputs.
-        parallel: ParallelPlan options (fp8_dispatch, num_redundant_experts)."""
+        parallel: ParallelPlan options (fp8_dispatch, num_redundant_experts, moe_path)."""
         plan, dtype = ParallelPlan(make_mesh(mesh), **parallel), parse_dtype(dtype)
         layout = dict(fp8="off", num_mtp_layers=config.num_nextn_predict_layers, mtp_eh_proj_fp8="off")
         graphdef, state = _build(config, dtype, plan, **layout)
@@ -247,7 +247,7 @@ def is_jaxinfer_orbax(path) -> bool:
 
 def load_model(path, mesh: MeshSpec = None, dtype="bfloat16", keep_fp8: bool = False, *,
                fp8_compute: bool | None = False, fp8_dispatch: bool = False,
-               num_redundant_experts: int | None = None) -> Model:
+               num_redundant_experts: int | None = None, moe_path: str = "auto") -> Model:
     """Loads an HF checkpoint directory (config.json + safetensors) or a jaxinfer orbax directory.
 
     dtype: "bfloat16" or "float32" (the compute and storage dtype of non-FP8 weights). keep_fp8: keep DeepSeek FP8
@@ -256,6 +256,7 @@ def load_model(path, mesh: MeshSpec = None, dtype="bfloat16", keep_fp8: bool = F
     channels and FP8 GEMMs (implies keep_fp8); None = on for bfloat16 on GPU when the checkpoint is FP8.
     fp8_dispatch: send tokens to expert ranks in FP8 (DeepEP's format). num_redundant_experts: extra expert slots
     (identity placement until EPLB fills them; default 0, or what an orbax checkpoint was saved with).
+    moe_path: the routed experts' compute path, "auto" (chosen per step shape) or forced (parallel/plan.py).
     """
     path = pathlib.Path(path)
     if not path.is_dir():
@@ -264,8 +265,8 @@ def load_model(path, mesh: MeshSpec = None, dtype="bfloat16", keep_fp8: bool = F
     config = ModelConfig.from_hf_config(path)
     mesh = make_mesh(mesh)
     if is_jaxinfer_orbax(path):
-        return _load_orbax(path, config, mesh, dtype, fp8_compute, fp8_dispatch, num_redundant_experts)
-    plan = ParallelPlan(mesh, fp8_dispatch, num_redundant_experts or 0)
+        return _load_orbax(path, config, mesh, dtype, fp8_compute, fp8_dispatch, num_redundant_experts, moe_path)
+    plan = ParallelPlan(mesh, fp8_dispatch, num_redundant_experts or 0, moe_path)
     ckpt = SafetensorsCheckpoint(path)
     layout = checkpoint_layout(config, ckpt)
     if config.num_nextn_predict_layers > layout["num_mtp_layers"]:
@@ -288,7 +289,7 @@ def load_model(path, mesh: MeshSpec = None, dtype="bfloat16", keep_fp8: bool = F
 
 
 def _load_orbax(path: pathlib.Path, config: ModelConfig, mesh, dtype, fp8_compute: bool | None,
-                fp8_dispatch: bool, num_redundant_experts: int | None) -> Model:
+                fp8_dispatch: bool, num_redundant_experts: int | None, moe_path: str) -> Model:
     meta = json.loads((path / ORBAX_META).read_text())
     layout = {k: meta[k] for k in ("fp8", "num_mtp_layers", "mtp_eh_proj_fp8")}
     if layout["fp8"] != "off" and fp8_compute is not None:  # FP8 weights: the compute mode is the caller's
@@ -301,7 +302,7 @@ def _load_orbax(path: pathlib.Path, config: ModelConfig, mesh, dtype, fp8_comput
     if num_redundant_experts not in (None, saved_redundant):
         raise ValueError(f"{path} was saved with num_redundant_experts={saved_redundant}; load it with that "
                          f"(got {num_redundant_experts}) or convert the HF checkpoint again")
-    plan = ParallelPlan(mesh, fp8_dispatch, saved_redundant)
+    plan = ParallelPlan(mesh, fp8_dispatch, saved_redundant, moe_path)
     graphdef, state = _build(config, dtype, plan, **layout)
     abstract = nnx.to_pure_dict(state)
     wanted = unflatten_tree([(p, jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=param_sharding(mesh, p, v.shape)))

@@ -20,6 +20,7 @@ from jaxinfer.kv.page_allocator import PAGE_SIZE
 from jaxinfer.engine.speculative import SpeculativeConfig
 from jaxinfer.kv.paged_cache import default_num_pages
 from jaxinfer.models.attention import BACKENDS
+from jaxinfer.parallel.plan import MOE_PATHS
 
 DTYPES = ("float32", "bfloat16")
 ATTENTION_BACKENDS = tuple(BACKENDS)
@@ -54,6 +55,9 @@ class EngineConfig:
     attention_backend: "pallas" (mla_decode over the cache written inside the step: the Mosaic GPU kernel on a
       GPU) or "xla" (the cache read-only inside the step, the step's latents written after it); None: the
       platform's (pallas on GPU).
+    moe_path: the routed experts' compute path: None (the cheapest for each step's shape by a cost model of the
+      shape, models/moe_cost.py) or one of "gather", "dense", "capacity", "grouped", "ragged" (forced: for tests
+      and benchmarks; every path computes the same per-token results).
     speculative_config: None, or MTP speculative decoding as vLLM's dict {"method": "mtp" | "deepseek_mtp",
       "num_speculative_tokens": K in [1, 16], "verify": "all" | "confidence"} (engine/speculative.py; stored as a
       SpeculativeConfig). A speculative step runs one draft-verify round; num_scheduler_steps applies to the
@@ -80,6 +84,7 @@ class EngineConfig:
     greedy_screening: bool | None = None
     compilation_cache: str | os.PathLike | None = None
     attention_backend: str | None = None
+    moe_path: str | None = None
     speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self):
@@ -107,6 +112,8 @@ class EngineConfig:
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be None or one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
+        if self.moe_path is not None and self.moe_path not in MOE_PATHS:
+            raise ValueError(f"moe_path must be None or one of {MOE_PATHS}, got {self.moe_path!r}")
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
             raise ValueError(f"model must be None or a checkpoint directory, got {self.model!r}")
         if self.compilation_cache is not None and (not isinstance(self.compilation_cache, (str, os.PathLike))

@@ -63,7 +63,8 @@ class LLMEngine:
         enable_compilation_cache(config.compilation_cache)  # before anything compiles
         self.model = load_model(config.model or default_model.path(), mesh=config.mesh,
                                 dtype=config.dtype or "bfloat16", fp8_compute=config.fp8_compute,
-                                num_redundant_experts=config.num_redundant_experts)
+                                num_redundant_experts=config.num_redundant_experts,
+                                moe_path=config.moe_path or "auto")
         self.config = config = config.resolve(self.model)
         self.model_path = config.model
         self.tokenizer = Tokenizer.from_dir(config.model)

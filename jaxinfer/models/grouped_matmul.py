@@ -4,7 +4,7 @@ padded to whole tiles of ``tile_m`` rows, every tile belonging to one group.
 This is what grouped-GEMM kernels compute over (MegaBlocks; DeepGEMM's contiguous layout aligns each group to its
 M tile the same way): work is (rows + groups * (tile_m - 1)) rows instead of rows * groups. ``jax.lax.ragged_dot``
 has the semantics of a grouped matmul, but XLA:CPU computes it as if every row met every group
-(docs/architecture.md "Platform facts": "costs about as much as computing every expert"). moe.py's "tiled" path
+(docs/architecture.md "Platform facts": "costs about as much as computing every expert"). moe.py's "grouped" path
 runs the tiles of this plan.
 """
 

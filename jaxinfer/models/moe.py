@@ -8,7 +8,6 @@ Router semantics follow HF ``DeepseekV3TopkRouter`` / ``DeepseekV2TopkRouter`` (
 from __future__ import annotations
 
 import functools
-import math
 from typing import Literal
 
 import jax
@@ -17,6 +16,7 @@ from flax import nnx
 
 from jaxinfer.checkpoint.fp8 import scale_shape
 from jaxinfer.config import ModelConfig
+from jaxinfer.models import moe_cost
 from jaxinfer.models.grouped_matmul import tile_plan
 from jaxinfer.models.layers import FP8_DTYPE, MLP, dense_weight, matmul_nt, matmul_nt_many, normal_init
 from jaxinfer.parallel.dispatch import expert_parallel, slot_counts
@@ -78,50 +78,8 @@ class Placement(nnx.Variable):
     """Expert placement tables (integers, not trained): filled by EPLB, identity by default."""
 
 
-MoEPath = Literal["auto", "gather", "dense", "capacity", "tiled"]
-GATHER_MAX_ASSIGNMENTS = 32  # "auto": the gather path's most assignments (one matvec triple each)
+MoEPath = Literal["auto", "gather", "dense", "capacity", "grouped", "ragged"]
 GATHER_UNROLL = 8  # the gather path unrolls up to this many assignments, and loops over more (compile time)
-
-
-TILED_MIN_BALANCED_LOAD = 64  # "auto": the tiled path once a balanced slot fills a 64-row tile
-
-
-def moe_path(rows: int, top_k: int, num_slots: int, platform: str | None = None) -> str:
-    """The XLA compute path of ``expert_ffn`` for a static shape (CPU measurements: docs/benchmarks.md
-    "Routed-expert paths (CPU)"):
-    "gather" (each assignment multiplies its own expert's weights: reads rows * top_k weight matrices, repeats
-    from cache) while there are at most two assignments per local expert (and at most GATHER_MAX_ASSIGNMENTS);
-    "capacity" (each expert's rows in a [slots, C, D] buffer, batched matmuls, C the bucketed largest count) for
-    decode batches; "tiled" (each expert's exact rows in row tiles, one tile at a time) once the balanced load
-    rows * top_k / num_slots reaches TILED_MIN_BALANCED_LOAD: its work follows the real counts where the capacity
-    path pays for its bucket (1.25-4x the balanced load), which tells most on skewed routing (benchmarks/moe_paths.py
-    --skew). Tiled on CPU only (platform: None = JAX's default backend): it runs its tiles one after another, which
-    suits XLA:CPU's library GEMMs, and is unmeasured on GPUs, where bf16 runs the FP8 grouped GEMMs anyway
-    (fp8_compute). "dense" (every row through every local expert: computes rows * num_slots) is slower than the
-    capacity path, whose matmuls take the weights as left operand (layers.matmul_nt), on decode batches past the
-    gather path's; it stays selectable."""
-    if rows * top_k <= min(2 * num_slots, GATHER_MAX_ASSIGNMENTS):
-        return "gather"
-    cpu = (platform or current_platform().name) == "cpu"
-    if cpu and rows * top_k >= TILED_MIN_BALANCED_LOAD * num_slots:
-        return "tiled"
-    return "capacity"
-
-
-CAPACITY_FACTORS = (1.25, 1.6, 2.5, 4.0)  # "capacity" buckets in units of the balanced load
-
-
-def capacity_buckets(rows: int, top_k: int, num_slots: int) -> tuple[int, ...]:
-    """Static capacities of the "capacity" path: CAPACITY_FACTORS times the balanced load per slot (rows * top_k /
-    num_slots; EPLB keeps real loads near it), rounded up to multiples of 8, and ``rows`` itself, which always
-    fits (a slot holds each token at most once: a token's top-k experts are distinct, and so are their physical
-    slots). A step computes at most 1.6x its busiest slot's rows while that is within 4x of balance (the random
-    benchmark model's busiest expert stays within it), and every row per slot past that. Five branches compile in
-    about the time of the tiled path; more branches cost more compile time (docs/benchmarks.md "Routed-expert
-    paths (CPU)")."""
-    balanced = rows * top_k / num_slots
-    caps = {min(rows, -(-math.ceil(f * balanced) // 8) * 8) for f in CAPACITY_FACTORS}
-    return tuple(sorted(caps | {rows}))
 
 
 def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, dtype,
@@ -130,23 +88,28 @@ def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, d
     sum_k weights[m, k] * expert_{ids[m, k]}(x[m]).
 
     params: gate_proj/up_proj [S, I, D], down_proj [S, D, I] (+ ``*_scale_inv`` block scales for FP8).
-    path (``moe_path`` picks one by shape for "auto"; all compute the same per-token products, so a token's
-    result does not depend on the batch it is in beyond float rounding):
+    path ("auto": the cheapest for this shape, dtype and backend by models/moe_cost.py; all compute the same
+    per-token products, each expert output rounded to ``dtype``, so a token's result does not depend on the batch
+    it is in or the path beyond the float rounding of the weighted sum):
       gather: per assignment, a matvec with its expert's weight matrices, indexed in place.
       dense: every token through every slot, masked by the combine weights: [M, S, I].
       capacity: each slot's assignments scattered into a [S, C, D] buffer, C the smallest of
-        ``capacity_buckets`` that holds the busiest slot (lax.switch over the buckets), three batched matmuls
-        with the weights as they are (no gather or copy of weights), results gathered back.
-      tiled: assignments sorted by slot, each slot's rows padded to whole row tiles (grouped_matmul.tile_plan),
+        ``moe_cost.capacity_buckets`` that holds the busiest slot (lax.switch over the buckets), three batched
+        matmuls with the weights as they are (no gather or copy of weights), results gathered back.
+      grouped: assignments sorted by slot, each slot's rows padded to whole row tiles (grouped_matmul.tile_plan),
         then a loop over the tiles in use: each runs its three projections on its slot's weights, indexed in
         place; ids -1 sort last and are never computed.
+      ragged: assignments sorted by slot, three ``lax.ragged_dot_general`` grouped matmuls (a grouped GEMM
+        kernel where the backend has one; XLA:CPU computes every row against every slot).
     fp8_compute: activations quantized per token per 128 channels and FP8 grouped GEMMs in DeepGEMM's contiguous
     layout (params hold e4m3 weights + block scales), whatever the path."""
     m, k = ids.shape
-    num_slots = params["gate_proj"].shape[0]
-    path = moe_path(m, k, num_slots) if path == "auto" else path
-    if path not in ("gather", "dense", "capacity", "tiled"):
-        raise ValueError(f"path must be 'auto', 'gather', 'dense', 'capacity' or 'tiled', got {path!r}")
+    num_slots, inter, hidden = params["gate_proj"].shape
+    if path == "auto":
+        shape = moe_cost.ExpertShape(m, k, num_slots, hidden, inter, jnp.dtype(params["gate_proj"].dtype).itemsize)
+        path = moe_cost.choose(shape, jnp.dtype(dtype).name, current_platform().name)
+    if path not in moe_cost.PATHS:
+        raise ValueError(f"path must be 'auto' or one of {moe_cost.PATHS}, got {path!r}")
     flat_ids = jnp.where(ids < 0, num_slots, ids).reshape(-1)  # [M*K]; num_slots: not on this rank
     if fp8_compute:
         return _fp8_ffn(params, x.astype(dtype), weights, flat_ids, num_slots, dtype)
@@ -162,7 +125,10 @@ def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, d
         # einsum("d,id->i") it copies each indexed slice first; a gather w[ids] copies [M*K, I, D] of weights).
         # Up to GATHER_UNROLL assignments the matvecs are unrolled; beyond, a scan over the assignments runs the
         # same body: compile time stays flat for somewhat more run time than unrolled (docs/benchmarks.md
-        # "Routed-expert paths (CPU)").
+        # "Routed-expert paths (CPU)"). The loop wants XLA's while-loop-invariant code motion off, as the engine's
+        # CPU step programs compile (engine/step_program.py): with it, the conversion of every slot's bf16 weights
+        # is hoisted out of the loop and runs in full each call (130 vs 4.5 ms for 16 assignments on 64 slots of
+        # [512, 1024]).
         safe = jnp.maximum(ids, 0).reshape(-1)  # [M*K]; assignments with id -1 get weight 0 below
         w = jnp.where(ids < 0, 0.0, weights).reshape(-1)  # [M*K]
 
@@ -176,17 +142,17 @@ def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, d
             up = jnp.dot(row, _slot_weight(params, "up_proj", safe[n], dtype).T, **f32)
             return down(n, gate, up)
 
-        # float32 weights: a row's gate and up products of all its assignments run as one matvec over their
-        # concatenation (matmul_nt_many; the slices are still read in place): one matvec per row instead of
-        # 2 * top_k. Not for bf16 weights: the fused concatenation selects its operand per element, next to the
-        # convert, and the loop stops being memory-bound (docs/benchmarks.md "GEMM forms (CPU)").
+        # float32 weights: an assignment's gate and up products run as one matvec over their concatenation
+        # (matmul_nt_many; the slices are still read in place). Not all 2 * top_k of a row's: over more operands
+        # XLA:CPU's fused concatenation stops being memory-bound (V2-Lite's 6 experts of [1408, 2048]: 110 vs 7 ms),
+        # and not for bf16 weights, where the per-element operand choice sits next to the convert
+        # (docs/benchmarks.md "GEMM forms (CPU)", "Routed-expert paths (CPU)").
         if m * k <= GATHER_UNROLL and params["gate_proj"].dtype == jnp.float32 and dtype == jnp.float32:
             out = []
-            for r in range(m):
-                rows = range(r * k, (r + 1) * k)
-                ws = [_slot_weight(params, name, safe[n], dtype) for n in rows for name in ("gate_proj", "up_proj")]
-                gate_up = matmul_nt_many(xd[r][None], ws)  # 2k x [1, I] float32
-                out += [down(n, gate_up[2 * j][0], gate_up[2 * j + 1][0]) for j, n in enumerate(rows)]
+            for n in range(m * k):
+                ws = [_slot_weight(params, name, safe[n], dtype) for name in ("gate_proj", "up_proj")]
+                gate, up = matmul_nt_many(xd[n // k][None], ws)  # 2 x [1, I] float32
+                out.append(down(n, gate[0], up[0]))
             out = jnp.stack(out)  # [M*K, D]
         elif m * k <= GATHER_UNROLL:
             out = jnp.stack([assignment(n) for n in range(m * k)])  # [M*K, D]
@@ -204,12 +170,14 @@ def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, d
         up = matmul_nt(xd, weight("up_proj").reshape(s_ * i_, d_)).reshape(m, s_, i_)
         act = jax.nn.silu(gate.astype(dtype)) * up.astype(dtype)  # [M, S, I]
         out = jnp.einsum("msi,sdi->msd", act, weight("down_proj"), **f32)  # [M, S, D]
-        out = out.astype(dtype).astype(jnp.float32)  # rounded like the tiled path's expert outputs
+        out = out.astype(dtype).astype(jnp.float32)  # rounded like the grouped path's expert outputs
         return jnp.einsum("msd,ms->md", out, combine, precision=jax.lax.Precision.HIGHEST)
 
     if path == "capacity":
         return _capacity_ffn(weight, xd, weights, flat_ids, num_slots, dtype)
-    return _tiled_ffn(params, xd, weights, flat_ids, num_slots, dtype)
+    if path == "ragged":
+        return _ragged_ffn(weight, xd, weights, flat_ids, num_slots, dtype)
+    return _grouped_ffn(params, xd, weights, flat_ids, num_slots, dtype)
 
 
 def _slot_weight(params: dict, name: str, slot: jax.Array, dtype) -> jax.Array:
@@ -228,9 +196,9 @@ def _sorted_by_slot(flat_ids: jax.Array, k: int, num_slots: int):
     return order, order // k, group_sizes
 
 
-def _tiled_ffn(params: dict, xd: jax.Array, weights: jax.Array, flat_ids: jax.Array, num_slots: int,
-               dtype) -> jax.Array:
-    """The "tiled" path of expert_ffn: xd [M, D], weights [M, K], flat_ids [M*K] -> float32 [M, D].
+def _grouped_ffn(params: dict, xd: jax.Array, weights: jax.Array, flat_ids: jax.Array, num_slots: int,
+                 dtype) -> jax.Array:
+    """The "grouped" path of expert_ffn: xd [M, D], weights [M, K], flat_ids [M*K] -> float32 [M, D].
 
     Each slot's assignments are padded to whole tiles of tile_m rows (tile_plan: (rows + slots * (tile_m - 1)) /
     tile_m tiles at most) and a scan runs the tiles in use one at a time: three matmul_nt on the tile's slot's
@@ -283,12 +251,34 @@ def _fp8_ffn(params: dict, xd: jax.Array, weights: jax.Array, flat_ids: jax.Arra
     return jnp.zeros((m, xd.shape[-1]), jnp.float32).at[token].add(out)
 
 
+def _ragged_ffn(weight, xd: jax.Array, weights: jax.Array, flat_ids: jax.Array, num_slots: int,
+                dtype) -> jax.Array:
+    """The "ragged" path of expert_ffn: xd [M, D], weights [M, K], flat_ids [M*K] (num_slots = not here) ->
+    float32 [M, D]. Assignments sorted by slot (other ranks' last: past sum(group_sizes), so never computed), three
+    grouped matmuls that contract the weights' last axis as they are stored ([S, I, D], [S, D, I]: no transposed
+    copy), results scattered back to their rows."""
+    m, k = weights.shape
+    order, token, group_sizes = _sorted_by_slot(flat_ids, k, num_slots)
+    numbers = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])),
+                                                lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+
+    def mm(a, name):  # a [M*K, in] sorted by slot -> float32 [M*K, out]
+        return jax.lax.ragged_dot_general(a, weight(name), group_sizes, numbers,
+                                          preferred_element_type=jnp.float32)
+
+    xs = xd[token]  # [M*K, D]
+    act = jax.nn.silu(mm(xs, "gate_proj").astype(dtype)) * mm(xs, "up_proj").astype(dtype)  # [M*K, I]
+    out = mm(act, "down_proj").astype(dtype).astype(jnp.float32)  # [M*K, D]
+    w = jnp.where(flat_ids[order] < num_slots, weights.reshape(-1)[order], 0.0)  # [M*K]
+    return jnp.zeros((m, xd.shape[-1]), jnp.float32).at[token].add(out * w[:, None])
+
+
 def _capacity_ffn(weight, xd: jax.Array, weights: jax.Array, flat_ids: jax.Array, num_slots: int,
                   dtype) -> jax.Array:
     """The "capacity" path of expert_ffn: xd [M, D], weights [M, K], flat_ids [M*K] (num_slots = not here) ->
     float32 [M, D]. The batched matmuls (matmul_nt: the weights as left operand for up to 64 rows per slot) read
     each slot's weights in place; measured on CPU faster than the dense path past the gather path's batches and
-    than the tiled path while a balanced slot holds under 64 rows (decode batches; docs/benchmarks.md
+    than the grouped path while a balanced slot holds under 64 rows (decode batches; docs/benchmarks.md
     "Routed-expert paths (CPU)")."""
     m, k = weights.shape
     order = jnp.argsort(flat_ids, stable=True)  # [M*K]
@@ -306,7 +296,7 @@ def _capacity_ffn(weight, xd: jax.Array, weights: jax.Array, flat_ids: jax.Array
         out = matmul_nt(act, weight("down_proj")).astype(dtype)  # [S, C, D]
         return out.at[flat_ids, pos].get(mode="fill", fill_value=0).astype(jnp.float32)  # [M*K, D]
 
-    buckets = capacity_buckets(m, k, num_slots)
+    buckets = moe_cost.capacity_buckets(m, k, num_slots)
     busiest = jnp.max(counts[:num_slots])
     branch = jnp.searchsorted(jnp.asarray(buckets, jnp.int32), busiest)  # the first bucket >= busiest
     out = jax.lax.switch(branch, [functools.partial(run, c) for c in buckets], xd)  # [M*K, D]
@@ -389,7 +379,8 @@ class MoE(nnx.Module):
             return weights, physical_slots(params["placement"], ids)
 
         route_params = {"router": self.gate.params(), "placement": self.experts.placement()}
-        ffn = functools.partial(expert_ffn, dtype=self.dtype, fp8_compute=self.experts.fp8 == "compute")
+        ffn = functools.partial(expert_ffn, dtype=self.dtype, fp8_compute=self.experts.fp8 == "compute",
+                                path=self.plan.moe_path if self.plan else "auto")
         if self.plan is None:  # one device: route all tokens, every slot is local
             b, t, d = x.shape
             flat = x.reshape(b * t, d)

@@ -55,6 +55,22 @@ def test_batch_invariance_under_preemption_and_chunked_prefill(case):
     assert together == alone
 
 
+@pytest.mark.parametrize("moe_path", [None, "gather", "dense", "capacity", "grouped", "ragged"])
+def test_every_moe_path_generates_transformers_greedy_tokens(case, moe_path):
+    # The routed experts forced onto each path (None: the cost model's choice per step shape) through prefill and
+    # decode steps of 3 sequences: the same greedy tokens as transformers'.
+    prompts = _prompts(case.cfg["vocab_size"], [9, 70, 2], seed=5)
+    llm = LLM(case.path, mesh="1x1", dtype="float32", num_kv_pages=16, moe_path=moe_path)
+    got = [o.outputs[0].token_ids for o in llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)]
+    assert got == [_hf_generate(case.model, p, 5) for p in prompts]
+
+
+def test_moe_path_must_be_a_known_path(case):
+    with pytest.raises(ValueError, match="moe_path must be None or one of"):
+        LLM(case.path, mesh="1x1", moe_path="tiled")
+
+
 def test_prefix_caching_same_outputs_fewer_prefill_tokens(case):
     vocab = case.cfg["vocab_size"]
     shared = _prompts(vocab, [130], seed=2)[0]   # two full pages of 64 are shared

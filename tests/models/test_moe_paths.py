@@ -1,11 +1,14 @@
-"""expert_ffn's four XLA compute paths (gather / dense / capacity / tiled, moe_path picks one by shape) against a
-float64 numpy reference of sum_k w[m, k] * down(silu(gate(x[m])) * up(x[m])) for expert ids[m, k] (-1 = not here)."""
+"""expert_ffn's XLA compute paths (gather / dense / capacity / grouped / ragged; "auto": models/moe_cost.py picks
+one by shape) against a float64 numpy reference of sum_k w[m, k] * down(silu(gate(x[m])) * up(x[m])) for expert
+ids[m, k] (-1 = not here), on small cases and on the routed experts of the benchmark grid's shapes."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.models.moe import capacity_buckets, expert_ffn, moe_path
+from jaxinfer.models.moe import expert_ffn
+from jaxinfer.models.moe_cost import PATHS, capacity_buckets
 
 
 def _case(m, k=3, s=6, d=32, i=16, seed=0):
@@ -32,10 +35,7 @@ def _reference(params, x, weights, ids):
     return out
 
 
-# 300 rows: every path but gather (one unrolled matvec per assignment; moe_path picks it for a few rows only)
-@pytest.mark.parametrize("m, path", [(m, p) for m in (1, 2, 7, 80, 300)
-                                     for p in ("gather", "dense", "capacity", "tiled", "auto")
-                                     if not (m == 300 and p == "gather")])
+@pytest.mark.parametrize("m, path", [(m, p) for m in (1, 7, 80, 300) for p in PATHS + ("auto",)])
 def test_paths_match_reference(m, path):
     params, x, weights, ids = _case(m)
     got = expert_ffn({n: jnp.asarray(v) for n, v in params.items()}, jnp.asarray(x), jnp.asarray(weights),
@@ -44,12 +44,12 @@ def test_paths_match_reference(m, path):
     np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("path", ["capacity", "tiled"])
+@pytest.mark.parametrize("path", ["capacity", "grouped", "ragged"])
 @pytest.mark.parametrize("hot", [0, 1, 3, 6])
 def test_skewed_routing(hot, path):
     # `hot` of the 6 slots take almost every assignment: the capacity path's busiest slot picks a larger bucket,
-    # up to every row (the last bucket); the tiled path gives the hot slots many tiles and the others none; ids -1
-    # (other ranks) never count
+    # up to every row (the last bucket); the grouped path gives the hot slots many tiles and the others none; the
+    # ragged path's groups are as uneven; ids -1 (other ranks) never count
     m, k, s = 40, 3, 6
     params, x, weights, ids = _case(m, k=k, s=s, seed=hot)
     if hot:
@@ -71,14 +71,38 @@ def test_capacity_buckets():
     assert capacity_buckets(1, 1, 1) == (1,)
 
 
-def test_auto_choice_and_bad_path():
-    # gather up to two assignments per slot and at most 32 assignments; capacity above; tiled from a balanced load
-    # of 64 assignments per slot (rows * top_k >= 64 * slots)
-    assert [moe_path(m, 4, 16) for m in (1, 8, 9, 64, 255, 256, 4096)] == (
-        ["gather"] * 2 + ["capacity"] * 3 + ["tiled"] * 2)
-    assert moe_path(4, 8, 256) == "gather" and moe_path(5, 8, 256) == "capacity" and moe_path(2, 2, 1) == "capacity"
-    assert moe_path(2047, 8, 256) == "capacity" and moe_path(2048, 8, 256) == "tiled"
-    assert moe_path(4096, 4, 16, platform="gpu") == "capacity"  # the tiled loop: CPU only
+def test_bad_path():
     params, x, weights, ids = _case(2)
-    with pytest.raises(ValueError, match="path must be"):
-        expert_ffn(params, x, weights, ids, jnp.float32, path="ragged")
+    with pytest.raises(ValueError, match="path must be 'auto' or one of"):
+        expert_ffn(params, x, weights, ids, jnp.float32, path="tiled")
+
+
+# The routed experts of benchmarks/bench_model.py SHAPES, issue 33's grid: (slots, top_k, hidden, moe_intermediate).
+GRID = {"bench": (16, 4, 512, 256), "v2lite": (64, 6, 2048, 1408), "h1024_e64k8": (64, 8, 1024, 512),
+        "h64_e8k2": (8, 2, 64, 32), "h512_v32k_e32k2": (32, 2, 512, 512), "h256_e16k4": (16, 4, 256, 128)}
+
+
+@pytest.mark.parametrize("name", GRID)
+def test_paths_on_the_grid_shapes(name):
+    # Every path (and "auto") on the grid shape's full expert weights, 2 tokens (one assignment on another rank):
+    # each row within 1e-5 relative (in norm) of float64 numpy. The used experts' weights are random, the others
+    # a constant (V2-Lite's weights are 2.2 GB in float32; drawing all of them takes longer than the test): a path
+    # that reads a wrong expert gets a different result.
+    s, k, d, i = GRID[name]
+    rng = np.random.default_rng(len(name))
+    m = 2
+    x = rng.normal(size=(m, d)).astype(np.float32)
+    ids = np.stack([rng.permutation(s)[:k] for _ in range(m)]).astype(np.int32)
+    ids[1, 0] = -1
+    weights = rng.random((m, k)).astype(np.float32)
+    used = np.asarray(sorted(set(ids[ids >= 0].tolist())))
+    local = {"gate_proj": rng.standard_normal((len(used), i, d), np.float32) * d ** -0.5,
+             "up_proj": rng.standard_normal((len(used), i, d), np.float32) * d ** -0.5,
+             "down_proj": rng.standard_normal((len(used), d, i), np.float32) * i ** -0.5}
+    params = {n: jnp.full((s, *v.shape[1:]), 0.01, jnp.float32).at[used].set(v) for n, v in local.items()}
+    ref = _reference(local, x, weights, np.where(ids >= 0, np.searchsorted(used, ids), -1))
+    for path in PATHS + ("auto",):
+        got = jax.jit(expert_ffn, static_argnums=(4,), static_argnames="path")(
+            params, jnp.asarray(x), jnp.asarray(weights), jnp.asarray(ids), jnp.float32, path=path)
+        error = np.linalg.norm(np.asarray(got) - ref, axis=1) / np.linalg.norm(ref, axis=1)  # [M]
+        assert error.max() < 1e-5, (path, error)

@@ -1,0 +1,155 @@
+"""Which compute path the routed experts of a step take (models/moe.py ``expert_ffn``): the cheapest by a cost
+model of the step's shape.
+
+Each path's work is counted from the static shape (``work``): its weight-matrix products ("matrices": each has a
+fixed cost, a library call on XLA:CPU, a kernel launch on a GPU), the weight bytes it reads, its flops, and the
+activation bytes its buffers move. A path's cost on a backend and compute dtype is that work priced by the path's
+own seconds per unit of work (``COSTS``), fitted offline by non-negative least squares on measurements over a grid
+of expert shapes and row counts (``python benchmarks/moe_paths.py --calibrate`` rewrites moe_costs.json;
+docs/benchmarks.md "Routed-expert paths (CPU)"). The choice is a pure function of (rows, top_k, slots, hidden,
+moe_intermediate, weight bytes, dtype, backend): no start-up timing, so every process and every rank of a mesh
+picks the same path for the same step, and a test can name the path a shape gets.
+
+Routing is taken as balanced, which EPLB aims at: the capacity path's bucket and the grouped path's tiles are
+their expected values when each token's top_k distinct slots are uniformly random (a slot's count is then
+Binomial(rows, top_k / slots)). A backend or dtype without measurements is priced by the nominal figures the
+table gives for it (its "source" says which).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import pathlib
+
+import numpy as np
+
+from jaxinfer.models.grouped_matmul import default_tile_m
+from jaxinfer.parallel.plan import MOE_PATHS
+
+PATHS = MOE_PATHS  # ("gather", "dense", "capacity", "grouped", "ragged")
+FEATURES = ("matrices", "weight_bytes", "flops", "moved_bytes", "calls")
+TABLE = pathlib.Path(__file__).with_name("moe_costs.json")
+
+CAPACITY_FACTORS = (1.25, 1.6, 2.5, 4.0)  # "capacity" buckets in units of the balanced load
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertShape:
+    """One call of expert_ffn: rows tokens [M, D] with top_k assignments each over num_slots local slots of
+    experts [I, D] (gate, up) and [D, I] (down) whose weights take weight_itemsize bytes per element."""
+
+    rows: int
+    top_k: int
+    num_slots: int
+    hidden: int
+    inter: int
+    weight_itemsize: int = 4
+
+    @property
+    def assignments(self) -> int:
+        return self.rows * self.top_k
+
+    @property
+    def expert_elements(self) -> int:  # the three matrices of one expert
+        return 3 * self.hidden * self.inter
+
+
+def capacity_buckets(rows: int, top_k: int, num_slots: int) -> tuple[int, ...]:
+    """Static capacities of the "capacity" path: CAPACITY_FACTORS times the balanced load per slot (rows * top_k /
+    num_slots; EPLB keeps real loads near it), rounded up to multiples of 8, and ``rows`` itself, which always
+    fits (a slot holds each token at most once: a token's top-k experts are distinct, and so are their physical
+    slots). A step computes at most 1.6x its busiest slot's rows while that is within 4x of balance, and every row
+    per slot past that. Five branches compile in about the time of the grouped path; more branches cost more
+    compile time (docs/benchmarks.md "Routed-expert paths (CPU)")."""
+    balanced = rows * top_k / num_slots
+    caps = {min(rows, -(-math.ceil(f * balanced) // 8) * 8) for f in CAPACITY_FACTORS}
+    return tuple(sorted(caps | {rows}))
+
+
+def _slot_count_pmf(shape: ExpertShape) -> np.ndarray:
+    """[rows + 1]: P(a slot holds c assignments) under balanced routing, Binomial(rows, top_k / slots)."""
+    n, p = shape.rows, min(shape.top_k / shape.num_slots, 1.0)
+    c = np.arange(n + 1)
+    if p >= 1.0:
+        return (c == n).astype(np.float64)
+    log_fact = np.concatenate([[0.0], np.cumsum(np.log(np.arange(1, n + 1)))])  # log(c!) for c in [0, rows]
+    log_pmf = log_fact[n] - log_fact - log_fact[::-1] + c * math.log(p) + (n - c) * math.log1p(-p)
+    pmf = np.exp(log_pmf)
+    return pmf / pmf.sum()
+
+
+def expected_capacity(shape: ExpertShape) -> float:
+    """The capacity path's expected bucket: the smallest of capacity_buckets holding the busiest of num_slots
+    slot counts, taken as independent (P(busiest <= c) = F(c) ** slots). The counts share a fixed total, so they
+    are slightly negatively correlated and this overestimates a little: 5% with 256 slots, 64 rows, top-8
+    (tests/models/test_moe_cost.py draws the routing)."""
+    cdf_max = np.cumsum(_slot_count_pmf(shape)) ** shape.num_slots  # [rows + 1]
+    total, below = 0.0, 0.0
+    for b in capacity_buckets(shape.rows, shape.top_k, shape.num_slots):
+        at_most = float(cdf_max[min(b, shape.rows)])
+        total += b * (at_most - below)
+        below = at_most
+    return total
+
+
+def expected_tiles(shape: ExpertShape) -> tuple[float, int, int]:
+    """The grouped path's (expected tiles in use, worst-case tiles, tile_m)."""
+    tile_m = default_tile_m(shape.assignments, shape.num_slots)
+    worst = -(-(shape.assignments + shape.num_slots * (tile_m - 1)) // tile_m)
+    pmf = _slot_count_pmf(shape)
+    used = shape.num_slots * float(pmf @ -(-np.arange(len(pmf)) // tile_m))
+    return used, worst, tile_m
+
+
+def work(path: str, shape: ExpertShape, backend: str) -> dict[str, float]:
+    """The work of ``path`` on ``shape``, per FEATURES (what each path computes: models/moe.py expert_ffn)."""
+    s, a, e, wb = shape.num_slots, shape.assignments, shape.expert_elements, shape.weight_itemsize
+    d, i = shape.hidden, shape.inter
+    if path == "gather":  # one matvec triple per assignment, on its slot's weights read in place
+        return dict(matrices=3 * a, weight_bytes=a * e * wb, flops=2 * a * e, moved_bytes=a * d * 4, calls=1)
+    if path == "dense":  # every row through every slot
+        return dict(matrices=3, weight_bytes=s * e * wb, flops=2 * shape.rows * s * e,
+                    moved_bytes=shape.rows * s * (i + d) * 4, calls=1)
+    if path == "capacity":  # [S, C, D] buffers, C the bucket of the busiest slot
+        c = expected_capacity(shape)
+        return dict(matrices=3 * s, weight_bytes=s * e * wb, flops=2 * s * c * e, moved_bytes=s * c * (i + d) * 4,
+                    calls=1)
+    if path == "grouped":  # a loop over the row tiles in use, each on its slot's weights
+        used, worst, tile_m = expected_tiles(shape)
+        return dict(matrices=3 * used, weight_bytes=used * e * wb, flops=2 * used * tile_m * e,
+                    moved_bytes=worst * tile_m * (i + d) * 4, calls=1)
+    if path == "ragged":  # lax.ragged_dot over the sorted assignments. XLA's ragged-dot expander computes every
+        # row against every group: measured on XLA:CPU (docs/architecture.md "Platform facts"), assumed on XLA:GPU
+        # (unmeasured); TPUs have a grouped kernel
+        rows_times_groups = a if backend == "tpu" else a * s
+        return dict(matrices=3, weight_bytes=s * e * wb, flops=2 * rows_times_groups * e,
+                    moved_bytes=a * (i + d) * 4, calls=1)
+    raise ValueError(f"unknown routed-expert path {path!r}; known: {', '.join(PATHS)}")
+
+
+@functools.cache
+def _table() -> dict:
+    return json.loads(TABLE.read_text())
+
+
+def coefficients(backend: str, dtype: str) -> dict[str, dict[str, float]]:
+    """path -> feature -> seconds per unit, for ``backend`` and compute ``dtype`` ("float32", "bfloat16"): the
+    measured entry, else the backend's nominal one (the table's "nominal" entries), else the CPU's."""
+    table = _table()["backends"]
+    entry = table.get(backend, table["cpu"])
+    return entry.get(dtype, entry.get("float32"))["paths"]
+
+
+def predict(path: str, shape: ExpertShape, dtype: str, backend: str) -> float:
+    """Seconds the cost model gives ``path`` on ``shape``."""
+    price = coefficients(backend, dtype)[path]
+    return sum(price[f] * v for f, v in work(path, shape, backend).items())
+
+
+@functools.cache
+def choose(shape: ExpertShape, dtype: str, backend: str) -> str:
+    """The cheapest path for ``shape`` by ``predict`` (ties: PATHS order)."""
+    return min(PATHS, key=lambda p: predict(p, shape, dtype, backend))

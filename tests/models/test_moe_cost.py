@@ -1,0 +1,65 @@
+"""models/moe_cost.py: the expected work of the capacity and grouped paths against Monte Carlo routing, the work
+counts against the layouts the paths build, and the choice as a pure function of the shape over a valid table."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.models import moe_cost
+from jaxinfer.models.grouped_matmul import tile_plan
+
+
+def _routing(rng, trials, rows, k, s):
+    """[trials, s] slot counts of `rows` tokens, each with k distinct uniformly random slots."""
+    picks = np.argsort(rng.random((trials, rows, s)), axis=-1)[..., :k]  # [trials, rows, k]
+    return np.stack([np.bincount(p.ravel(), minlength=s) for p in picks])
+
+
+@pytest.mark.parametrize("rows, k, s", [(5, 2, 8), (32, 4, 16), (200, 6, 64), (64, 8, 256)])
+def test_expected_capacity_and_tiles_match_monte_carlo(rows, k, s):
+    counts = _routing(np.random.default_rng(rows), 400, rows, k, s)  # [400, s]
+    shape = moe_cost.ExpertShape(rows, k, s, 64, 32)
+    buckets = np.asarray(moe_cost.capacity_buckets(rows, k, s))
+    chosen = buckets[np.searchsorted(buckets, counts.max(1))]  # the first bucket holding the busiest slot
+    # independent slot counts (moe_cost's assumption) overestimate the busiest slot a little where slots are many
+    assert moe_cost.expected_capacity(shape) == pytest.approx(chosen.mean(), rel=0.08)
+    used, worst, tile_m = moe_cost.expected_tiles(shape)
+    assert used == pytest.approx((-(-counts // tile_m)).sum(1).mean(), rel=0.05)
+    plan = tile_plan(jnp.asarray(counts[0], jnp.int32), rows * k)  # the grouped path's own layout
+    assert (plan.tile_m, plan.num_tiles) == (tile_m, worst)
+
+
+def test_work_counts():
+    shape = moe_cost.ExpertShape(rows=3, top_k=2, num_slots=8, hidden=64, inter=32, weight_itemsize=2)
+    expert_bytes = 3 * 64 * 32 * 2
+    gather = moe_cost.work("gather", shape, "cpu")
+    assert (gather["matrices"], gather["weight_bytes"]) == (18, 6 * expert_bytes)
+    dense = moe_cost.work("dense", shape, "cpu")
+    assert dense["weight_bytes"] == 8 * expert_bytes and dense["flops"] == 2 * 3 * 8 * 3 * 64 * 32
+    # XLA's ragged dot computes every assignment against every group off TPUs
+    assert moe_cost.work("ragged", shape, "cpu")["flops"] == 8 * moe_cost.work("ragged", shape, "tpu")["flops"]
+    with pytest.raises(ValueError, match="unknown routed-expert path"):
+        moe_cost.work("tiled", shape, "cpu")
+
+
+def test_table_covers_every_path_and_feature():
+    table = moe_cost._table()["backends"]
+    assert {"cpu", "gpu"} <= set(table)
+    for backend, entry in table.items():
+        for dtype in ("float32", "bfloat16"):
+            paths = entry[dtype]["paths"]
+            assert entry[dtype]["source"]
+            assert set(paths) == set(moe_cost.PATHS), (backend, dtype)
+            for path, price in paths.items():
+                assert set(price) == set(moe_cost.FEATURES) and min(price.values()) >= 0, (backend, dtype, path)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "gpu", "some-new-backend"])
+def test_choice_is_a_pure_function_of_the_shape(backend):
+    for rows in (1, 7, 64, 1024):
+        shape = moe_cost.ExpertShape(rows, 6, 64, 2048, 1408)
+        first = moe_cost.choose(shape, "bfloat16", backend)
+        moe_cost.choose.cache_clear()
+        assert first in moe_cost.PATHS and moe_cost.choose(shape, "bfloat16", backend) == first
+        costs = {p: moe_cost.predict(p, shape, "bfloat16", backend) for p in moe_cost.PATHS}
+        assert costs[first] == min(costs.values())
