@@ -13,7 +13,14 @@ own line. After a warm-up (jaxinfer's compilation) the two run in alternation, -
 jaxinfer output_len tokens, transformers 1 token, transformers output_len tokens): the CPU machines here share memory
 bandwidth with other tenants and their speed drifts within minutes (docs/benchmarks.md "How to read"), so each
 round's ratio compares the two under the same conditions. Printed: the median of each side's per-round throughput and
-the median and range of the per-round ratios.
+the median and range of the per-round ratios; the first-token (prefill) and whole-generate ratios, medians of the
+rounds' ratios.
+
+Limits (once per shape, before its batches): the matmul peak ([2048, 2048] x [2048, 2048] in the model dtype) and
+the memory bandwidth (a one-row product over 512 MB), as JAX reaches them in the same minutes. Per batch, jaxinfer's
+fraction of each: decode flops (2 x the weights a token multiplies) per second over the peak, decode weight bytes
+(what a step reads: the dense weights and the expected distinct experts of the batch) per second over the
+bandwidth, and prefill flops per second (first token's time) over the peak.
 
 Host share (jaxinfer, decode): 1 - (device time per token) / (wall time per token), where the device time is
 measured by dispatching the same captured decode step back to back (no host work between them) and divided by
@@ -96,6 +103,9 @@ def run_shape(args, shape: str) -> None:
           f"{args.mesh} ({describe(shape)}), num_scheduler_steps "
           f"{llm.config.num_scheduler_steps}, greedy_screening {llm.config.greedy_screening}; decode tok/s exclude "
           f"prefill + first token; median of {args.repeats} alternating rounds")
+    peak, bandwidth = machine_limits(llm.model.dtype)
+    print(f"limits, measured now: matmul {peak / 1e9:.1f} GFLOP/s ({args.dtype} [2048, 2048] x [2048, 2048]), "
+          f"memory {bandwidth / 1e9:.1f} GB/s (one-row product over 512 MB)", flush=True)
     for b in batch_sizes:
         prompts = np.random.default_rng(b).integers(0, cfg.vocab_size, (b, args.input_len))
 
@@ -113,11 +123,13 @@ def run_shape(args, shape: str) -> None:
             fn(1), fn(args.output_len)
         first = {name: [] for name in sides}
         decode = {name: [] for name in sides}  # seconds of output_len - 1 decode steps, per round
+        whole = {name: [] for name in sides}  # seconds of the whole generate (prefill + output_len tokens)
         for _ in range(args.repeats):
             for name, fn in sides.items():
                 t1 = timed(lambda: fn(1))
                 first[name].append(t1)
-                decode[name].append(timed(lambda: fn(args.output_len)) - t1)
+                whole[name].append(timed(lambda: fn(args.output_len)))
+                decode[name].append(whole[name][-1] - t1)
         steps = args.output_len - 1
         host_share, device_ms, replay = decode_host_share(llm, ours, args.output_len)
         ours_decode = statistics.median(decode["jaxinfer"])
@@ -131,6 +143,13 @@ def run_shape(args, shape: str) -> None:
             first_ratio = statistics.median(t / o for t, o in zip(first["transformers"], first["jaxinfer"]))
             first_line += (f", transformers {statistics.median(first['transformers']) * 1e3:7.1f} ms  ->  "
                            f"{first_ratio:.2f}x")
+            whole_ratio = statistics.median(t / o for t, o in zip(whole["transformers"], whole["jaxinfer"]))
+            first_line += f"; whole generate {whole_ratio:.2f}x"
+        flops, step_bytes = token_work(llm, b)
+        first_line += (f"\n         jaxinfer vs the limits: decode {flops * b * steps / ours_decode / peak:5.1%} of "
+                       f"the matmul peak, {step_bytes * steps / ours_decode / bandwidth:5.1%} of the bandwidth; "
+                       f"prefill {flops * b * args.input_len / statistics.median(first['jaxinfer']) / peak:5.1%} of "
+                       f"the peak")
         print(line + "\n" + first_line, flush=True)
         if b == 1:
             mb, floor_ms, step_ms = weight_stream_floor(llm, replay)
@@ -179,6 +198,55 @@ def decode_host_share(llm, ours, output_len: int):
     jax.block_until_ready(run(*captured[0]))
     device_token = replay()
     return max(0.0, 1 - device_token / wall_token), device_token * 1e3, replay
+
+
+def machine_limits(dtype) -> tuple[float, float]:
+    """(FLOP/s of a [2048, 2048] x [2048, 2048] matmul in ``dtype`` with float32 accumulation, bytes/s of a
+    one-row product streaming 512 MB of ``dtype`` weights): the CPU's matmul peak and memory bandwidth as JAX
+    reaches them, min time of 5, in the same minutes as the benchmark."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxinfer.models.layers import matmul_nt
+
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.standard_normal((2048, 2048)), dtype)
+    mm = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
+    w = jnp.asarray(rng.standard_normal((512 * 2 ** 20 // (1024 * jnp.dtype(dtype).itemsize), 1024)), dtype)
+    x = jnp.ones((1, 1024), dtype)
+    mv = jax.jit(matmul_nt)
+    times = {"mm": [], "mv": []}
+    for _ in range(6):
+        for name, fn, args in (("mm", mm, (a, a)), ("mv", mv, (x, w))):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append(time.perf_counter() - t0)
+    return 2 * 2048 ** 3 / min(times["mm"][1:]), w.nbytes / min(times["mv"][1:])
+
+
+def token_work(llm, batch: int) -> tuple[float, float]:
+    """(flops per token, weight bytes per decode step of ``batch`` sequences): 2 x the weights a token multiplies
+    (routed experts: top_k of each layer's slots; the embedding's row left out; attention over the cache left out:
+    128 tokens of context here), and the weights a step reads once: every dense weight, and per MoE layer the
+    expected distinct slots the batch routes to, slots x (1 - (1 - top_k / slots) ^ batch), under uniform
+    routing."""
+    import jax
+
+    top_k = llm.model.config.num_experts_per_tok
+    flops = step_bytes = 0.0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(llm.model.state):
+        keys = jax.tree_util.keystr(path)
+        if getattr(leaf, "ndim", 0) < 2 or "embed_tokens" in keys or "mtp" in keys or "scale_inv" in keys:
+            continue
+        if "['experts']" in keys:
+            slots = leaf.shape[0]
+            flops += 2 * leaf.size * top_k / slots
+            step_bytes += leaf.nbytes * (1 - (1 - top_k / slots) ** batch)
+        else:
+            flops += 2 * leaf.size
+            step_bytes += leaf.nbytes
+    return flops, step_bytes
 
 
 def weight_stream_floor(llm, replay) -> tuple[float, float, float]:
