@@ -161,11 +161,17 @@ def _shape(p):
 
 
 def _choice(coeffs, p, backend):
+    """moe_cost.choose with these coefficients: the least mean cost over its routing scenarios."""
+    import dataclasses
+
     from jaxinfer.models import moe_cost
 
     def cost(path):
-        work = moe_cost.work(path, _shape(p), backend)
-        return sum(coeffs[path][f] * work[f] for f in moe_cost.FEATURES)
+        total = 0.0
+        for skew in moe_cost.ROUTING_SKEWS:
+            work = moe_cost.work(path, dataclasses.replace(_shape(p), skew=skew), backend)
+            total += sum(coeffs[path][f] * work[f] for f in moe_cost.FEATURES)
+        return total
 
     return min(moe_cost.PATHS, key=cost)
 

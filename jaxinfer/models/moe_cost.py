@@ -10,9 +10,9 @@ docs/benchmarks.md "Routed-expert paths (CPU)"). The choice is a pure function o
 moe_intermediate, weight bytes, dtype, backend): no start-up timing, so every process and every rank of a mesh
 picks the same path for the same step, and a test can name the path a shape gets.
 
-Routing is taken as balanced, which EPLB aims at: the capacity path's bucket and the grouped path's tiles are
-their expected values when each token's top_k distinct slots are uniformly random (a slot's count is then
-Binomial(rows, top_k / slots)). A backend or dtype without measurements is priced by the nominal figures the
+The capacity path's bucket and the grouped path's tiles are their expected values under a routing scenario (a slot's
+count Binomial(rows, top_k x its popularity share)); the choice takes the mean cost over a balanced scenario (what
+EPLB aims at, and what the calibration measures) and a skewed one (ROUTING_SKEWS). A backend or dtype without measurements is priced by the nominal figures the
 table gives for it (its "source" says which).
 """
 
@@ -34,6 +34,13 @@ FEATURES = ("matrices", "weight_bytes", "flops", "moved_bytes", "calls")
 TABLE = pathlib.Path(__file__).with_name("moe_costs.json")
 
 CAPACITY_FACTORS = (1.25, 1.6, 2.5, 4.0)  # "capacity" buckets in units of the balanced load
+# Routing scenarios a choice is priced over (mean predicted time): balanced, and slot popularity ~ rank^-0.5. A step's
+# tokens are not routed independently: one 64-token prompt's busiest expert carried 2.4-4.5x the mean load on the
+# grid's random models (1.3-2.1x for 32 prompts); rank^-0.5 puts 4.6x on the busiest of 64 slots at top-8. A choice
+# fitted to balanced routing alone picked the capacity path for V2-Lite's 64-token prefill, whose busiest slot then
+# overflowed every bucket but the last (all rows): 1124 ms for the step vs 736 ms on the grouped path
+# (docs/benchmarks.md "Routed-expert paths (CPU)").
+ROUTING_SKEWS = (0.0, 0.5)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +54,7 @@ class ExpertShape:
     hidden: int
     inter: int
     weight_itemsize: int = 4
+    skew: float = 0.0  # routing: slot j's popularity ~ (j + 1) ** -skew (0: balanced)
 
     @property
     def assignments(self) -> int:
@@ -69,24 +77,29 @@ def capacity_buckets(rows: int, top_k: int, num_slots: int) -> tuple[int, ...]:
     return tuple(sorted(caps | {rows}))
 
 
-def _slot_count_pmf(shape: ExpertShape) -> np.ndarray:
-    """[rows + 1]: P(a slot holds c assignments) under balanced routing, Binomial(rows, top_k / slots)."""
-    n, p = shape.rows, min(shape.top_k / shape.num_slots, 1.0)
+def _slot_count_pmfs(shape: ExpertShape) -> np.ndarray:
+    """[slots, rows + 1]: P(slot j holds c assignments), Binomial(rows, p_j) with p_j = top_k x slot j's share of
+    the popularity (capped at 1: a token picks a slot at most once); balanced routing: p_j = top_k / slots."""
+    n = shape.rows
+    popularity = np.arange(1, shape.num_slots + 1, dtype=np.float64) ** -shape.skew
     c = np.arange(n + 1)
-    if p >= 1.0:
-        return (c == n).astype(np.float64)
     log_fact = np.concatenate([[0.0], np.cumsum(np.log(np.arange(1, n + 1)))])  # log(c!) for c in [0, rows]
-    log_pmf = log_fact[n] - log_fact - log_fact[::-1] + c * math.log(p) + (n - c) * math.log1p(-p)
-    pmf = np.exp(log_pmf)
-    return pmf / pmf.sum()
+    pmfs = []
+    for p in np.minimum(shape.top_k * popularity / popularity.sum(), 1.0):
+        if p >= 1.0:
+            pmfs.append((c == n).astype(np.float64))
+            continue
+        pmf = np.exp(log_fact[n] - log_fact - log_fact[::-1] + c * math.log(p) + (n - c) * math.log1p(-p))
+        pmfs.append(pmf / pmf.sum())
+    return np.stack(pmfs)
 
 
 def expected_capacity(shape: ExpertShape) -> float:
-    """The capacity path's expected bucket: the smallest of capacity_buckets holding the busiest of num_slots
-    slot counts, taken as independent (P(busiest <= c) = F(c) ** slots). The counts share a fixed total, so they
-    are slightly negatively correlated and this overestimates a little: 5% with 256 slots, 64 rows, top-8
+    """The capacity path's expected bucket: the smallest of capacity_buckets holding the busiest slot count, the
+    counts taken as independent (P(busiest <= c) = prod_j F_j(c)). The counts share a fixed total, so they are
+    slightly negatively correlated and this overestimates a little: 5% with 256 balanced slots, 64 rows, top-8
     (tests/models/test_moe_cost.py draws the routing)."""
-    cdf_max = np.cumsum(_slot_count_pmf(shape)) ** shape.num_slots  # [rows + 1]
+    cdf_max = np.prod(np.cumsum(_slot_count_pmfs(shape), axis=1), axis=0)  # [rows + 1]
     total, below = 0.0, 0.0
     for b in capacity_buckets(shape.rows, shape.top_k, shape.num_slots):
         at_most = float(cdf_max[min(b, shape.rows)])
@@ -99,8 +112,8 @@ def expected_tiles(shape: ExpertShape) -> tuple[float, int, int]:
     """The grouped path's (expected tiles in use, worst-case tiles, tile_m)."""
     tile_m = default_tile_m(shape.assignments, shape.num_slots)
     worst = -(-(shape.assignments + shape.num_slots * (tile_m - 1)) // tile_m)
-    pmf = _slot_count_pmf(shape)
-    used = shape.num_slots * float(pmf @ -(-np.arange(len(pmf)) // tile_m))
+    pmfs = _slot_count_pmfs(shape)  # [S, rows + 1]
+    used = float((pmfs @ -(-np.arange(pmfs.shape[1]) // tile_m)).sum())
     return used, worst, tile_m
 
 
@@ -151,5 +164,6 @@ def predict(path: str, shape: ExpertShape, dtype: str, backend: str) -> float:
 
 @functools.cache
 def choose(shape: ExpertShape, dtype: str, backend: str) -> str:
-    """The cheapest path for ``shape`` by ``predict`` (ties: PATHS order)."""
-    return min(PATHS, key=lambda p: predict(p, shape, dtype, backend))
+    """The path of least mean ``predict``ed time over ROUTING_SKEWS (ties: PATHS order)."""
+    scenarios = [dataclasses.replace(shape, skew=skew) for skew in ROUTING_SKEWS]
+    return min(PATHS, key=lambda p: sum(predict(p, s, dtype, backend) for s in scenarios))

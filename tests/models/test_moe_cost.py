@@ -1,6 +1,8 @@
 """models/moe_cost.py: the expected work of the capacity and grouped paths against Monte Carlo routing, the work
 counts against the layouts the paths build, and the choice as a pure function of the shape over a valid table."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -61,5 +63,6 @@ def test_choice_is_a_pure_function_of_the_shape(backend):
         first = moe_cost.choose(shape, "bfloat16", backend)
         moe_cost.choose.cache_clear()
         assert first in moe_cost.PATHS and moe_cost.choose(shape, "bfloat16", backend) == first
-        costs = {p: moe_cost.predict(p, shape, "bfloat16", backend) for p in moe_cost.PATHS}
+        scenarios = [dataclasses.replace(shape, skew=skew) for skew in moe_cost.ROUTING_SKEWS]
+        costs = {p: sum(moe_cost.predict(p, s, "bfloat16", backend) for s in scenarios) for p in moe_cost.PATHS}
         assert costs[first] == min(costs.values())
