@@ -145,11 +145,11 @@ def run_shape(args, shape: str) -> None:
                            f"{first_ratio:.2f}x")
             whole_ratio = statistics.median(t / o for t, o in zip(whole["transformers"], whole["jaxinfer"]))
             first_line += f"; whole generate {whole_ratio:.2f}x"
-        flops, step_bytes = token_work(llm, b)
+        flops, head_flops, step_bytes = token_work(llm, b)
+        prefill_flops = b * ((flops - head_flops) * args.input_len + head_flops)  # the head: last tokens only
         first_line += (f"\n         jaxinfer vs the limits: decode {flops * b * steps / ours_decode / peak:5.1%} of "
                        f"the matmul peak, {step_bytes * steps / ours_decode / bandwidth:5.1%} of the bandwidth; "
-                       f"prefill {flops * b * args.input_len / statistics.median(first['jaxinfer']) / peak:5.1%} of "
-                       f"the peak")
+                       f"prefill {prefill_flops / statistics.median(first['jaxinfer']) / peak:5.1%} of the peak")
         print(line + "\n" + first_line, flush=True)
         if b == 1:
             mb, floor_ms, step_ms = weight_stream_floor(llm, replay)
@@ -225,8 +225,9 @@ def machine_limits(dtype) -> tuple[float, float]:
     return 2 * 2048 ** 3 / min(times["mm"][1:]), w.nbytes / min(times["mv"][1:])
 
 
-def token_work(llm, batch: int) -> tuple[float, float]:
-    """(flops per token, weight bytes per decode step of ``batch`` sequences): 2 x the weights a token multiplies
+def token_work(llm, batch: int) -> tuple[float, float, float]:
+    """(flops per token, the LM head's share of them, weight bytes per decode step of ``batch`` sequences): 2 x the
+    weights a token multiplies
     (routed experts: top_k of each layer's slots; the embedding's row left out; attention over the cache left out:
     128 tokens of context here), and the weights a step reads once: every dense weight, and per MoE layer the
     expected distinct slots the batch routes to, slots x (1 - (1 - top_k / slots) ^ batch), under uniform
@@ -234,7 +235,7 @@ def token_work(llm, batch: int) -> tuple[float, float]:
     import jax
 
     top_k = llm.model.config.num_experts_per_tok
-    flops = step_bytes = 0.0
+    flops = head = step_bytes = 0.0
     for path, leaf in jax.tree_util.tree_leaves_with_path(llm.model.state):
         keys = jax.tree_util.keystr(path)
         if getattr(leaf, "ndim", 0) < 2 or "embed_tokens" in keys or "mtp" in keys or "scale_inv" in keys:
@@ -245,8 +246,9 @@ def token_work(llm, batch: int) -> tuple[float, float]:
             step_bytes += leaf.nbytes * (1 - (1 - top_k / slots) ** batch)
         else:
             flops += 2 * leaf.size
+            head += 2 * leaf.size if "lm_head" in keys else 0
             step_bytes += leaf.nbytes
-    return flops, step_bytes
+    return flops, head, step_bytes
 
 
 def weight_stream_floor(llm, replay) -> tuple[float, float, float]:

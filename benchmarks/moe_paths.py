@@ -161,7 +161,8 @@ def _shape(p):
 
 
 def _choice(coeffs, p, backend):
-    """moe_cost.choose with these coefficients: the least mean cost over its routing scenarios."""
+    """moe_cost.choose with these coefficients for prefill rows (sequence_tokens > 1): the least mean cost over
+    its routing scenarios."""
     import dataclasses
 
     from jaxinfer.models import moe_cost

@@ -83,7 +83,7 @@ GATHER_UNROLL = 8  # the gather path unrolls up to this many assignments, and lo
 
 
 def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, dtype,
-               fp8_compute: bool = False, path: MoEPath = "auto") -> jax.Array:
+               fp8_compute: bool = False, path: MoEPath = "auto", sequence_tokens: int = 1) -> jax.Array:
     """x [M, D], weights/ids [M, K] (ids: slot in ``params``, -1 = not here) -> float32 [M, D]:
     sum_k weights[m, k] * expert_{ids[m, k]}(x[m]).
 
@@ -102,12 +102,13 @@ def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, d
       ragged: assignments sorted by slot, three ``lax.ragged_dot_general`` grouped matmuls (a grouped GEMM
         kernel where the backend has one; XLA:CPU computes every row against every slot).
     fp8_compute: activations quantized per token per 128 channels and FP8 grouped GEMMs in DeepGEMM's contiguous
-    layout (params hold e4m3 weights + block scales), whatever the path."""
+    layout (params hold e4m3 weights + block scales), whatever the path. sequence_tokens: x's rows come this many
+    at a time from one sequence (the step's T; "auto" prices skewed routing too when > 1, moe_cost.choose)."""
     m, k = ids.shape
     num_slots, inter, hidden = params["gate_proj"].shape
     if path == "auto":
         shape = moe_cost.ExpertShape(m, k, num_slots, hidden, inter, jnp.dtype(params["gate_proj"].dtype).itemsize)
-        path = moe_cost.choose(shape, jnp.dtype(dtype).name, current_platform().name)
+        path = moe_cost.choose(shape, jnp.dtype(dtype).name, current_platform().name, sequence_tokens)
     if path not in moe_cost.PATHS:
         raise ValueError(f"path must be 'auto' or one of {moe_cost.PATHS}, got {path!r}")
     flat_ids = jnp.where(ids < 0, num_slots, ids).reshape(-1)  # [M*K]; num_slots: not on this rank
@@ -380,7 +381,7 @@ class MoE(nnx.Module):
 
         route_params = {"router": self.gate.params(), "placement": self.experts.placement()}
         ffn = functools.partial(expert_ffn, dtype=self.dtype, fp8_compute=self.experts.fp8 == "compute",
-                                path=self.plan.moe_path if self.plan else "auto")
+                                path=self.plan.moe_path if self.plan else "auto", sequence_tokens=x.shape[1])
         if self.plan is None:  # one device: route all tokens, every slot is local
             b, t, d = x.shape
             flat = x.reshape(b * t, d)

@@ -10,10 +10,12 @@ docs/benchmarks.md "Routed-expert paths (CPU)"). The choice is a pure function o
 moe_intermediate, weight bytes, dtype, backend): no start-up timing, so every process and every rank of a mesh
 picks the same path for the same step, and a test can name the path a shape gets.
 
-The capacity path's bucket and the grouped path's tiles are their expected values under a routing scenario (a slot's
-count Binomial(rows, top_k x its popularity share)); the choice takes the mean cost over a balanced scenario (what
-EPLB aims at, and what the calibration measures) and a skewed one (ROUTING_SKEWS). A backend or dtype without measurements is priced by the nominal figures the
-table gives for it (its "source" says which).
+The capacity path's bucket and the grouped path's tiles are their expected values under a routing scenario (a
+slot's count Binomial(rows, top_k x its popularity share)). Tokens of different sequences are routed about
+independently: their steps (decode) are priced under balanced routing, what EPLB aims at and what the calibration
+measures. Tokens of one sequence share experts: steps with several tokens per sequence (prefill chunks) are priced
+by the mean cost over balanced routing and a skewed scenario (ROUTING_SKEWS). A backend or dtype without
+measurements is priced by the nominal figures the table gives for it (its "source" says which).
 """
 
 from __future__ import annotations
@@ -34,12 +36,12 @@ FEATURES = ("matrices", "weight_bytes", "flops", "moved_bytes", "calls")
 TABLE = pathlib.Path(__file__).with_name("moe_costs.json")
 
 CAPACITY_FACTORS = (1.25, 1.6, 2.5, 4.0)  # "capacity" buckets in units of the balanced load
-# Routing scenarios a choice is priced over (mean predicted time): balanced, and slot popularity ~ rank^-0.5. A step's
-# tokens are not routed independently: one 64-token prompt's busiest expert carried 2.4-4.5x the mean load on the
-# grid's random models (1.3-2.1x for 32 prompts); rank^-0.5 puts 4.6x on the busiest of 64 slots at top-8. A choice
-# fitted to balanced routing alone picked the capacity path for V2-Lite's 64-token prefill, whose busiest slot then
-# overflowed every bucket but the last (all rows): 1124 ms for the step vs 736 ms on the grouped path
-# (docs/benchmarks.md "Routed-expert paths (CPU)").
+# Routing scenarios of steps with several tokens per sequence (mean predicted time): balanced, and slot popularity
+# ~ rank^-0.5. One 64-token prompt's busiest expert carried 2.4-4.5x the mean load on the grid's random models
+# (1.3-2.1x for 32 prompts); rank^-0.5 puts 4.6x on the busiest of 64 slots at top-8. Balanced pricing alone picked
+# the capacity path for V2-Lite's 64-token prefill, whose busiest slot then overflowed every bucket but the last
+# (all rows): 1124 ms for the step vs 736 ms on the grouped path. Applied to decode steps too, it sent V2-Lite's
+# 32-sequence decode to the gather path: 578 vs 354 ms per token (docs/benchmarks.md "Routed-expert paths (CPU)").
 ROUTING_SKEWS = (0.0, 0.5)
 
 
@@ -163,7 +165,10 @@ def predict(path: str, shape: ExpertShape, dtype: str, backend: str) -> float:
 
 
 @functools.cache
-def choose(shape: ExpertShape, dtype: str, backend: str) -> str:
-    """The path of least mean ``predict``ed time over ROUTING_SKEWS (ties: PATHS order)."""
-    scenarios = [dataclasses.replace(shape, skew=skew) for skew in ROUTING_SKEWS]
+def choose(shape: ExpertShape, dtype: str, backend: str, sequence_tokens: int = 1) -> str:
+    """The cheapest path (ties: PATHS order) for ``shape`` whose rows come sequence_tokens at a time from one
+    sequence (a step's T): by ``predict`` under balanced routing for 1 (decode), by the mean over ROUTING_SKEWS
+    above."""
+    skews = ROUTING_SKEWS if sequence_tokens > 1 else (0.0,)
+    scenarios = [dataclasses.replace(shape, skew=skew) for skew in skews]
     return min(PATHS, key=lambda p: sum(predict(p, s, dtype, backend) for s in scenarios))

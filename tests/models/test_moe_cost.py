@@ -57,12 +57,15 @@ def test_table_covers_every_path_and_feature():
 
 
 @pytest.mark.parametrize("backend", ["cpu", "gpu", "some-new-backend"])
-def test_choice_is_a_pure_function_of_the_shape(backend):
+@pytest.mark.parametrize("sequence_tokens", [1, 64])
+def test_choice_is_a_pure_function_of_the_shape(backend, sequence_tokens):
+    # decode steps (one token per sequence) priced under balanced routing, prefill chunks over ROUTING_SKEWS too
+    skews = moe_cost.ROUTING_SKEWS if sequence_tokens > 1 else (0.0,)
     for rows in (1, 7, 64, 1024):
         shape = moe_cost.ExpertShape(rows, 6, 64, 2048, 1408)
-        first = moe_cost.choose(shape, "bfloat16", backend)
+        first = moe_cost.choose(shape, "bfloat16", backend, sequence_tokens)
         moe_cost.choose.cache_clear()
-        assert first in moe_cost.PATHS and moe_cost.choose(shape, "bfloat16", backend) == first
-        scenarios = [dataclasses.replace(shape, skew=skew) for skew in moe_cost.ROUTING_SKEWS]
+        assert first in moe_cost.PATHS and moe_cost.choose(shape, "bfloat16", backend, sequence_tokens) == first
+        scenarios = [dataclasses.replace(shape, skew=skew) for skew in skews]
         costs = {p: sum(moe_cost.predict(p, s, "bfloat16", backend) for s in scenarios) for p in moe_cost.PATHS}
         assert costs[first] == min(costs.values())
