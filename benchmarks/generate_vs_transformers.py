@@ -225,20 +225,27 @@ def machine_limits(dtype) -> tuple[float, float]:
     return 2 * 2048 ** 3 / min(times["mm"][1:]), w.nbytes / min(times["mv"][1:])
 
 
-def token_work(llm, batch: int) -> tuple[float, float, float]:
-    """(flops per token, the LM head's share of them, weight bytes per decode step of ``batch`` sequences): 2 x the
-    weights a token multiplies
-    (routed experts: top_k of each layer's slots; the embedding's row left out; attention over the cache left out:
-    128 tokens of context here), and the weights a step reads once: every dense weight, and per MoE layer the
-    expected distinct slots the batch routes to, slots x (1 - (1 - top_k / slots) ^ batch), under uniform
-    routing."""
+def _matrices(llm):
+    """(path string, leaf) of the model's weight matrices a decode token multiplies: rank >= 2, the embedding
+    (one row read) and the MTP module left out."""
     import jax
 
-    top_k = llm.model.config.num_experts_per_tok
-    flops = head = step_bytes = 0.0
     for path, leaf in jax.tree_util.tree_leaves_with_path(llm.model.state):
         keys = jax.tree_util.keystr(path)
-        if getattr(leaf, "ndim", 0) < 2 or "embed_tokens" in keys or "mtp" in keys or "scale_inv" in keys:
+        if getattr(leaf, "ndim", 0) >= 2 and "embed_tokens" not in keys and "mtp" not in keys:
+            yield keys, leaf
+
+
+def token_work(llm, batch: int) -> tuple[float, float, float]:
+    """(flops per token, the LM head's share of them, weight bytes per decode step of ``batch`` sequences): 2 x the
+    weights a token multiplies (routed experts: top_k of each layer's slots; the embedding's row left out; attention
+    over the cache left out: 128 tokens of context here), and the weights a step reads once: every dense weight,
+    and per MoE layer the expected distinct slots the batch routes to, slots x (1 - (1 - top_k / slots) ^ batch),
+    under uniform routing."""
+    top_k = llm.model.config.num_experts_per_tok
+    flops = head = step_bytes = 0.0
+    for keys, leaf in _matrices(llm):
+        if "scale_inv" in keys:
             continue
         if "['experts']" in keys:
             slots = leaf.shape[0]
@@ -266,10 +273,7 @@ def weight_stream_floor(llm, replay) -> tuple[float, float, float]:
     top_k = llm.model.config.num_experts_per_tok
     screen = llm.runner.head_screen
     total = 0
-    for path, leaf in jax.tree_util.tree_leaves_with_path(llm.model.state):
-        keys = jax.tree_util.keystr(path)
-        if getattr(leaf, "ndim", 0) < 2 or "embed_tokens" in keys or "mtp" in keys:
-            continue
+    for keys, leaf in _matrices(llm):
         share = top_k / leaf.shape[0] if "['experts']" in keys else 1.0
         if screen is not None and "lm_head" in keys:  # greedy screening reads the head's int8 copy instead
             leaf = screen.q

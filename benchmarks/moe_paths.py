@@ -161,20 +161,11 @@ def _shape(p):
 
 
 def _choice(coeffs, p, backend):
-    """moe_cost.choose with these coefficients for prefill rows (sequence_tokens > 1): the least mean cost over
-    its routing scenarios."""
-    import dataclasses
-
+    """moe_cost.cheapest at these coefficients, priced as a prefill step (sequence_tokens > 1: the mean over its
+    routing scenarios)."""
     from jaxinfer.models import moe_cost
 
-    def cost(path):
-        total = 0.0
-        for skew in moe_cost.ROUTING_SKEWS:
-            work = moe_cost.work(path, dataclasses.replace(_shape(p), skew=skew), backend)
-            total += sum(coeffs[path][f] * work[f] for f in moe_cost.FEATURES)
-        return total
-
-    return min(moe_cost.PATHS, key=cost)
+    return moe_cost.cheapest(_shape(p), backend, coeffs, sequence_tokens=2)
 
 
 def _regret(p, path):

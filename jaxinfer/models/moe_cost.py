@@ -4,7 +4,7 @@ model of the step's shape.
 Each path's work is counted from the static shape (``work``): its weight-matrix products ("matrices": each has a
 fixed cost, a library call on XLA:CPU, a kernel launch on a GPU), the weight bytes it reads, its flops, and the
 activation bytes its buffers move. A path's cost on a backend and compute dtype is that work priced by the path's
-own seconds per unit of work (``COSTS``), fitted offline by non-negative least squares on measurements over a grid
+own seconds per unit of work (``coefficients``), fitted offline by non-negative least squares on measurements over a grid
 of expert shapes and row counts (``python benchmarks/moe_paths.py --calibrate`` rewrites moe_costs.json;
 docs/benchmarks.md "Routed-expert paths (CPU)"). The choice is a pure function of (rows, top_k, slots, hidden,
 moe_intermediate, weight bytes, dtype, backend): no start-up timing, so every process and every rank of a mesh
@@ -158,17 +158,26 @@ def coefficients(backend: str, dtype: str) -> dict[str, dict[str, float]]:
     return entry.get(dtype, entry.get("float32"))["paths"]
 
 
+def price(path: str, shape: ExpertShape, backend: str, prices: dict[str, dict[str, float]]) -> float:
+    """Seconds of ``path`` on ``shape`` at ``prices`` (path -> feature -> seconds per unit)."""
+    return sum(prices[path][f] * v for f, v in work(path, shape, backend).items())
+
+
 def predict(path: str, shape: ExpertShape, dtype: str, backend: str) -> float:
     """Seconds the cost model gives ``path`` on ``shape``."""
-    price = coefficients(backend, dtype)[path]
-    return sum(price[f] * v for f, v in work(path, shape, backend).items())
+    return price(path, shape, backend, coefficients(backend, dtype))
+
+
+def cheapest(shape: ExpertShape, backend: str, prices: dict[str, dict[str, float]], sequence_tokens: int = 1) -> str:
+    """The path of least cost at ``prices`` (ties: PATHS order) for ``shape`` whose rows come sequence_tokens at a
+    time from one sequence (a step's T): under balanced routing for 1 (decode), the mean over ROUTING_SKEWS
+    above."""
+    skews = ROUTING_SKEWS if sequence_tokens > 1 else (0.0,)
+    scenarios = [dataclasses.replace(shape, skew=skew) for skew in skews]
+    return min(PATHS, key=lambda p: sum(price(p, s, backend, prices) for s in scenarios))
 
 
 @functools.cache
 def choose(shape: ExpertShape, dtype: str, backend: str, sequence_tokens: int = 1) -> str:
-    """The cheapest path (ties: PATHS order) for ``shape`` whose rows come sequence_tokens at a time from one
-    sequence (a step's T): by ``predict`` under balanced routing for 1 (decode), by the mean over ROUTING_SKEWS
-    above."""
-    skews = ROUTING_SKEWS if sequence_tokens > 1 else (0.0,)
-    scenarios = [dataclasses.replace(shape, skew=skew) for skew in skews]
-    return min(PATHS, key=lambda p: sum(predict(p, s, dtype, backend) for s in scenarios))
+    """``cheapest`` at the table's prices for ``backend`` and ``dtype``."""
+    return cheapest(shape, backend, coefficients(backend, dtype), sequence_tokens)
