@@ -4,8 +4,8 @@ model of the step's shape.
 Each path's work is counted from the static shape (``work``): its weight-matrix products ("matrices": each has a
 fixed cost, a library call on XLA:CPU, a kernel launch on a GPU), the weight bytes it reads, its flops, and the
 activation bytes its buffers move. A path's cost on a backend and compute dtype is that work priced by the path's
-own seconds per unit of work (``coefficients``), fitted offline by non-negative least squares on measurements over a grid
-of expert shapes and row counts (``python benchmarks/moe_paths.py --calibrate`` rewrites moe_costs.json;
+own seconds per unit of work (``coefficients``), fitted offline by non-negative least squares on measurements over
+a grid of expert shapes and row counts (``python benchmarks/moe_paths.py --calibrate`` rewrites moe_costs.json;
 docs/benchmarks.md "Routed-expert paths (CPU)"). The choice is a pure function of (rows, top_k, slots, hidden,
 moe_intermediate, weight bytes, dtype, backend): no start-up timing, so every process and every rank of a mesh
 picks the same path for the same step, and a test can name the path a shape gets.
