@@ -1,5 +1,9 @@
 """jaxinfer: DeepSeek-V3/R1-family inference in JAX."""
 
+from jaxinfer import host_memory
+
+host_memory.tune_malloc()  # before XLA:CPU's threads first allocate: host_memory.py says why
+
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import LLMEngine
