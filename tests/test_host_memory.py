@@ -15,7 +15,7 @@ import pytest
 from jaxinfer import host_memory
 
 PROBE = r"""
-import json, resource, sys
+import json, resource, sys, time
 import jaxinfer  # applies host_memory.tune_malloc() unless the environment says not to
 import jax, jax.numpy as jnp
 
@@ -26,10 +26,11 @@ def f(x):  # x [16M] float32: sin(x) is materialized (the barrier) in the progra
 
 x = jnp.ones(16 << 20, jnp.float32)
 faults = []
-for _ in range(8):
+for _ in range(12):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     f(x).block_until_ready()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    time.sleep(0.1)  # XLA:CPU frees an execution's buffers after it completes, on its own threads
 print(json.dumps(faults))
 """
 
@@ -50,10 +51,10 @@ def test_a_programs_temporary_buffer_is_reused_not_faulted_in_again():
     untouched = _faults({"JAXINFER_MALLOC": "default"})
     # Without the tuning every execution faults the buffer in again (glibc maps it afresh): the probe measures it.
     assert min(untouched[1:]) > PAGES // 2, untouched
-    # With it, executions reuse freed buffers' pages. XLA:CPU frees an execution's buffers asynchronously, so the
-    # next one may allocate before they are back (the heap then grows by a buffer, a few times at most): the
-    # last executions are the steady state.
-    assert max(tuned[-3:]) < PAGES // 20, tuned
+    # With it, executions reuse freed buffers' pages once the heap has grown enough: small allocations of other
+    # threads (one arena) may take a piece of a freed buffer, and then the next one grows the heap (a few times,
+    # on a loaded machine, in the first executions).
+    assert max(tuned[-4:]) < PAGES // 20, tuned
 
 
 def test_the_environment_and_the_user_keep_their_malloc_settings():
