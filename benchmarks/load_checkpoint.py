@@ -9,7 +9,9 @@ once before timing, so the figures are the loader's, not the disk's (a cold page
 Each load runs in a fresh process: ``load_model(DIR, mesh="1x1", dtype="bfloat16", keep_fp8=...)`` until every
 array is ready. Printed per mode: seconds (median of rounds), checkpoint bytes / s (the safetensors files' size,
 the FP8 bytes included), the loaded arrays' bytes, and the process's anonymous memory (RssAnon, sampled every
-2 ms) at its peak during the load, above what it held before, against the loaded arrays' bytes.
+2 ms) at its peak during the load, above what it held before, against the loaded arrays' bytes. For bfloat16 also
+the limit measured in the same run: XLA:CPU writing the loaded arrays' bytes into fresh memory (``fresh_write_floor``,
+fresh processes, median of rounds), and the load's time over it.
 """
 
 from __future__ import annotations
@@ -106,15 +108,39 @@ def child(directory: str, mode: str) -> None:
     print(json.dumps({"seconds": seconds, "arrays_bytes": arrays, "anon_peak_bytes": peak["bytes"] - base}))
 
 
+def fresh_write_floor(nbytes: int) -> None:
+    """XLA:CPU writing ``nbytes`` of bfloat16 into fresh memory, as a dequantizing load's outputs are written: one
+    program computing 128 MiB chunks (compiled and run once first), every output kept. Prints its JSON line. On
+    these VMs the first touches of fresh pages bound it, not the arithmetic (docs/benchmarks.md "Checkpoint
+    loading"), so it is a floor for a bfloat16 load of a checkpoint whose arrays take ``nbytes``."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxinfer  # noqa: F401  (its malloc settings, as in a load)
+
+    n = 64 << 20  # bfloat16 elements per chunk: bit patterns, as cheap to compute as can be (a float conversion
+    chunk = jax.jit(lambda k: jax.lax.bitcast_convert_type(  # would cost more than the writes)
+        (jnp.arange(n, dtype=jnp.uint32) ^ k).astype(jnp.uint16), jnp.bfloat16))
+    kept = [chunk(jnp.uint32(0)).block_until_ready()]  # compiled; kept, so no later chunk reuses its pages
+    t0 = time.perf_counter()
+    kept += [chunk(jnp.uint32(k + 1)) for k in range(-(-nbytes // (2 * n)))]
+    jax.block_until_ready(kept)
+    print(json.dumps({"seconds": time.perf_counter() - t0}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", type=pathlib.Path, default=pathlib.Path("/tmp/jaxinfer_load_bench"))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--modes", nargs="+", choices=["fp8", "bf16"], default=["fp8", "bf16"])
     parser.add_argument("--child", nargs=2, metavar=("DIR", "MODE"), help=argparse.SUPPRESS)
+    parser.add_argument("--floor", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(*args.child)
+        return
+    if args.floor:
+        fresh_write_floor(args.floor)
         return
     if not (args.dir / "config.json").exists():
         t0 = time.perf_counter()
@@ -135,11 +161,17 @@ def main() -> None:
         seconds = statistics.median(r["seconds"] for r in runs)
         arrays = runs[0]["arrays_bytes"]
         peak = max(r["anon_peak_bytes"] for r in runs)
-        print(json.dumps({"mode": "keep_fp8" if mode == "fp8" else "bfloat16", "checkpoint_gb": round(size / 1e9, 3),
-                          "seconds": round(seconds, 2), "rounds_s": [round(r["seconds"], 2) for r in runs],
-                          "gb_per_s": round(size / seconds / 1e9, 3), "arrays_gb": round(arrays / 1e9, 3),
-                          "anon_peak_gb": round(peak / 1e9, 3),
-                          "anon_peak_over_arrays": round(peak / arrays, 3)}), flush=True)
+        line = {"mode": "keep_fp8" if mode == "fp8" else "bfloat16", "checkpoint_gb": round(size / 1e9, 3),
+                "seconds": round(seconds, 2), "rounds_s": [round(r["seconds"], 2) for r in runs],
+                "gb_per_s": round(size / seconds / 1e9, 3), "arrays_gb": round(arrays / 1e9, 3),
+                "anon_peak_gb": round(peak / 1e9, 3), "anon_peak_over_arrays": round(peak / arrays, 3)}
+        if mode == "bf16":  # the limit: XLA:CPU writing the loaded arrays' bytes into fresh memory
+            floors = [json.loads(subprocess.run([sys.executable, __file__, "--floor", str(arrays)], check=True,
+                                                capture_output=True, text=True).stdout.strip().splitlines()[-1])
+                      ["seconds"] for _ in range(args.rounds)]
+            line["fresh_write_floor_s"] = round(statistics.median(floors), 2)
+            line["seconds_over_floor"] = round(seconds / statistics.median(floors), 2)
+        print(json.dumps(line), flush=True)
 
 
 if __name__ == "__main__":

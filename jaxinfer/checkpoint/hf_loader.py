@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import re
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -26,7 +27,7 @@ import numpy as np
 
 from jaxinfer.checkpoint.errors import CheckpointError
 from jaxinfer.checkpoint.fp8 import dequantize_blockwise_jnp, scale_shape
-from jaxinfer.checkpoint.safetensors_io import SafetensorsCheckpoint, host_array
+from jaxinfer.checkpoint.safetensors_io import SafetensorsCheckpoint, StagingBuffers, host_array
 from jaxinfer.checkpoint.tree import flatten_tree, unflatten_tree
 from jaxinfer.config import ModelConfig
 from jaxinfer.parallel.placement import identity_phy2log, placement_values
@@ -136,19 +137,20 @@ def _sliced_shape(shape: tuple, index: tuple) -> tuple:
         shape[len(index):])
 
 
-def _reader(ckpt: SafetensorsCheckpoint, src: Source, dtype: np.dtype,
-            pool: Executor | None = None) -> Callable[[tuple], np.ndarray]:
+def _reader(ckpt: SafetensorsCheckpoint, src: Source, dtype: np.dtype, pool: Executor | None = None,
+            alloc: Callable[[tuple, np.dtype], np.ndarray] = host_array) -> Callable[[tuple], np.ndarray]:
     """A callback for make_array_from_callback: reads just the requested slice, cast to ``dtype`` (an FP8 source
     read as FP8 stays raw: ``load_hf_params`` dequantizes on the device).
 
     A whole tensor in its own dtype (the bulk of a checkpoint) is read with positioned reads into a page-aligned
     host array (``host_array``: XLA:CPU keeps it as the device buffer, no second copy); stacked experts are read
-    straight into their slots of one such array. ``pool``: threads for the reads (pieces of a tensor, or experts)."""
+    straight into their slots of one such array. ``pool``: threads for the reads (pieces of a tensor, or experts);
+    ``alloc(shape, dtype)``: those host arrays (``StagingBuffers.take`` for bytes that only pass through)."""
 
     def one(name: str, index: tuple, out: np.ndarray | None = None, pieces: Executor | None = None) -> np.ndarray:
         info = ckpt.info(name)
         if info.dtype == dtype and _sliced_shape(info.shape, index) == info.shape:
-            out = host_array(info.shape, dtype) if out is None else out
+            out = alloc(info.shape, dtype) if out is None else out
             ckpt.read_into(name, out, pieces)
             return out
         value = _cast(ckpt.read(name)[index], dtype)
@@ -167,7 +169,7 @@ def _reader(ckpt: SafetensorsCheckpoint, src: Source, dtype: np.dtype,
             else:
                 experts = range(len(src.names))[index[0]]
                 shape = _sliced_shape(ckpt.info(src.names[0]).shape, index[1:])
-                out = host_array((len(experts), *shape), dtype)
+                out = alloc((len(experts), *shape), dtype)
                 reads = [(src.names[e], index[1:], out[k]) for k, e in enumerate(experts)]
                 if pool is None:
                     for args in reads:
@@ -246,16 +248,20 @@ def load_hf_params(config: ModelConfig, ckpt: SafetensorsCheckpoint, abstract: d
     out = [(path, jax.make_array_from_callback(value.shape, sharding_for(path, value.shape),
                                                lambda index, v=value: v[index])) for path, value in placements.items()]
     pending = None  # the last dequantization dispatched: one in flight, so FP8 bytes of at most two tensors live
+    staging = StagingBuffers()  # those FP8 bytes: read into pages touched before, not fresh ones
+    fp8_bytes = [math.prod(leaf.shape) if src.scale_names and dtype != FP8_NP else 0 for _, leaf, src, dtype in plan]
+    largest_after = [max(fp8_bytes[i + 1:], default=0) for i in range(len(plan))]  # what staging may still serve
     with ThreadPoolExecutor(min(READ_THREADS, os.cpu_count() or 1)) as pool:
-        for path, leaf, src, dtype in plan:
+        for i, (path, leaf, src, dtype) in enumerate(plan):
             shape = tuple(leaf.shape)
             sharding = sharding_for(path, shape)
             if src.scale_names and dtype != FP8_NP:  # dequantized on the device (see _dequantize)
-                weight = jax.make_array_from_callback(shape, sharding, _reader(ckpt, src, FP8_NP, pool))
+                weight = jax.make_array_from_callback(shape, sharding, _reader(ckpt, src, FP8_NP, pool, staging.take))
                 scale = jax.make_array_from_callback(scale_shape(shape), sharding,
                                                      _reader(ckpt, Source(src.scale_names, src.stacked), np.float32))
                 if pending is not None:  # read while the previous product was computed; now that one is done
                     pending.block_until_ready()
+                staging.release(keep=largest_after[i])  # the FP8 bytes of the product before (arrays deleted below)
                 value = pending = _dequantize(weight, scale, dtype=dtype)
                 del weight, scale  # their host buffers go as soon as the product is computed
             else:

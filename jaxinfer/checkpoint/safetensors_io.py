@@ -330,6 +330,46 @@ def host_array(shape: tuple[int, ...], dtype) -> np.ndarray:
     return np.frombuffer(buffer, dtype).reshape(shape)
 
 
+class StagingBuffers:
+    """Page-aligned host buffers handed out and taken back: host memory for bytes that only pass through.
+
+    Loading FP8 weights in a float dtype places each tensor's e4m3 bytes, dequantizes them on the device and drops
+    them. Reading every tensor into fresh memory (``host_array``) faults every page in anew, and on CPU hosts those
+    first touches, not the copy, bound the read (docs/benchmarks.md "Checkpoint loading"); buffers taken back here
+    are reused, their pages already touched. ``take`` hands out the smallest free buffer that fits and is less than
+    twice the size asked (else maps a new one). ``release(keep)`` ends a generation: the buffers handed out before
+    the previous ``release`` are free again (one generation in flight, one being filled), so by then the caller's
+    arrays over them must be gone and the device work reading them done; of the free buffers, the largest are kept
+    while they total at most ``keep`` bytes (what the caller may still ask for at once) and the rest unmapped.
+    """
+
+    def __init__(self):
+        self._free: list[mmap.mmap] = []
+        self._filling: list[mmap.mmap] = []
+        self._in_flight: list[mmap.mmap] = []
+
+    def take(self, shape: tuple[int, ...], dtype) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes == 0:
+            return np.empty(shape, dtype)
+        fits = [b for b in self._free if nbytes <= len(b) < 2 * nbytes]  # a big one stays for a big tensor
+        if fits:
+            buffer = min(fits, key=len)
+            self._free.remove(buffer)
+        else:
+            buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._filling.append(buffer)
+        return np.frombuffer(buffer, dtype, math.prod(shape)).reshape(shape)
+
+    def release(self, keep: int) -> None:
+        free, self._free = sorted(self._free + self._in_flight, key=len, reverse=True), []
+        for buffer in free:
+            if sum(map(len, self._free)) + len(buffer) <= keep:
+                self._free.append(buffer)  # the others are unmapped with the last array viewing them
+        self._in_flight, self._filling = self._filling, []
+
+
 def _as_writable_array(name: object, value: object) -> np.ndarray:
     """Checks one tensor to write; returns it as a C-contiguous little-endian numpy array."""
     if not isinstance(name, str) or not name or name == "__metadata__":

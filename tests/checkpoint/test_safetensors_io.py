@@ -14,6 +14,7 @@ from jaxinfer.checkpoint.errors import CheckpointError
 from jaxinfer.checkpoint.safetensors_io import (
     INDEX_FILE,
     SafetensorsCheckpoint,
+    StagingBuffers,
     host_array,
     write_safetensors,
     write_sharded_safetensors,
@@ -116,6 +117,31 @@ def test_read_into_page_aligned_host_arrays(tmp_path, rng, monkeypatch):
     with pytest.raises(CheckpointError, match=f"ends before tensor '{last}'"):
         ckpt.read_into(last, host_array(tensors[last].shape, tensors[last].dtype))
     assert host_array((0, 3), np.float32).shape == (0, 3)
+
+
+def test_staging_buffers_are_reused_one_generation_late():
+    """A buffer comes back two releases after it was handed out (its generation was filled, then in flight); the
+    smallest free one that fits and is less than twice the size asked is reused (page-aligned, writable), else one
+    is mapped anew; a release keeps the largest free buffers within its byte budget."""
+    staging = StagingBuffers()
+    first = staging.take((64, 1024), np.uint8)
+    small = staging.take((3, 5), np.float32)
+    staging.release(keep=1 << 20)  # first, small: in flight
+    second = staging.take((64, 1024), np.uint8)
+    assert not np.shares_memory(second, first)
+    staging.release(keep=1 << 20)  # first, small: free; second: in flight
+    assert staging.take((2, 7), np.float32).ctypes.data == small.ctypes.data
+    half = staging.take((16, 1024), ml_dtypes.bfloat16)  # 32 KiB: first's 64 KiB is twice that, kept for more
+    assert not np.shares_memory(half, first)
+    big = staging.take((17, 1024), ml_dtypes.bfloat16)  # 34 KiB
+    assert big.ctypes.data == first.ctypes.data and big.shape == (17, 1024) and big.flags.writeable
+    bigger = staging.take((65, 1024), np.uint8)  # nothing free fits
+    assert bigger.ctypes.data % mmap.PAGESIZE == 0
+    assert staging.take((0, 4), np.float32).shape == (0, 4)
+    staging.release(keep=0)  # second: free, and unmapped at once (nothing kept)
+    staging.release(keep=65 * 1024)  # of small, half, first and bigger only bigger (65 KiB) stays
+    assert staging.take((65, 1024), np.uint8).ctypes.data == bigger.ctypes.data
+    assert staging.take((3, 5), np.float32).ctypes.data != small.ctypes.data
 
 
 def test_our_files_read_by_official_library(tmp_path, rng):
