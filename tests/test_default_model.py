@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import hf_oracle as O
-from test_fp8_checkpoint import dequantize_checkpoint
+from fp8_oracle import dequantize_checkpoint
 
 from jaxinfer.default_model import path as default_model_path
 from jaxinfer.engine.tokenizer import Tokenizer

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 import hf_oracle as O
+from compile_counter import CompileCounter
 from jaxinfer import rebalance
 from jaxinfer.engine.llm import LLM
 from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.parallel.comm import tokens_sent
 from jaxinfer.parallel.eplb import balancedness
 from jaxinfer.parallel.placement import placement_tables
-from test_engine import CompileCounter
 
 CASE = "v3_qlora_yarn"  # 8 routed experts in 4 groups, top-2, MoE layers 1 and 2
 LENGTHS = (5, 37, 64, 70, 130, 3, 17, 90, 1, 45)

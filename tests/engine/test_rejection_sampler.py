@@ -22,7 +22,6 @@ change), and R = 4000, T = 3 without penalties or logprobs (the statistical test
 
 from __future__ import annotations
 
-import math
 
 import jax
 import numpy as np
@@ -33,39 +32,10 @@ from jaxinfer.engine.rejection_sampler import ACCEPT, RECOVER, verify
 from jaxinfer.engine.sampler import SamplingTensors
 from jaxinfer.engine.sampling_params import SamplingParams
 
+from chi_square import chi_square_pvalue
+
 R, T, V, K = 8, 4, 8, 2
 _verify = jax.jit(verify)
-
-
-# --- chi-square (shared with test_speculative_sampling.py) -----------------------------------------------------
-
-def chi_square_pvalue(counts, probs, min_expected: float = 5.0) -> tuple[float, float, int]:
-    """Pearson's goodness-of-fit of integer counts [n] against probabilities [n]: (p-value, statistic, df).
-
-    A count in a cell of probability 0 gives p = 0. Cells of expected count < min_expected are pooled (with the
-    smallest other cell too while the pool stays below it)."""
-    counts = np.asarray(counts, np.float64).ravel()
-    probs = np.asarray(probs, np.float64).ravel()
-    probs = probs / probs.sum()
-    n = counts.sum()
-    if counts[probs == 0].sum() > 0:
-        return 0.0, math.inf, -1
-    expected, observed = n * probs[probs > 0], counts[probs > 0]
-    order = np.argsort(expected, kind="stable")
-    expected, observed = list(expected[order]), list(observed[order])
-    pool_e = pool_o = 0.0
-    while expected and (expected[0] < min_expected or pool_e < min_expected and pool_e > 0):
-        pool_e += expected.pop(0)
-        pool_o += observed.pop(0)
-    if pool_e > 0:
-        expected.append(pool_e)
-        observed.append(pool_o)
-    df = len(expected) - 1
-    if df < 1:
-        return 1.0, 0.0, 0
-    e, o = np.array(expected), np.array(observed)
-    stat = float(((o - e) ** 2 / e).sum())
-    return float(scipy.stats.chi2.sf(stat, df)), stat, df
 
 
 def test_chi_square_pvalue_pools_small_cells():

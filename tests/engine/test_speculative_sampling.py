@@ -10,7 +10,7 @@ Samples: thousands of seeded requests (seed = base + i) of one prompt through ``
 (K = 2) on a tiny random DeepSeek-V3 (vocabulary 16, one dense layer, an MoE MTP layer), max_tokens 4: the step
 after the prefill verifies two drafts, so t2 is decided at the verification's first column and t3 at its second
 (accepted draft, recovered token after a rejection, or the next round after an early rejection). Pearson's
-chi-square with cells merged to expected counts >= 5 (test_rejection_sampler.chi_square_pvalue, scipy's p-value)
+chi-square with cells merged to expected counts >= 5 (tests/chi_square.py, scipy's p-value)
 at significance 1e-3 per distribution; the seeds are fixed, so the test is deterministic. The same samples must
 reject the exact distribution of a wrong temperature (0.8 for samples at 1; 1 without top-k for samples at 0.7
 with top-k 3) with p < 1e-6, so the test has power.
@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from jaxinfer import LLM, SamplingParams
-from test_rejection_sampler import chi_square_pvalue
+from chi_square import chi_square_pvalue
 
 V, HIDDEN = 16, 32
 CFG = dict(model_type="deepseek_v3", vocab_size=V, hidden_size=HIDDEN, intermediate_size=48, moe_intermediate_size=16,

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import hf_oracle as O
-from test_fp8_checkpoint import dequantize_checkpoint
+from fp8_oracle import dequantize_checkpoint
 
 F32_TOL = 1e-4
 
