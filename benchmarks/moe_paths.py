@@ -29,9 +29,9 @@ import datetime
 import functools
 import json
 import pathlib
-import statistics
 import sys
-import time
+
+from calibration import fit_prices, median_seconds
 
 CALIBRATION_SHAPES = {  # name -> (slots, top_k, hidden, moe_intermediate)
     "bench": (16, 4, 512, 256),
@@ -82,19 +82,6 @@ def _params(s, d, i, dtype, seed=0):
             "down_proj": make(keys[2], (s, d, i))}
 
 
-def _time(fn, args, budget_s=0.3, least=3, most=15):
-    """Median seconds of fn(*args) after a warm-up: at least `least` calls, more while under budget_s."""
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    samples = []
-    while len(samples) < least or (sum(samples) < budget_s and len(samples) < most):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
-
-
 def measure(dtypes, rows_list, shapes, log=print) -> list[dict]:
     """Times every path on every (shape, rows, dtype) of the grid within MAX_FLOPS / MAX_WEIGHT_BYTES."""
     import jax
@@ -122,7 +109,7 @@ def measure(dtypes, rows_list, shapes, log=print) -> list[dict]:
                         continue
                     fn = jax.jit(functools.partial(expert_ffn, dtype=dtype, path=path),
                                  compiler_options=ENGINE_OPTIONS.get(backend))
-                    times[path] = _time(fn, (params, x, w, ids))
+                    times[path] = median_seconds(fn, (params, x, w, ids))
                 out.append(dict(shape=name, dtype=dtype_name, rows=rows, slots=s, top_k=k, hidden=d, inter=i,
                                 itemsize=dtype.itemsize, times=times))
                 log(f"{dtype_name:>8} {name:>16} M={rows:>5} " + " ".join(
@@ -132,25 +119,15 @@ def measure(dtypes, rows_list, shapes, log=print) -> list[dict]:
 
 
 def fit(points: list[dict], backend: str) -> dict:
-    """path -> feature -> seconds per unit: NNLS of measured time on work, each point weighted by 1 / its time
-    (relative error), features scaled to unit columns for the solver."""
-    import numpy as np
-    from scipy.optimize import nnls
-
+    """path -> feature -> seconds per unit (calibration.fit_prices: NNLS on relative error)."""
     from jaxinfer.models import moe_cost
 
     coeffs = {}
     for path in moe_cost.PATHS:
-        rows, y = [], []
-        for p in points:
-            if path in p["times"]:
-                work = moe_cost.work(path, _shape(p), backend)
-                rows.append([work[f] for f in moe_cost.FEATURES])
-                y.append(p["times"][path])
-        a, y = np.asarray(rows, np.float64), np.asarray(y)
-        scale = np.maximum(np.abs(a).max(0), 1e-30)
-        c, _ = nnls(a / scale / y[:, None], np.ones(len(y)), maxiter=10000)
-        coeffs[path] = {f: float(f"{v:.4g}") for f, v in zip(moe_cost.FEATURES, c / scale)}
+        timed = [p for p in points if path in p["times"]]
+        work = [[moe_cost.work(path, _shape(p), backend)[f] for f in moe_cost.FEATURES] for p in timed]
+        prices = fit_prices(work, [p["times"][path] for p in timed])
+        coeffs[path] = dict(zip(moe_cost.FEATURES, prices))
     return coeffs
 
 

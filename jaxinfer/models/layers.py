@@ -19,6 +19,7 @@ from flax import nnx
 
 from jaxinfer import platform
 from jaxinfer.checkpoint.fp8 import dequantize_blockwise_jnp, scale_shape
+from jaxinfer.models import gemm_cost
 from kernels_pallas import fp8_gemm, per_token_cast_to_fp8
 
 FP8_DTYPE = jnp.float8_e4m3fn
@@ -49,13 +50,6 @@ def dense_weight(weight: jax.Array, scale_inv: jax.Array | None, dtype) -> jax.A
     return dequantize_blockwise_jnp(weight, scale_inv, dtype=dtype)
 
 
-# The rows M for which XLA:CPU (YNNPACK) multiplies x [M, K] by W [N, K]^T faster as the [N, M] product W @ x^T
-# (the weights as the left operand) with that small result transposed afterwards; about equal from M = 128 up.
-# Batched over experts ([16, C, 512] x [16, 256, 512]^T) the same holds up to C = 64, equal or slower from 128.
-# These are the decode batches (benchmarks/gemm_forms.py, cold weights; docs/benchmarks.md "GEMM forms (CPU)").
-TRANSPOSED_PRODUCT_ROWS = (2, 64)
-
-
 def materialized(x: jax.Array) -> jax.Array:
     """x, computed into its own buffer before a matrix-vector product reads it (x + 0, written as a sum over a
     stacked zero: XLA:CPU fuses elementwise ops, slices and transposes into a matvec's loop but never a reduce).
@@ -75,9 +69,10 @@ def matmul_nt(x: jax.Array, w: jax.Array, row_shards: int = 1) -> jax.Array:
     """x [..., K] @ w [N, K]^T -> float32 [..., N]; or batched, x [S, M, K] @ w [S, N, K]^T -> float32 [S, M, N]
     (w of rank 3: one matrix per leading index). Both operands in their own dtype, float32 accumulation.
 
-    On CPU, one row (M = 1) is a float32 matrix-vector product (see below), and TRANSPOSED_PRODUCT_ROWS rows are
-    computed as (w @ x^T)^T. The optimization barrier keeps that form: without it XLA's algebraic simplifier folds
-    the transpose back into the dot and picks the slow form again.
+    On CPU one row (M = 1 per device) is a float32 matrix-vector product (see below); more rows take the cheaper
+    form by gemm_cost's model of the shape (``product_form``): the plain product, or (w @ x^T)^T, the weights as
+    the left operand, which XLA:CPU (YNNPACK) runs faster for few rows. The optimization barrier keeps that form:
+    without it XLA's algebraic simplifier folds the transpose back into the dot and picks the slow form again.
 
     row_shards: the number of devices x's rows are split over when this runs under jit on a mesh outside
     shard_map (parallel.plan.batch_shards: the batch is split over every device). XLA then multiplies M /
@@ -85,19 +80,19 @@ def matmul_nt(x: jax.Array, w: jax.Array, row_shards: int = 1) -> jax.Array:
     one per device, and the 8-row form makes XLA:CPU convert bf16 weights to float32 in every step
     (docs/benchmarks.md "Meshes: jaxinfer bench / sweep")."""
     f32 = {"preferred_element_type": jnp.float32}
-    lo, hi = TRANSPOSED_PRODUCT_ROWS
     fast = platform.current().is_cpu
     if w.ndim == 3:
         if x.ndim != 3 or x.shape[0] != w.shape[0] or x.shape[2] != w.shape[2]:
             raise ValueError(f"batched matmul_nt needs x [S, M, K] and w [S, N, K], got {x.shape} and {w.shape}")
-        if fast and lo <= x.shape[1] <= hi:
+        if fast and product_form(x.shape[1], w) == "transposed":
             y = jnp.einsum("snk,smk->snm", w, x, **f32)  # [S, N, M]
             return jax.lax.optimization_barrier(y).transpose(0, 2, 1)
         return jnp.einsum("smk,snk->smn", x, w, **f32)
     lead, k = x.shape[:-1], x.shape[-1]
     m = math.prod(lead)
     rows = local_rows(m, row_shards)  # per device
-    if fast and rows == 1:
+    form = ("matvec" if rows == 1 else product_form(rows, w)) if fast else "plain"
+    if form == "matvec":
         # One row: x @ w^T on float32 operands, which XLA:CPU emits as its own matrix-vector loop that reads w in its
         # dtype and converts in registers ("copy_dot_fusion" in the optimized HLO): faster than a dot_general with
         # f32 output for bf16 and float32 weights alike (benchmarks/gemm_forms.py; docs/benchmarks.md "GEMM forms
@@ -107,10 +102,18 @@ def matmul_nt(x: jax.Array, w: jax.Array, row_shards: int = 1) -> jax.Array:
         x = materialized(x.reshape(m, k).astype(jnp.float32))
         y = jax.lax.optimization_barrier(jnp.matmul(x, w.astype(jnp.float32).T))  # [M, N]: no output fusion
         return y.reshape(*lead, w.shape[0])
-    if fast and lo <= rows <= hi:
+    if form == "transposed":
         y = jnp.einsum("nk,mk->nm", w, x.reshape(m, k), **f32)  # [N, M]
         return jax.lax.optimization_barrier(y).T.reshape(*lead, w.shape[0])
     return jnp.einsum("...k,nk->...n", x, w, **f32)
+
+
+def product_form(rows: int, w: jax.Array) -> str:
+    """The form (gemm_cost.FORMS) in which XLA:CPU multiplies [rows, K] (per device) by w [N, K]^T or, batched,
+    [S, rows, K] by w [S, N, K]^T: the cheapest by gemm_cost's model of the shape (gemm_costs.json)."""
+    *batch, n, k = w.shape
+    shape = gemm_cost.GemmShape(rows, n, k, w.dtype.itemsize, batch[0] if batch else 0)
+    return gemm_cost.choose(shape, "bfloat16" if w.dtype == jnp.bfloat16 else "float32")
 
 
 def matmul_nt_many(x: jax.Array, ws: list[jax.Array], row_shards: int = 1) -> list[jax.Array]:

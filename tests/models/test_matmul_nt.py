@@ -1,4 +1,5 @@
-"""layers.matmul_nt (x @ W^T in the form XLA:CPU runs fastest for the row count) against float64 numpy."""
+"""layers.matmul_nt (x @ W^T: one row as a matvec, more in the form gemm_cost's model prices lowest on XLA:CPU)
+against float64 numpy, in every form whichever the model chooses."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +7,8 @@ import numpy as np
 import pytest
 
 from hlo_buffers import materialized_shapes
-from jaxinfer.models.layers import TRANSPOSED_PRODUCT_ROWS, materialized, matmul_nt, matmul_nt_many
+from jaxinfer.models import gemm_cost, layers
+from jaxinfer.models.layers import materialized, matmul_nt, matmul_nt_many
 
 
 @pytest.mark.parametrize("lead", [(1,), (2,), (1, 7), (4, 8), (64,), (65,), (2, 64)])
@@ -22,7 +24,7 @@ def test_matches_float64(lead, jit):
     np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [1, TRANSPOSED_PRODUCT_ROWS[0], TRANSPOSED_PRODUCT_ROWS[1], 128])
+@pytest.mark.parametrize("rows", [1, 2, 64, 128])
 def test_bfloat16_operands_accumulate_in_float32(rows):
     rng = np.random.default_rng(rows)
     x = jnp.asarray(rng.standard_normal((rows, 256)), jnp.bfloat16)
@@ -43,6 +45,23 @@ def test_float32_rows_on_bfloat16_weights(lead):
     ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
     assert y.shape == (*lead, 24) and y.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("form", gemm_cost.FORMS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_every_form_matches_float64(form, dtype, monkeypatch):
+    """Each form the cost model may choose for several rows, forced, computes the same products (float32
+    accumulation), unbatched and batched (one row per matrix too)."""
+    monkeypatch.setattr(layers, "product_form", lambda rows, w: form)
+    rng = np.random.default_rng(3)
+    w, ws = (jnp.asarray(rng.standard_normal(shape), dtype) for shape in ((40, 96), (3, 40, 96)))
+    for x, w in [(rng.standard_normal((2, 96)), w), (rng.standard_normal((2, 5, 96)), w),
+                 (rng.standard_normal((3, 7, 96)), ws), (rng.standard_normal((3, 1, 96)), ws)]:
+        x = jnp.asarray(x, dtype)
+        y = jax.jit(matmul_nt)(x, w)
+        ref = np.einsum("...mk,...nk->...mn", np.asarray(x, np.float64), np.asarray(w, np.float64))
+        assert y.dtype == jnp.float32 and y.shape == ref.shape
+        np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-4)
 
 
 def test_gradients_match_the_plain_product():
