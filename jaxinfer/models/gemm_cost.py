@@ -5,14 +5,14 @@
 Forms (both float32 accumulation, the same products):
 - "plain": ``einsum("mk,nk->mn")``, XLA:CPU's dot (a YNNPACK fusion).
 - "transposed": the [N, M] product W @ x^T, then its small result transposed (layers.py says why it is kept).
-One unbatched row is not priced here: matmul_nt always runs it as XLA:CPU's own float32 matrix-vector loop, whose
-advantage shows inside programs more than alone (bf16 weights: 16 one-row dot_generals 52 ms against 2.2 ms,
-docs/benchmarks.md "GEMM forms (CPU)"), where this model's measurements are taken.
+One unbatched row is not priced here: matmul_nt always runs it as XLA:CPU's own float32 matrix-vector loop. Its
+advantage shows inside programs more than in products timed alone, as this model's are (bf16 weights: 16 one-row
+dot_generals in a program 52 ms against 2.2 ms; docs/benchmarks.md "GEMM forms (CPU)").
 
-Each form's work is counted from the shape (``work``: one call, the bytes of the weights and of the rows it reads
-(a GEMM library packs one operand or the other), its flops, counted also with the rows padded to whole tiles, the
-bytes of its float32 result) and priced by the form's own seconds per unit (``coefficients``), fitted by non-negative least
-squares on measurements over a grid of shapes and row counts (``python benchmarks/gemm_forms.py --calibrate
+Each form's work is counted from the shape (``work``: one call, the bytes of the weights and of the rows it reads (a
+GEMM library packs one operand or the other), its flops, counted also with the rows padded to whole tiles, the bytes
+of its float32 result) and priced by the form's own seconds per unit (``coefficients``), fitted by non-negative
+least squares on measurements over a grid of shapes and row counts (``python benchmarks/gemm_forms.py --calibrate
 --write-table`` rewrites gemm_costs.json; docs/benchmarks.md "GEMM forms (CPU)"). The choice is a pure function of
 (batch, rows per device, N, K, weight dtype): every process and every rank picks the same form. Other backends run
 the plain form (their compilers choose the layout of a dot themselves; unmeasured).
