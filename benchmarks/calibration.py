@@ -7,13 +7,15 @@ import statistics
 import time
 
 
-def median_seconds(fn, args, budget_s: float = 0.3, least: int = 3, most: int = 15) -> float:
-    """Median seconds of fn(*args) after a warm-up: at least `least` calls, more while under budget_s."""
+def median_seconds(fn, *arg_sets, budget_s: float = 0.3, least: int = 3, most: int = 15) -> float:
+    """Median seconds of a call of fn after a warm-up, each call on the next of arg_sets in turn (several copies of
+    the weights: read cold, as in a step over many layers): at least `least` calls, more while under budget_s."""
     import jax
 
-    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*arg_sets[0]))
     samples = []
     while len(samples) < least or (sum(samples) < budget_s and len(samples) < most):
+        args = arg_sets[len(samples) % len(arg_sets)]
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
         samples.append(time.perf_counter() - t0)

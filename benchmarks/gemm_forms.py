@@ -32,7 +32,7 @@ import math
 import pathlib
 import time
 
-from calibration import fit_prices
+from calibration import fit_prices, median_seconds
 
 OLD_TRANSPOSED_ROWS = (2, 64)  # the fixed rule before the cost model, batched or not
 MAX_FLOPS = 4e9  # products of more work are not timed (the LM head at 1024 rows: their form is the plain one)
@@ -88,17 +88,8 @@ def measure(dtypes, rows_list, log=print) -> list[dict]:
                     if ws is None:
                         ws = [jnp.asarray(rng.standard_normal((*lead, n, k)), dtype) for _ in range(copies)]
                     x = jnp.asarray(rng.standard_normal((*lead, m, k)), dtype)
-                    times = {}
-                    for form in gemm_cost.FORMS:
-                        fn = fns[form]
-                        fn(x, ws[0]).block_until_ready()
-                        samples = []
-                        while len(samples) < len(ws) or (sum(samples) < 0.2 and len(samples) < 200):
-                            w = ws[len(samples) % len(ws)]
-                            t0 = time.perf_counter()
-                            fn(x, w).block_until_ready()
-                            samples.append(time.perf_counter() - t0)
-                        times[form] = float(np.median(samples))
+                    times = {form: median_seconds(fns[form], *[(x, w) for w in ws], budget_s=0.2, least=len(ws),
+                                                  most=200) for form in gemm_cost.FORMS}
                     points.append(dict(model=model, dtype=dtype_name, batch=s, rows=m, n=n, k=k,
                                        itemsize=dtype.itemsize, times=times))
                     log(f"{dtype_name:>8} {model:>16} S={s:<3} N={n:<6} K={k:<6} M={m:<5} " + " ".join(
@@ -152,11 +143,12 @@ def calibrate(args) -> None:
             if not held:
                 continue
             coeffs = fit(rest)
-            r = [regret(p, gemm_cost.cheapest(_shape(p), coeffs)) for p in held]
+            chosen = [gemm_cost.cheapest(_shape(p), coeffs) for p in held]
+            r = [regret(p, form) for p, form in zip(held, chosen)]
             o = [regret(p, old_rule(p)) for p in held]
             ours, olds = ours + r, olds + o
-            for p in held:
-                times[0] += p["times"][gemm_cost.cheapest(_shape(p), coeffs)]
+            for p, form in zip(held, chosen):
+                times[0] += p["times"][form]
                 times[1] += p["times"][old_rule(p)]
                 times[2] += min(p["times"].values())
             print(f"{dtype:>8} {model:>16} {np.median(r):>10.3f} {max(r):>8.3f} {np.median(o):>10.3f} {max(o):>8.3f}")

@@ -365,8 +365,9 @@ class StagingBuffers:
     def release(self, keep: int) -> None:
         free, self._free = sorted(self._free + self._in_flight, key=len, reverse=True), []
         for buffer in free:
-            if sum(map(len, self._free)) + len(buffer) <= keep:
+            if len(buffer) <= keep:
                 self._free.append(buffer)  # the others are unmapped with the last array viewing them
+                keep -= len(buffer)
         self._in_flight, self._filling = self._filling, []
 
 

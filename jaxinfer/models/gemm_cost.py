@@ -28,9 +28,8 @@ import pathlib
 FORMS = ("plain", "transposed")
 FEATURES = ("calls", "weight_bytes", "in_bytes", "flops", "tile_flops", "out_bytes")
 # GEMM libraries compute a product in tiles of rows: "tile_flops" counts the rows padded to a multiple of TILE_ROWS,
-# and the fit says how much of each form's time follows it. With it the held-out choice's time over the fastest
-# form's, weighted by time, is 1.020 instead of 1.047 for bf16 weights (8, 16 or 32 rows: 1.020-1.024; float32
-# 1.007-1.010 either way; docs/benchmarks.md "GEMM forms (CPU)").
+# and the fit says how much of each form's time follows it (the bf16 choice improves with it; tiles of 8 or 32 rows
+# do about as well: docs/benchmarks.md "GEMM forms (CPU)").
 TILE_ROWS = 16
 # The most rows the transposed form takes. In the engine's bf16 step programs XLA:CPU ran transposed products of 128
 # and 1024 rows (the grouped path's tiles, prefill) as DotThunks, which have no BF16 x BF16 -> F32 (UNIMPLEMENTED at
