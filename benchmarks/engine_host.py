@@ -29,6 +29,7 @@ def main() -> None:
     for b in [int(x) for x in args.batch_sizes.split(",")]:
         prompts = rng.integers(0, llm.model.config.vocab_size, (b, 64)).tolist()
         llm.generate(prompts, params, use_tqdm=False)  # compiles every step shape
+        llm.wait_for_compilations()
         walls, hosts = [], []
         for _ in range(args.repeats):
             t0 = time.perf_counter()

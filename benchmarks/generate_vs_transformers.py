@@ -121,6 +121,7 @@ def run_shape(args, shape: str) -> None:
         sides = {"jaxinfer": ours} if args.skip_transformers else {"jaxinfer": ours, "transformers": theirs}
         for fn in sides.values():  # warm-up: compilation, caches
             fn(1), fn(args.output_len)
+        llm.wait_for_compilations()  # the prefill block counts compiled ahead in the background
         first = {name: [] for name in sides}
         decode = {name: [] for name in sides}  # seconds of output_len - 1 decode steps, per round
         whole = {name: [] for name in sides}  # seconds of the whole generate (prefill + output_len tokens)

@@ -59,6 +59,7 @@ def compare(args) -> None:
         for name, llm in engines.items():  # warm-up: compiles every shape; greedy outputs must agree
             outs, _, _ = timed(llm, batch, params)
             tokens[name] = [o.outputs[0].token_ids for o in outs]
+            llm.wait_for_compilations()
         same = all(t == tokens["plain"] for t in tokens.values())
         decode = {name: [] for name in engines}
         stats = {}

@@ -126,6 +126,7 @@ def measure(llm, schema_name: str, batch: int, args) -> dict:
     runs = {"json": jaxinfer.SamplingParams(temperature=1.0, max_tokens=max_tokens, structured_outputs=constraint)}
     compiles = Compiles()
     for _ in range(args.warmup):  # until a run compiles nothing
+        llm.wait_for_compilations()
         before = compiles.count
         _, _, tokens = timed(llm, prompts, runs["json"])
         if compiles.count == before:

@@ -38,6 +38,7 @@ import time
 
 import numpy as np
 
+from jaxinfer.engine.buckets import PREFILL_BLOCK
 from jaxinfer.engine.speculative import VERIFY_MODES
 
 MODES = ("one-batch", "throughput")
@@ -206,6 +207,7 @@ def one_batch(llm, batch_size: int, input_len: int, output_len: int, *, seed: in
     lens, outs_len = [input_len] * batch_size, [output_len] * batch_size
     if warmup:
         _generate(llm, _prompts(rng, vocab, lens), outs_len)
+        llm.wait_for_compilations()
     outs, total = _generate(llm, _prompts(rng, vocab, lens), outs_len)
     spec = speculative_metrics(llm.stats, llm.config.speculative_config)
     ttft = [o.metrics["ttft_s"] for o in outs]
@@ -227,6 +229,7 @@ def throughput(llm, num_prompts: int, input_len: int, output_len: int, *, random
     out_lens = random_lengths(rng, num_prompts, output_len, random_range_ratio)
     if warmup:
         _generate(llm, _prompts(rng, vocab, in_lens), out_lens)
+        llm.wait_for_compilations()
     outs, elapsed = _generate(llm, _prompts(rng, vocab, in_lens), out_lens)
     spec = speculative_metrics(llm.stats, llm.config.speculative_config)
     n_in = sum(o.metrics["num_prompt_tokens"] for o in outs)
@@ -292,7 +295,7 @@ def run(args) -> None:
                 llm = None  # frees the previous engine's cache first
                 # Sized for the batch: every request runs at once and the whole batch is prefilled in one step.
                 llm = _llm(args, mesh, max_num_seqs=per_rank, max_model_len=args.input_len + args.output_len,
-                           max_num_batched_tokens=per_rank * max(16, 1 << (args.input_len - 1).bit_length()))
+                           max_num_batched_tokens=per_rank * max(PREFILL_BLOCK, 1 << (args.input_len - 1).bit_length()))
             results.append(dict(mode=args.mode, **mesh_info(llm, args.mesh), dtype=args.dtype,
                                 **one_batch(llm, b, args.input_len, args.output_len, seed=args.seed,
                                             warmup=args.warmup)))

@@ -137,7 +137,8 @@ def run(args) -> None:
     requests = read_requests(args)
     constraint = structured_outputs(args)
     # compilation_cache="off": the CLI has configured JAX's cache from --compilation-cache (cli._start_jax).
-    llm = jaxinfer.LLM(args.model, mesh=args.mesh, dtype=args.dtype, compilation_cache="off",
+    # compile_ahead off: one generate call, then the process exits; other prefill block counts are not needed.
+    llm = jaxinfer.LLM(args.model, mesh=args.mesh, dtype=args.dtype, compilation_cache="off", compile_ahead=False,
                        speculative_config=bench.speculative_config(args))
     defaults = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
                     seed=args.seed, structured_outputs=constraint)

@@ -24,6 +24,7 @@ from jaxinfer.parallel.plan import MOE_PATHS
 
 DTYPES = ("float32", "bfloat16")
 ATTENTION_BACKENDS = tuple(BACKENDS)
+PREFILL_LAYOUTS = ("blocks", "grid")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +63,13 @@ class EngineConfig:
       "num_speculative_tokens": K in [1, 16], "verify": "all" | "confidence"} (engine/speculative.py; stored as a
       SpeculativeConfig). A speculative step runs one draft-verify round; num_scheduler_steps applies to the
       plain decode steps verify="confidence" falls back to when no draft is worth verifying.
+    prefill_layout: "blocks" (chunks over query blocks of buckets.PREFILL_BLOCK columns: a prefill step compiles
+      once per block count; kernels_pallas/mla/query_blocks.py) or "grid" (a prefill step is [rows, T]: a chunk per
+      row, T the power of two >= the longest). Speculative decoding's prefill steps are grids either way.
+    compile_ahead: with prefill_layout "blocks", once the first block count compiles, compile the others in a
+      background thread (engine/compile_ahead.py), so that no later prefill step compiles; a script that exits
+      right after one generate call waits for at most the compilation under way. ``LLM.wait_for_compilations()``
+      waits for them.
 
     Raises ValueError naming the field for an invalid value.
     """
@@ -86,9 +94,15 @@ class EngineConfig:
     attention_backend: str | None = None
     moe_path: str | None = None
     speculative_config: SpeculativeConfig | dict | None = None
+    prefill_layout: str = "blocks"
+    compile_ahead: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        if self.prefill_layout not in PREFILL_LAYOUTS:
+            raise ValueError(f"prefill_layout must be one of {PREFILL_LAYOUTS}, got {self.prefill_layout!r}")
+        if not isinstance(self.compile_ahead, bool):
+            raise ValueError(f"compile_ahead must be True or False, got {self.compile_ahead!r}")
         for name, least, optional in [("num_kv_pages", 2, True), ("max_num_seqs", 1, False),
                                       ("max_num_batched_tokens", 1, False), ("max_model_len", 1, True),
                                       ("max_logprobs", 0, False), ("num_redundant_experts", 0, True),

@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxinfer import default_model
 from jaxinfer.compile_cache import enable_compilation_cache
+from jaxinfer.engine.buckets import PREFILL_BLOCK
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.outputs import EngineStats, RequestOutput, RequestOutputKind, RequestState
 from jaxinfer.engine.runner import InFlight, ModelRunner
@@ -82,13 +83,16 @@ class LLMEngine:
                                    num_scheduler_steps=config.num_scheduler_steps, speculative=spec is not None,
                                    confidence_verify=spec is not None and spec.verify == "confidence",
                                    num_drafts=self.num_drafts,
-                                   step_cost=step_cost(self.model.mesh.devices.flat[0].platform))
+                                   step_cost=step_cost(self.model.mesh.devices.flat[0].platform),
+                                   prefill_block=PREFILL_BLOCK if config.prefill_layout == "blocks" else None)
         self.runner = ModelRunner(self.model, config.num_kv_pages, attention_backend=config.attention_backend,
                                   max_num_seqs=config.max_num_seqs, prefill_capacity=self.scheduler.prefill_capacity,
                                   min_prefill_t=self.scheduler.min_prefill_t, engine_seed=config.seed,
                                   max_logprobs=config.max_logprobs, expert_load_window=config.expert_load_window,
                                   num_scheduler_steps=config.num_scheduler_steps, eos_token_id=eos,
-                                  greedy_screening=config.greedy_screening, num_drafts=self.num_drafts)
+                                  greedy_screening=config.greedy_screening, num_drafts=self.num_drafts,
+                                  prefill_block=self.scheduler.prefill_block, compile_ahead=config.compile_ahead,
+                                  max_pages=-(-config.max_model_len // self.scheduler.page_size))
         self.grammars = (Grammars(self.tokenizer.to_json(), self.model.config.vocab_size, eos)
                          if self.tokenizer else None)
         self.stats = EngineStats(accepted_per_position=[0] * self.num_drafts)
@@ -329,6 +333,11 @@ class LLMEngine:
                 self._requests.pop(rid, None)
         self._ready = {}
         return outputs
+
+    def wait_for_compilations(self) -> None:
+        """Blocks until the step programs compiled ahead in the background (EngineConfig.compile_ahead) are ready:
+        after it, steps of any prefill block count run without compiling."""
+        self.runner.wait_for_compilations()
 
     # ---- expert load balancing (DeepSeek's EPLB) -----------------------------------------------------------
     def expert_load(self) -> np.ndarray:

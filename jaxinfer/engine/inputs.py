@@ -8,10 +8,15 @@ holds for every real token; padding columns write nothing (slot -1) and padding 
 Bounded compilation: the step compiles once per (rows, T, pages) bucket, penalties on/off and logprobs on/off.
 Decode steps: T = 1 (a multi-step decode step: slots [rows, k]), rows per rank a power of two; a decode step with
 chunks of known tokens (host-appended outputs, Scheduler.append_outputs) has T a power of two >= its longest
-chunk, laid out as a prefill step. Prefill steps: T a power of two >= the scheduler's min_prefill_t and rows per
-rank a power of two, rows * T <= prefill_capacity (the scheduler keeps every rank's chunks within that). Pages per
-row: a power of two >= MIN_PAGES. A prefill grid is no larger than its chunks need: one 64-token prompt runs a
-[1, 64] grid, not a full 1024-token one.
+chunk, laid out as a prefill step. Prefill steps in query blocks (the default; ``prefill_block`` = Q): a chunk of
+n tokens spans ceil(n / Q) consecutive rows of Q columns, right aligned over them (padding leads its first block),
+every block row with the chunk's block table (max_pages wide: the same for every prefill step) and its own
+seqlen (its last position + 1); ``first_block`` [rows] gives each row its chunk's first row, rank-local. Rows per
+rank: a power of two, rows * Q <= prefill_capacity: a prefill step compiles once per row count. Prefill grids
+(prefill_block None; speculative decoding's): T a power of two >= the scheduler's min_prefill_t and rows per rank a
+power of two, rows * T <= prefill_capacity (the scheduler keeps every rank's chunks within that). Pages per row
+(but blocks'): a power of two >= MIN_PAGES. Either is no larger than its chunks need: one 64-token prompt runs one
+row of 64, not a full 1024-token step.
 
 Tokens the host does not know yet: every step writes its sampled tokens into a device buffer (slot rank *
 max_rows + row), and a request's input token sampled by the last dispatched step, whose value has not reached the
@@ -58,19 +63,31 @@ class StepInputs:
     """Host arrays of one step (``arrays``: ids, src, positions, block_table, seqlens, slots, dest, stop_ids, and
     with speculative decoding next_ids, each [rows, ...]), the sampling tensors, and the (row, request id, tokens
     sampled at most) of every sampling row. verifying: a speculative decoding step that verifies drafts
-    (step_program.spec_step); its rows' real columns are their last ``tokens sampled at most`` ones."""
+    (step_program.spec_step); its rows' real columns are their last ``tokens sampled at most`` ones. blocks: a
+    prefill step in query blocks (``first_block`` the last array)."""
 
     arrays: list[np.ndarray]
     tensors: SamplingTensors
     sampled: list[tuple[int, int, int]]
     verifying: bool = False
+    blocks: bool = False
 
 
-def step_shape(out: SchedulerOutput, num_pages: dict[int, int], min_prefill_t: int,
-               prefill_capacity: int) -> tuple[int, int, int]:
+def step_shape(out: SchedulerOutput, num_pages: dict[int, int], min_prefill_t: int, prefill_capacity: int,
+               block: int | None = None, max_pages: int = 0) -> tuple[int, int, int]:
     """(rows per rank, T, pages per row) of a step's bucketed arrays; num_pages: each scheduled request's block
-    table length after the step's new pages."""
+    table length after the step's new pages. block: the query-block width of prefill steps (None: grids), whose
+    block tables are max_pages wide."""
     requests = out.all_requests()
+    if block and out.kind is StepKind.PREFILL and not out.speculative:
+        rows = bucket(max(sum(-(-r.num_tokens // block) for r in rank) for rank in out.requests))
+        if rows * block > prefill_capacity:
+            raise RuntimeError(f"prefill step of {[[r.num_tokens for r in rank] for rank in out.requests]} tokens "
+                               f"takes more than {prefill_capacity // block} blocks of {block} per rank")
+        most = max((num_pages[r.req_id] for r in requests), default=1)
+        if most > max_pages:
+            raise RuntimeError(f"a block table of {most} pages exceeds the block layout's {max_pages}")
+        return rows, block, max_pages
     pages = bucket(max((num_pages[r.req_id] for r in requests), default=1), MIN_PAGES)
     rows = bucket(max(len(rank) for rank in out.requests))
     if out.kind is StepKind.DECODE:
@@ -98,12 +115,14 @@ class InputBatch:
       decoding (0: off). A speculative step (``SchedulerOutput.speculative``) lays decode rows out as verification
       rows (1 + drafts tokens, right aligned like prefill chunks), prefill chunks carry the token after them
       (next_ids: -1 = the step's sample), and block tables cover K - 1 positions past the chunk for the MTP chain
-      (engine/drafter.py).
+      (engine/drafter.py). prefill_block: None, or Q: prefill steps (not speculative ones) are laid out in query
+      blocks of Q columns (kernels_pallas/mla/query_blocks.py; ``first_block`` joins the arrays) with block
+      tables max_pages wide.
     """
 
     def __init__(self, *, ranks: int, max_rows: int, page_size: int, min_prefill_t: int, prefill_capacity: int,
                  num_scheduler_steps: int, eos_token_id: int | None, vocab_size: int, engine_seed: int,
-                 max_logprobs: int, num_drafts: int = 0):
+                 max_logprobs: int, num_drafts: int = 0, prefill_block: int | None = None, max_pages: int = 0):
         self.ranks = ranks
         self.max_rows = max_rows
         self.page_size = page_size
@@ -115,6 +134,8 @@ class InputBatch:
         self.engine_seed = engine_seed
         self.max_logprobs = max_logprobs
         self.num_drafts = num_drafts
+        self.prefill_block = prefill_block
+        self.max_pages = max_pages
         self.requests: dict[int, RequestState] = {}
         self._feed: dict[int, int] = {}  # req_id -> buffer slot of its token sampled by the last dispatched step
 
@@ -145,7 +166,8 @@ class InputBatch:
             num_pages = {r.req_id: max(len(self.requests[r.req_id].pages),
                                        -(-(r.start + r.num_tokens + self.num_drafts - 1) // self.page_size))
                          for r in out.all_requests()}
-        rows, t, pages = step_shape(out, num_pages, self.min_prefill_t, self.prefill_capacity)
+        rows, t, pages = step_shape(out, num_pages, self.min_prefill_t, self.prefill_capacity, self.prefill_block,
+                                    self.max_pages)
         if out.speculative and out.kind is StepKind.DECODE:  # the last token and the most drafts of a row
             t = min(bucket(max(r.num_tokens for r in out.all_requests())), self.num_drafts + 1)
         return rows, t, pages
@@ -189,7 +211,10 @@ class InputBatch:
         states: list[RequestState | None] = [None] * n_rows
         steps = np.zeros((n_rows,), np.int64)
         sampled, feed = [], {}
+        blocked = bool(self.prefill_block) and out.kind is StepKind.PREFILL and not out.speculative
+        first_block = np.tile(np.arange(rows, dtype=np.int32), self.ranks)  # [rows]: rank-local, padding: itself
         for rank, requests in enumerate(out.requests):
+            offset = 0  # the block layout: the rank's rows used so far
             # Per row: few numpy calls on small arrays (a decode step's rows hold one token each; a numpy call per
             # token and field is host time that grows with the batch: docs/benchmarks.md "Engine steps and host
             # overhead (CPU)").
@@ -197,17 +222,32 @@ class InputBatch:
                 row, n, state = rank * rows + i, r.num_tokens, self.requests[r.req_id]
                 n_in = r.num_input_tokens(out.kind)
                 end = r.start + n_in
-                if r.draft_token_ids:  # the last known token, then the drafts
+                if blocked:  # rows row0 .. row of the chunk's blocks, its tokens right aligned over them
+                    nb = -(-n // t)
+                    row0, offset = rank * rows + offset, offset + nb
+                    row = row0 + nb - 1
+                    flat = slice((row + 1) * t - n, (row + 1) * t)
+                    ids.reshape(-1)[flat] = self._input_ids(state, r, end, src, row, t - 1)
+                    positions.reshape(-1)[flat] = range(r.start, end)
+                    block_table[row0:row + 1, : len(state.pages)] = state.pages
+                    pos = np.arange(r.start, end)  # [n]
+                    slots.reshape(-1)[flat] = (block_table[row, pos // self.page_size] * self.page_size
+                                               + pos % self.page_size)
+                    seqlens[row0:row + 1] = end - t * np.arange(nb - 1, -1, -1)  # each block's last position + 1
+                    first_block[row0:row + 1] = row0 - rank * rows
+                elif r.draft_token_ids:  # the last known token, then the drafts
                     ids[row, t - n_in:] = (self._input_ids(state, r, r.start + 1, src, row, t - n_in)
                                            + list(r.draft_token_ids))
                 else:
                     ids[row, t - n_in:] = self._input_ids(state, r, end, src, row, t - 1)
-                positions[row, t - n_in:] = range(r.start, end)
-                block_table[row, : len(state.pages)] = state.pages
-                pos = np.arange(r.start, r.start + n)  # [n] positions computed
-                cols = slice(0, n) if multi else slice(t - n, t)
-                slots[row, cols] = block_table[row, pos // self.page_size] * self.page_size + pos % self.page_size
-                seqlens[row] = end
+                if not blocked:
+                    positions[row, t - n_in:] = range(r.start, end)
+                    block_table[row, : len(state.pages)] = state.pages
+                    pos = np.arange(r.start, r.start + n)  # [n] positions computed
+                    cols = slice(0, n) if multi else slice(t - n, t)
+                    slots[row, cols] = (block_table[row, pos // self.page_size] * self.page_size
+                                        + pos % self.page_size)
+                    seqlens[row] = end
                 if r.num_sampled:
                     sampled.append((row, r.req_id, r.num_sampled))
                     params[row], states[row] = state.params, state
@@ -229,7 +269,9 @@ class InputBatch:
                     words[row, words.shape[1] - len(mask):] = mask if verifying else mask[:1]
         tensors = self._tensors(params, states, steps, words)
         arrays = [ids, src, positions, block_table, seqlens, slots, dest, stop_ids]
-        return StepInputs(arrays + [next_ids] if out.speculative else arrays, tensors, sampled, verifying)
+        if blocked:
+            arrays.append(first_block)
+        return StepInputs(arrays + [next_ids] if out.speculative else arrays, tensors, sampled, verifying, blocked)
 
     def _input_ids(self, state: RequestState, r: ScheduledRequest, end: int, src: np.ndarray, row: int,
                    col: int) -> list[int]:

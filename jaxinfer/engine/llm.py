@@ -39,6 +39,11 @@ class LLM:
     config = property(lambda self: self.engine.config)
     max_model_len = property(lambda self: self.engine.config.max_model_len)
 
+    def wait_for_compilations(self) -> None:
+        """Blocks until the programs compiled ahead in the background are ready (LLMEngine.wait_for_compilations):
+        call it after a warm-up before timing."""
+        self.engine.wait_for_compilations()
+
     def generate(self, prompts, sampling_params: SamplingParams | _Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """prompts: str | list[str] | list[list[int]] -> one finished RequestOutput per prompt, in order (request

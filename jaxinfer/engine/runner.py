@@ -18,6 +18,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxinfer.engine import packing
+from jaxinfer.engine.compile_ahead import CompiledFamily
 from jaxinfer.engine.expert_load import ExpertLoadWindow
 from jaxinfer.engine.inputs import InputBatch
 from jaxinfer.engine.drafter import Drafts
@@ -65,13 +66,17 @@ class ModelRunner:
       num_drafts: K of speculative decoding with the model's MTP module (0: off): a speculative step
         (``SchedulerOutput.speculative``) runs ``StepProgram.spec_step`` and proposes K drafts per sampling row;
         the MTP module gets its own paged latent cache (``mtp_layers``), which plain steps leave as it is.
+      prefill_block, max_pages: prefill steps in query blocks of that many columns with block tables of max_pages
+        (Scheduler.prefill_block; None: [rows, T] grids). compile_ahead: once a prefill block count first compiles,
+        compile the others in a background thread (``_block_steps``).
     """
 
     def __init__(self, model, num_pages_per_rank: int, *, attention_backend: str, max_num_seqs: int = 64,
                  prefill_capacity: int = 1024, min_prefill_t: int = MIN_PREFILL_T, page_size: int = 64,
                  engine_seed: int = 0, max_logprobs: int = 20, expert_load_window: int = 1000,
                  num_scheduler_steps: int = 1, eos_token_id: int | None = None, greedy_screening: bool = False,
-                 num_drafts: int = 0):
+                 num_drafts: int = 0, prefill_block: int | None = None, max_pages: int = 0,
+                 compile_ahead: bool = True):
         self.model = model
         self.backend = BACKENDS[attention_backend]
         self.greedy_screening = greedy_screening
@@ -80,8 +85,10 @@ class ModelRunner:
         self.inputs = InputBatch(ranks=ranks, max_rows=max_rows, page_size=page_size, min_prefill_t=min_prefill_t,
                                  prefill_capacity=prefill_capacity, num_scheduler_steps=num_scheduler_steps,
                                  eos_token_id=eos_token_id, vocab_size=model.config.vocab_size,
-                                 engine_seed=engine_seed, max_logprobs=max_logprobs, num_drafts=num_drafts)
+                                 engine_seed=engine_seed, max_logprobs=max_logprobs, num_drafts=num_drafts,
+                                 prefill_block=prefill_block, max_pages=max_pages)
         self.num_drafts = num_drafts
+        self.compile_ahead = compile_ahead
         self._batch = NamedSharding(model.mesh, P(BATCH_AXES))
         # The XLA backend's cache holds bit patterns (paged_cache's module doc: XLA:CPU upcasts bf16 scatters and
         # gathers over the whole cache); the Pallas kernel reads its own dtype.
@@ -130,12 +137,27 @@ class ModelRunner:
         packed = global_array(packed, self._batch)
         if out.speculative:
             return InFlight(step.sampled, widths, *self._run_spec(packed, layout, step.verifying))
-        return InFlight(step.sampled, widths, self._run(packed, layout))
+        return InFlight(step.sampled, widths, self._run(packed, layout, step.blocks))
 
-    def _run(self, packed: jax.Array, layout: packing.Layout):
+    @functools.cached_property
+    def _block_steps(self) -> CompiledFamily:
+        """The step program for prefill steps in query blocks, compiled ahead for every block count (a power of
+        two up to prefill_capacity // prefill_block per rank) once the first is needed (compile_ahead.py)."""
+        per_rank = self.inputs.prefill_capacity // self.inputs.prefill_block
+        sizes = [self.inputs.ranks * (1 << i) for i in range(per_rank.bit_length())] if self.compile_ahead else []
+        return CompiledFamily(self.program.step, static_argnums=(6,), vary=5, sizes=sizes)
+
+    def wait_for_compilations(self) -> None:
+        """Blocks until the programs being compiled ahead (``_block_steps``) are ready."""
+        if "_block_steps" in self.__dict__:
+            self._block_steps.wait()
+
+    def _run(self, packed: jax.Array, layout: packing.Layout, blocks: bool = False):
         """One step on the devices (asynchronous): updates the cache, the token buffer and the expert-load window,
-        returns the samples. packed / layout: the step's host arrays and sampling tensors (``packing.pack``)."""
-        out, new, self.tokens, (total, load) = self.program.step(
+        returns the samples. packed / layout: the step's host arrays and sampling tensors (``packing.pack``);
+        blocks: a prefill step in query blocks."""
+        program = self._block_steps if blocks else self.program.step
+        out, new, self.tokens, (total, load) = program(
             self._state_leaves[0], self.layers, self.tokens, self.load.total, self.load.evicted(), packed, layout,
             self.head_screen)
         self.load.push(total, load)

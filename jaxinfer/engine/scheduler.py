@@ -23,7 +23,10 @@ rank has prefill work that fits, else a DECODE step over all ranks.
   longest chunk (at least ``min_prefill_t``), rows the power of two >= the most chunks of a rank, within
   ``prefill_capacity`` (the power of two >= ``max_num_batched_tokens``) tokens per rank: a prefill step has one of
   a few shapes and pads at most 2x per axis. Chunks are admitted (and cut) only while every rank's chunk count
-  times T stays within that capacity (all ranks run one program).
+  times T stays within that capacity (all ranks run one program). With ``prefill_block`` = Q (not with
+  ``speculative``) the runner lays it out in query blocks instead: a chunk of n tokens takes ceil(n / Q) rows of Q
+  columns (kernels_pallas/mla/query_blocks.py), and chunks are admitted (and cut to whole blocks) while a rank's
+  blocks fit in ``prefill_capacity`` // Q: the step's shape is then its block count alone.
 - Decode: each running sequence computes its last token and samples the next; with ``num_scheduler_steps`` = k
   (vLLM's multi-step scheduling) a decode chunk covers its last token and up to k - 1 tokens it samples itself
   (``num_tokens`` <= k positions and samples), within ``max_tokens``, ``max_model_len`` and the pages it can get.
@@ -98,17 +101,34 @@ class _PrefillShape:
     rows: int = 0
     t: int = 0
 
-    def fit(self, count: int, n: int) -> int:
-        """Tokens (<= n) a rank's next chunk may have when the rank already has ``count`` chunks; 0 if none."""
-        rows = max(self.rows, count + 1)
+    def fit(self, out: list[_Chunk], n: int) -> int:
+        """Tokens (<= n) a rank's next chunk may have when the rank already has the chunks ``out``; 0 if none."""
+        rows = max(self.rows, len(out) + 1)
         room = 1 << ((self.capacity // rows).bit_length() - 1)  # largest power of two T with rows * T <= capacity
         if room < max(self.t, self.min_t):
             return 0
         return min(n, room)
 
-    def add(self, count: int, n: int) -> None:
-        self.rows = max(self.rows, count + 1)
+    def add(self, out: list[_Chunk], n: int) -> None:
+        self.rows = max(self.rows, len(out) + 1)
         self.t = max(self.t, bucket(n, self.min_t))
+
+
+@dataclasses.dataclass
+class _PrefillBlocks:
+    """The query blocks of a prefill step in the block layout: a chunk of n tokens takes ceil(n / q) rows of q
+    columns, and a rank at most capacity // q of them (the ranks' counts are independent: the step's row count is
+    the power of two >= the most any rank has)."""
+
+    capacity: int
+    q: int
+
+    def fit(self, out: list[_Chunk], n: int) -> int:
+        room = self.capacity // self.q - sum(-(-c.num_tokens // self.q) for c in out)  # blocks left on the rank
+        return min(n, room * self.q) if room > 0 else 0
+
+    def add(self, out: list[_Chunk], n: int) -> None:
+        pass  # fit counts the rank's chunks
 
 
 @dataclasses.dataclass
@@ -172,6 +192,8 @@ class Scheduler:
       eos_token_id: None or the EOS id for the stop check.
       cache_key: ``extra_key`` of the page hashes (model identity).
       min_prefill_t: the fewest columns of a prefill step's grid (a power of two; see "Prefill shapes").
+      prefill_block: None (prefill steps are [rows, T] grids), or Q: prefill steps are laid out in query blocks of
+        Q columns (a power of two; see "Prefill shapes"), except speculative decoding's.
       num_scheduler_steps: decode iterations per decode step (see "Decode").
       speculative: the runner drafts (speculative decoding): decode steps are draft-verify rounds (see "Decode").
       confidence_verify: verify only as many drafts as are worth the step's cost (DSpark; see "Decode").
@@ -185,7 +207,7 @@ class Scheduler:
                  max_model_len: int, enable_prefix_caching: bool = True, page_size: int = PAGE_SIZE,
                  eos_token_id: int | None = None, cache_key=None, min_prefill_t: int = MIN_PREFILL_T,
                  num_scheduler_steps: int = 1, speculative: bool = False, confidence_verify: bool = False,
-                 num_drafts: int = 0, step_cost: StepCost | None = None):
+                 num_drafts: int = 0, step_cost: StepCost | None = None, prefill_block: int | None = None):
         for name, value in [("num_ranks", num_ranks), ("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens), ("max_model_len", max_model_len),
                             ("page_size", page_size), ("num_scheduler_steps", num_scheduler_steps)]:
@@ -195,6 +217,9 @@ class Scheduler:
             raise ValueError(f"{num_pages_per_rank=} must be an int >= 2 (page 0 is the reserved null page)")
         if not isinstance(min_prefill_t, int) or min_prefill_t < 1 or min_prefill_t & (min_prefill_t - 1):
             raise ValueError(f"{min_prefill_t=} must be a power of two >= 1")
+        if prefill_block is not None and (isinstance(prefill_block, bool) or not isinstance(prefill_block, int)
+                                          or prefill_block < 1 or prefill_block & (prefill_block - 1)):
+            raise ValueError(f"{prefill_block=} must be None or a power of two >= 1")
         self.num_ranks = num_ranks
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -211,7 +236,8 @@ class Scheduler:
         self.eos_token_id = eos_token_id
         self.cache_key = cache_key
         self.min_prefill_t = min_prefill_t
-        self.prefill_capacity = bucket(max_num_batched_tokens, min_prefill_t)
+        self.prefill_block = prefill_block
+        self.prefill_capacity = bucket(max_num_batched_tokens, max(min_prefill_t, prefill_block or 1))
         self.caches = [PrefixCache(PageAllocator(num_pages_per_rank), page_size) for _ in range(num_ranks)]
         self.waiting: list[collections.deque[Sequence]] = [collections.deque() for _ in range(num_ranks)]
         self.running: list[list[Sequence]] = [[] for _ in range(num_ranks)]   # sorted by arrival
@@ -326,7 +352,9 @@ class Scheduler:
         """The next step, committed (see the module doc): a prefill step if any rank has prefill work that fits,
         else a decode step. None when there is nothing to do or report."""
         plan = _Plan(StepKind.PREFILL, [[] for _ in range(self.num_ranks)], speculative=self.speculative)
-        shape = _PrefillShape(self.prefill_capacity, self.min_prefill_t)
+        blocks = self.prefill_block and not self.speculative  # speculative prefill steps stay grids (drafter.py)
+        shape = (_PrefillBlocks(self.prefill_capacity, self.prefill_block) if blocks
+                 else _PrefillShape(self.prefill_capacity, self.min_prefill_t))
         admitted: list[Sequence] = []
         for rank in range(self.num_ranks):
             self._schedule_prefill(rank, plan, shape, admitted)
@@ -341,7 +369,8 @@ class Scheduler:
             return None
         return self._commit(plan, admitted)
 
-    def _schedule_prefill(self, rank: int, plan: _Plan, shape: _PrefillShape, admitted: list[Sequence]) -> None:
+    def _schedule_prefill(self, rank: int, plan: _Plan, shape: _PrefillShape | _PrefillBlocks,
+                          admitted: list[Sequence]) -> None:
         budget = self.max_num_batched_tokens
         out = plan.chunks[rank]
         for seq in list(self.running[rank]):        # unfinished prefills first, oldest first
@@ -349,12 +378,12 @@ class Scheduler:
                 break
             if not seq.is_prefilling:                  # decoding, or preempted / finished by an older one above
                 continue
-            n = shape.fit(len(out), min(budget, seq.num_prefill_tokens - seq.num_computed_tokens))
+            n = shape.fit(out, min(budget, seq.num_prefill_tokens - seq.num_computed_tokens))
             if n == 0:
                 break                                  # the step's grid is full
             n = self._grow(seq, n, plan)
             if n:
-                shape.add(len(out), n)
+                shape.add(out, n)
                 out.append(self._prefill_chunk(seq, n))
                 budget -= n
         queue = self.waiting[rank]
@@ -365,14 +394,14 @@ class Scheduler:
                 self.finish(seq, "error", f"sequence of {seq.num_tokens} tokens needs {need} KV pages of "
                                           f"{self.page_size}, rank {rank} has {self.capacity}")
                 continue
-            room = shape.fit(len(out), budget)
+            room = shape.fit(out, budget)
             n = self._admit(seq, room) if room else 0
             if n == 0:
                 break                                  # FIFO: the head blocks the queue until pages free up
             queue.popleft()
             bisect.insort(self.running[rank], seq, key=lambda s: s.arrival)
             admitted.append(seq)
-            shape.add(len(out), n)
+            shape.add(out, n)
             out.append(self._prefill_chunk(seq, n))
             budget -= n
 

@@ -73,10 +73,11 @@ class StepProgram:
         @functools.partial(jax.jit, donate_argnums=((1, 2, 3) if write_cache else (2, 3)), static_argnums=6,
                            compiler_options=options)
         def step(state_leaves, layers, tokens, load_total, load_evict, packed, layout, screen):
-            ids, src, positions, block_table, seqlens, slots, dest, stop_ids, tensors = packing.unpack(packed, layout)
+            ids, src, positions, block_table, seqlens, slots, dest, stop_ids, *blocks, tensors = packing.unpack(
+                packed, layout)  # blocks: [first_block] of a step in query blocks (inputs.py), else []
             ids = jnp.where(src >= 0, tokens[jnp.maximum(src, 0)], ids)  # [R, T] placeholders from the buffer
             model = nnx.merge(graphdef, jax.tree.unflatten(treedef, state_leaves))
-            md = AttentionMetadata(positions, block_table, seqlens, slots)
+            md = AttentionMetadata(positions, block_table, seqlens, slots, first_block=blocks[0] if blocks else None)
             if ids.shape[1] == 1 and slots.shape[1] > 1:  # a multi-step decode step: slots [R, k]
                 # A row whose input token, sampled by the previous step, is a stop token has finished (the host
                 # does not know yet: it dispatched this step first): it computes nothing here.

@@ -33,7 +33,7 @@ from jaxinfer.kv.paged_cache import write
 from jaxinfer.parallel.dispatch import BATCH_AXES
 from jaxinfer.parallel.plan import ParallelPlan
 from kernels_pallas import mla_decode
-from kernels_pallas.mla import DecodeWindow, chunked_attention
+from kernels_pallas.mla import DecodeWindow, chunked_attention, query_block_attention
 
 # Keys per online-softmax step of the XLA backend on CPU: a batch's chunk of V3-sized keys stays within the CPU's
 # last-level cache (the chunk sizes measured: docs/benchmarks.md, "Paged attention, XLA path (CPU)").
@@ -52,6 +52,9 @@ class AttentionMetadata:
     window_latents: None, or per layer [B, W, C+R]: a multi-step decode program's earlier iterations, not yet in
       the cache (the XLA backend); window_start int32 [B]: their first position; window_length: int32 scalar,
       how many exist.
+    first_block: None (every row is its own chunk), or int32 [B]: a step in query blocks (a chunk over
+      consecutive rows, kernels_pallas/mla/query_blocks.py): the rank-local row of each row's chunk's first block;
+      seqlens is then each block's last position + 1.
     """
 
     positions: jax.Array
@@ -61,6 +64,7 @@ class AttentionMetadata:
     window_latents: tuple[jax.Array, ...] | None = None
     window_start: jax.Array | None = None
     window_length: jax.Array | None = None
+    first_block: jax.Array | None = None
 
     def window(self, layer: int) -> DecodeWindow | None:
         """Layer ``layer``'s DecodeWindow, or None."""
@@ -86,22 +90,27 @@ class AttentionBackend:
         if window is not None and self.writes_in_step:
             raise ValueError(f"the {self.name} backend writes every token: it reads no DecodeWindow")
 
-        def local(q, new, cache, block_table, seqlens, slots, window):
-            if self.writes_in_step:
+        def local(q, new, cache, block_table, seqlens, slots, window, first_block):
+            if self.writes_in_step:  # a block is a row whose seqlen ends at its last column: nothing else to do
                 cache = write(cache, new.reshape(-1, new.shape[-1]), slots.reshape(-1))
                 out, _ = mla_decode(q, cache, block_table, seqlens, head_dim_v=head_dim_v,
                                     softmax_scale=softmax_scale, causal=True)
+                return out, cache
+            if first_block is not None:
+                out = query_block_cached_and_new(q, new, cache, block_table, seqlens, slots, first_block,
+                                                 head_dim_v=head_dim_v, softmax_scale=softmax_scale)
                 return out, cache
             out = cached_and_new_attention(q, new, cache, block_table, seqlens, slots, head_dim_v=head_dim_v,
                                            softmax_scale=softmax_scale, window=window)
             return out, cache
 
-        args = (q, new_latents, cache, md.block_table, md.seqlens, md.slots, window)
+        args = (q, new_latents, cache, md.block_table, md.seqlens, md.slots, window, md.first_block)
         if plan is None:
             return local(*args)
         spec = P(BATCH_AXES)
         window_spec = None if window is None else DecodeWindow(spec, spec, P() if jnp.ndim(window.length) == 0 else spec)
-        return jax.shard_map(local, mesh=plan.mesh, in_specs=(spec,) * 6 + (window_spec,),
+        block_spec = None if md.first_block is None else spec
+        return jax.shard_map(local, mesh=plan.mesh, in_specs=(spec,) * 6 + (window_spec, block_spec),
                              out_specs=(spec, spec))(*args)
 
 
@@ -128,6 +137,26 @@ def cached_and_new_attention(q: jax.Array, new_latents: jax.Array, cache: jax.Ar
     out, _ = chunked_attention(q, cache, block_table, cached_len, head_dim_v=head_dim_v, softmax_scale=softmax_scale,
                                chunk_pages=max(1, chunk_tokens // cache.shape[1]), value_dtype=new_latents.dtype,
                                new_keys=new_latents, new_valid=real, window=window)
+    return out
+
+
+def query_block_cached_and_new(q: jax.Array, new_latents: jax.Array, cache: jax.Array, block_table: jax.Array,
+                               seqlens: jax.Array, slots: jax.Array, first_block: jax.Array, *, head_dim_v: int,
+                               softmax_scale: float, chunk_tokens: int = CHUNK_TOKENS) -> jax.Array:
+    """The XLA backend's attention for a step in query blocks (AttentionMetadata.first_block): kernels_pallas.mla's
+    ``query_block_attention``, the cache read page chunk by page chunk and each chunk's new keys from the step's
+    latents. Shapes as AttentionBackend; a block's real tokens are its slots >= 0. Returns o_lat [B, Q, H,
+    head_dim_v] in q's dtype."""
+    real = slots >= 0  # [B, Q]
+    n_real = jnp.sum(real, axis=1, dtype=seqlens.dtype)  # [B]
+    through = jnp.cumsum(n_real)  # [B]: real tokens of rows 0 .. b
+    in_chunk = through - (through[first_block] - n_real[first_block])  # [B]: the chunk's tokens up to row b
+    cached_len = seqlens - in_chunk  # [B]: the chunk's start (0 for padding rows)
+    s_q, page = q.shape[1], cache.shape[1]
+    out, _ = query_block_attention(q, new_latents, real, cache, block_table, cached_len, first_block,
+                                   head_dim_v=head_dim_v, softmax_scale=softmax_scale,
+                                   chunk_pages=max(1, chunk_tokens // page),
+                                   blocks_per_step=max(1, chunk_tokens // s_q), value_dtype=new_latents.dtype)
     return out
 
 

@@ -17,6 +17,7 @@ dots is B * G (sequence-major).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -39,6 +40,35 @@ class DecodeWindow(NamedTuple):
     latents: jax.Array
     start: jax.Array
     length: jax.Array
+
+
+def online_update(qs, carry, k, visible):
+    """One online-softmax step (log2 units) of query rows qs [BG, R, D] over keys k [BG, L, D] (masked values),
+    visible [BG, L, R or 1]; carry (acc [BG, R, D], running max [BG, R], sum [BG, R]), or None for the first."""
+    s = jnp.einsum("bld,bnd->bln", k, qs)  # [BG, L, R]
+    s = jnp.where(visible, s, -jnp.inf)
+    mx_new = jnp.max(s, axis=1)  # [BG, R]
+    if carry is not None:
+        mx_new = jnp.maximum(carry[1], mx_new)
+    mx_use = jnp.where(mx_new == -jnp.inf, 0.0, mx_new)
+    pr = jnp.exp2(s - mx_use[:, None, :])  # [BG, L, R]
+    l = jnp.sum(pr, axis=1)  # [BG, R]
+    acc = jnp.einsum("bln,bld->bnd", pr, k)  # [BG, R, D]: all D columns; V sliced at the end
+    if carry is not None:
+        acc_old, mx_old, l_old = carry  # [BG, R, D], [BG, R], [BG, R]
+        alpha = jnp.exp2(mx_old - mx_use)
+        l = l_old * alpha + l
+        acc = acc_old * alpha[..., None] + acc
+    return acc, mx_new, l
+
+
+def finish(carry, head_dim_v: int):
+    """(out [BG, R, V], lse [BG, R] natural log) of an online softmax's final carry (out 0, lse -inf where no key
+    was visible)."""
+    acc, mx, l = carry  # [BG, R, D], [BG, R], [BG, R]
+    out = jnp.where(l[..., None] > 0, acc[..., :head_dim_v] / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    lse = (jnp.where(mx == -jnp.inf, 0.0, mx) + jnp.log2(l)) / LOG2E  # [BG, R]
+    return out, lse
 
 
 def chunked_attention(q, cache, block_table, kv_lens, *, head_dim_v: int, softmax_scale: float, chunk_pages: int,
@@ -93,22 +123,7 @@ def chunked_attention(q, cache, block_table, kv_lens, *, head_dim_v: int, softma
         limits = per_row(kv_lens[:, None] - s_q + 1 + jnp.arange(r, dtype=kv_lens.dtype)[None, :] // m)  # [BG, R]
     qs = to_rows(q.astype(jnp.float32) * (softmax_scale * LOG2E), h_kv).reshape(bg, r, d)  # [BG, R, D], log2 units
 
-    def update(carry, k, visible):  # k [BG, L, D] (masked values), visible [BG, L, R or 1]; carry None: the first
-        s = jnp.einsum("bld,bnd->bln", k, qs)  # [BG, L, R]
-        s = jnp.where(visible, s, -jnp.inf)
-        mx_new = jnp.max(s, axis=1)  # [BG, R]
-        if carry is not None:
-            mx_new = jnp.maximum(carry[1], mx_new)
-        mx_use = jnp.where(mx_new == -jnp.inf, 0.0, mx_new)
-        pr = jnp.exp2(s - mx_use[:, None, :])  # [BG, L, R]
-        l = jnp.sum(pr, axis=1)  # [BG, R]
-        acc = jnp.einsum("bln,bld->bnd", pr, k)  # [BG, R, D]: all D columns; V sliced at the end
-        if carry is not None:
-            acc_old, mx_old, l_old = carry  # [BG, R, D], [BG, R], [BG, R]
-            alpha = jnp.exp2(mx_old - mx_use)
-            l = l_old * alpha + l
-            acc = acc_old * alpha[..., None] + acc
-        return acc, mx_new, l
+    update = functools.partial(online_update, qs)
 
     def chunk_keys(chunk, pages):  # scalar, [B, cp] -> keys [BG, L, D] (masked values), valid [BG, L], pos [L]
         pos = chunk * cp * ps + jnp.arange(cp * ps, dtype=jnp.int32)  # [L]
@@ -166,8 +181,6 @@ def chunked_attention(q, cache, block_table, kv_lens, *, head_dim_v: int, softma
         query = jnp.arange(r) // m  # [R]: each row's query
         causal_new = new_valid[:, :, None] & (jnp.arange(s_q)[None, :, None] <= query[None, None, :])  # [B, Q, R]
         carry = update(carry, k_new, causal_new)
-    acc, mx, l = carry  # [BG, R, D], [BG, R], [BG, R]
-    out = jnp.where(l[..., None] > 0, acc[..., :head_dim_v] / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
-    lse = (jnp.where(mx == -jnp.inf, 0.0, mx) + jnp.log2(l)) / LOG2E  # [BG, R]
+    out, lse = finish(carry, head_dim_v)  # [BG, R, V], [BG, R]
     out, lse = from_rows(out.reshape(b, h_kv, r, head_dim_v), lse.reshape(b, h_kv, r), s_q)
     return out.astype(q.dtype), lse

@@ -125,6 +125,7 @@ def test_bounded_compilation(case):
     with CompileCounter() as counter:
         warmup = counter.measure(lambda: llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3), use_tqdm=False))
         first = counter.measure(lambda: llm.generate(prompts, params, use_tqdm=False))
+        first += counter.measure(llm.wait_for_compilations)  # the prefill block counts compiled in the background
         again = counter.measure(lambda: llm.generate(prompts, params, use_tqdm=False))
     print(f"\ncompilations: warm-up {warmup}, 40-request workload {first}, rerun {again}")
     assert first <= 16 and again == 0

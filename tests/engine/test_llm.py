@@ -1,5 +1,6 @@
 """jaxinfer.LLM end to end: greedy tokens equal transformers' generate (its own cache, eos_token_id=None), alone
-and batched, on one device and with 8 DP ranks; bad requests come back as errors while the others finish."""
+and batched, on one device and with 8 DP ranks, prefill steps as grids and in query blocks; bad requests come back
+as errors while the others finish."""
 
 import numpy as np
 import pytest
@@ -27,10 +28,11 @@ def case(v3_case):
     return case, prompts, [_reference(case.model, p, GREEDY.max_tokens) for p in prompts]
 
 
-@pytest.mark.parametrize("mesh", ["1x1", "2x4"])
-def test_greedy_matches_transformers_generate(case, mesh):
+@pytest.mark.parametrize("mesh,layout", [("1x1", "grid"), ("2x4", "grid"), ("1x1", "blocks"), ("2x4", "blocks")])
+def test_greedy_matches_transformers_generate(case, mesh, layout):
     model_case, prompts, refs = case
-    llm = LLM(model_case.path, mesh=mesh, dtype="float32", num_kv_pages=16, max_num_batched_tokens=96)
+    llm = LLM(model_case.path, mesh=mesh, dtype="float32", num_kv_pages=16, max_num_batched_tokens=96,
+              prefill_layout=layout)
     together = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in together] == refs
     assert all(o.outputs[0].finish_reason == "length" for o in together)

@@ -184,13 +184,14 @@ def test_engine_config_is_llm_options():
                       max_num_batched_tokens=1024, max_model_len=None, enable_prefix_caching=True, fp8_compute=None,
                       seed=0, max_logprobs=20, num_redundant_experts=None, expert_load_window=1000,
                       rebalance_every_n_steps=None, num_scheduler_steps=None, greedy_screening=None,
-                      compilation_cache=None, attention_backend=None, moe_path=None, speculative_config=None)
+                      compilation_cache=None, attention_backend=None, moe_path=None, speculative_config=None,
+                      prefill_layout="blocks", compile_ahead=True)
     assert fields == documented
     assert list(inspect.signature(LLM).parameters)[:3] == ["model", "mesh", "dtype"]
     for name, bad in [("max_num_seqs", 0), ("num_kv_pages", 1), ("max_logprobs", -1), ("num_scheduler_steps", 2.0),
                       ("expert_load_window", True), ("enable_prefix_caching", None), ("greedy_screening", "yes"),
                       ("dtype", "float16"), ("attention_backend", "triton"), ("moe_path", "tiled"),
-                      ("compilation_cache", ""),
+                      ("compilation_cache", ""), ("prefill_layout", "ragged"), ("compile_ahead", 1),
                       ("num_redundant_experts", -1), ("rebalance_every_n_steps", 0), ("seed", 1.5),
                       ("speculative_config", {"method": "mtp"}), ("speculative_config", "mtp")]:
         with pytest.raises(ValueError, match=name):
