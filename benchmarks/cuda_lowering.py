@@ -55,10 +55,10 @@ def lowered_decode_step(checkpoint: str, batch: int, dtype: str, steps: int, moe
     runner = llm.runner
     run, captured = runner._run, []
 
-    def capture(packed, layout):  # layout.columns[0]: the token ids [rows, T]
+    def capture(packed, layout, *blocks):  # layout.columns[0]: the token ids [rows, T]
         if not captured and layout.columns[0][2] == (1,):
             captured.append((packed, layout))
-        return run(packed, layout)
+        return run(packed, layout, *blocks)
 
     runner._run = capture
     try:

@@ -170,7 +170,7 @@ def decode_host_share(llm, ours, output_len: int):
     captured = []
 
     def capture(*args):  # the first decode step's inputs (T = 1), to replay below
-        packed, layout = args  # layout.columns[0]: the token ids [rows, T]; [5]: the slots [rows, iterations]
+        packed, layout = args[:2]  # layout.columns[0]: the token ids [rows, T]; [5]: the slots [rows, iterations]
         if not captured and layout.columns[0][2] == (1,):
             captured.append(args)
         return run(*args)

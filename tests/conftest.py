@@ -17,6 +17,9 @@ os.environ["XLA_FLAGS"] = (
     " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Engines compile no prefill block counts ahead unless a test asks (EngineConfig.compile_ahead): most of the suite's
+# engines run once, and the background compilations took ~4 minutes of a clean-clone run.
+os.environ.setdefault("JAXINFER_COMPILE_AHEAD", "0")
 # Shared with subprocesses the tests start (CLI tests), so each program compiles once per machine.
 _CACHE = pathlib.Path(os.environ.get("JAXINFER_TEST_CACHE", pathlib.Path(__file__).parent.parent / ".jax_cache"))
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))

@@ -69,7 +69,8 @@ class EngineConfig:
     compile_ahead: with prefill_layout "blocks", once the first block count compiles, compile the others in a
       background thread (engine/compile_ahead.py), so that no later prefill step compiles; a script that exits
       right after one generate call waits for at most the compilation under way. ``LLM.wait_for_compilations()``
-      waits for them.
+      waits for them. None: on, unless the environment sets JAXINFER_COMPILE_AHEAD=0 (the test suite does: its
+      hundred engines would compile programs they never run).
 
     Raises ValueError naming the field for an invalid value.
     """
@@ -95,14 +96,12 @@ class EngineConfig:
     moe_path: str | None = None
     speculative_config: SpeculativeConfig | dict | None = None
     prefill_layout: str = "blocks"
-    compile_ahead: bool = True
+    compile_ahead: bool | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.prefill_layout not in PREFILL_LAYOUTS:
             raise ValueError(f"prefill_layout must be one of {PREFILL_LAYOUTS}, got {self.prefill_layout!r}")
-        if not isinstance(self.compile_ahead, bool):
-            raise ValueError(f"compile_ahead must be True or False, got {self.compile_ahead!r}")
         for name, least, optional in [("num_kv_pages", 2, True), ("max_num_seqs", 1, False),
                                       ("max_num_batched_tokens", 1, False), ("max_model_len", 1, True),
                                       ("max_logprobs", 0, False), ("num_redundant_experts", 0, True),
@@ -114,7 +113,7 @@ class EngineConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 kind = "a positive integer" if least == 1 else f"an integer >= {least}"
                 raise ValueError(f"{name} must be {kind}{' or None' if optional else ''}, got {value!r}")
-        for name in ("enable_prefix_caching", "fp8_compute", "greedy_screening"):
+        for name in ("enable_prefix_caching", "fp8_compute", "greedy_screening", "compile_ahead"):
             value = getattr(self, name)
             if not isinstance(value, bool) and not (value is None and name != "enable_prefix_caching"):
                 raise ValueError(f"{name} must be True or False{'' if name == 'enable_prefix_caching' else ' or None'}"
@@ -136,7 +135,8 @@ class EngineConfig:
 
     def resolve(self, model) -> EngineConfig:
         """A copy with every default that depends on the loaded ``model`` (a jaxinfer Model) or the platform
-        filled in: dtype, max_model_len, num_kv_pages, num_scheduler_steps, greedy_screening, attention_backend."""
+        filled in: dtype, max_model_len, num_kv_pages, num_scheduler_steps, greedy_screening, attention_backend,
+        compile_ahead."""
         here = platform.current()
         max_len = model.config.max_position_embeddings
         max_model_len = min(self.max_model_len or max_len, max_len)
@@ -149,7 +149,9 @@ class EngineConfig:
             num_scheduler_steps=self.num_scheduler_steps or here.num_scheduler_steps,
             greedy_screening=(here.greedy_screening(model.dtype) if self.greedy_screening is None
                               else self.greedy_screening),
-            attention_backend=self.attention_backend or here.attention_backend)
+            attention_backend=self.attention_backend or here.attention_backend,
+            compile_ahead=(os.environ.get("JAXINFER_COMPILE_AHEAD", "1") != "0" if self.compile_ahead is None
+                           else self.compile_ahead))
 
 
 def default_kv_pages(model, max_num_seqs: int, max_model_len: int) -> int:

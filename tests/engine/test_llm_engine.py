@@ -13,6 +13,7 @@ checkpoint, and the tokenizer's own decode of the returned tokens.
 
 import dataclasses
 import inspect
+import os
 
 import numpy as np
 import pytest
@@ -185,7 +186,7 @@ def test_engine_config_is_llm_options():
                       seed=0, max_logprobs=20, num_redundant_experts=None, expert_load_window=1000,
                       rebalance_every_n_steps=None, num_scheduler_steps=None, greedy_screening=None,
                       compilation_cache=None, attention_backend=None, moe_path=None, speculative_config=None,
-                      prefill_layout="blocks", compile_ahead=True)
+                      prefill_layout="blocks", compile_ahead=None)
     assert fields == documented
     assert list(inspect.signature(LLM).parameters)[:3] == ["model", "mesh", "dtype"]
     for name, bad in [("max_num_seqs", 0), ("num_kv_pages", 1), ("max_logprobs", -1), ("num_scheduler_steps", 2.0),
@@ -208,4 +209,5 @@ def test_engine_config_is_llm_options():
     assert resolved.num_kv_pages == 16 and resolved.num_scheduler_steps == 8 and resolved.greedy_screening
     assert resolved.attention_backend == "xla" and resolved.model == str(default_model_path())
     assert resolved.max_model_len == engine.model.config.max_position_embeddings
+    assert resolved.compile_ahead is (os.environ.get("JAXINFER_COMPILE_AHEAD", "1") != "0")  # conftest: "0"
     assert np.dtype(engine.model.dtype) == np.float32

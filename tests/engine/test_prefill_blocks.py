@@ -37,7 +37,7 @@ def test_repeated_workload_compiles_nothing_and_matches_transformers(v3_case):
     params = [SamplingParams(temperature=0, max_tokens=2 + i % 3, ignore_eos=True) for i in range(len(prompts))]
     # 256 tokens per step (4 blocks): the long prompts are cut at block boundaries over several steps.
     llm = LLM(case.path, mesh="1x1", dtype="float32", num_kv_pages=48, max_num_batched_tokens=256,
-              prefill_layout="blocks")
+              prefill_layout="blocks", compile_ahead=True)
     with CompileCounter() as counter:
         first = counter.measure(lambda: llm.generate(prompts, params, use_tqdm=False))
         llm.engine.runner.wait_for_compilations()

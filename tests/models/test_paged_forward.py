@@ -118,7 +118,7 @@ def test_multi_step_decode_reads_weights_in_place(dtype):
     dims = {tuple(a.shape) for a in weights} | {tuple(a.shape[::-1]) for a in weights}
     weight_shapes = {f"{t}[{','.join(map(str, d))}]" for d in dims for t in ("f32", "bf16")}
     captured, run = [], runner._run
-    runner._run = lambda packed, layout: (captured.append((packed, layout)), run(packed, layout))[1]
+    runner._run = lambda packed, layout, *blocks: (captured.append((packed, layout)), run(packed, layout, *blocks))[1]
     llm.generate([[1, 2, 3]], jaxinfer.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
                  use_tqdm=False)
     del runner._run
