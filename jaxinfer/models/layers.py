@@ -65,6 +65,12 @@ def local_rows(m: int, row_shards: int) -> int:
     return m // row_shards if row_shards > 1 and m % row_shards == 0 else m
 
 
+# The contraction length from which XLA:CPU (jaxlib 0.10.2) no longer fuses a one-row float32 product into its own
+# matrix-vector loop: K = 4095 runs at the loop's speed, 4096 copies the weights transposed first (5-10x slower,
+# float32 and bf16 weights alike; docs/benchmarks.md "GEMM forms (CPU)").
+MATVEC_MAX_K = 4096
+
+
 def matmul_nt(x: jax.Array, w: jax.Array, row_shards: int = 1) -> jax.Array:
     """x [..., K] @ w [N, K]^T -> float32 [..., N]; or batched, x [S, M, K] @ w [S, N, K]^T -> float32 [S, M, N]
     (w of rank 3: one matrix per leading index). Both operands in their own dtype, float32 accumulation.
@@ -99,8 +105,16 @@ def matmul_nt(x: jax.Array, w: jax.Array, row_shards: int = 1) -> jax.Array:
         # (CPU)"). The same products (bf16 x bf16 is exact in float32), float32 accumulation.
         # The barrier on y: fused into the dot as an output fusion (the shared expert's sum with the routed
         # experts'), a consumer makes XLA copy w transposed in every step.
+        # From K = MATVEC_MAX_K on, XLA:CPU stops emitting that loop and copies w transposed into a float32 buffer
+        # in every call (V2-Lite's dense down projection, K = 10944: 19 ms instead of 1.8 for bf16): the product
+        # runs as a sum of loops over K chunks below it, each reading its columns of w in place.
         x = materialized(x.reshape(m, k).astype(jnp.float32))
-        y = jax.lax.optimization_barrier(jnp.matmul(x, w.astype(jnp.float32).T))  # [M, N]: no output fusion
+        chunks = -(-k // (MATVEC_MAX_K - 1))
+        step = -(-k // chunks)
+        y = None
+        for i in range(0, k, step):  # one chunk below MATVEC_MAX_K: the plain matvec
+            part = jax.lax.optimization_barrier(jnp.matmul(x[:, i:i + step], w[:, i:i + step].astype(jnp.float32).T))
+            y = part if y is None else y + part  # [M, N]; the barrier: no output fusion
         return y.reshape(*lead, w.shape[0])
     if form == "transposed":
         y = jnp.einsum("nk,mk->nm", w, x.reshape(m, k), **f32)  # [N, M]

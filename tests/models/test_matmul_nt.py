@@ -170,3 +170,24 @@ def test_one_row_per_device_reads_bfloat16_weights_in_place():
 
     assert not float32_weight_buffers(n)
     assert float32_weight_buffers(1)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the one-row form is XLA:CPU's")
+@pytest.mark.parametrize("k", [4096, 10944])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_one_row_of_long_contraction_reads_weights_in_place(k, dtype):
+    """From K = MATVEC_MAX_K on, XLA:CPU would copy the whole weight transposed (and converted to float32) before a
+    one-row product, in every call; the product split over K chunks reads it in place. Checked on the compiled
+    program's buffers (a plain one-row product of the same operands fails the check), and against float64."""
+    rng = np.random.default_rng(k)
+    x = jnp.asarray(rng.standard_normal((1, k)), dtype)
+    w = jnp.asarray(rng.standard_normal((48, k)), dtype)
+
+    def weight_copies(fn):
+        hlo = jax.jit(fn).lower(x, w).compile().as_text()
+        return materialized_shapes(hlo) & {f"f32[{k},48]", f"f32[48,{k}]", f"bf16[{k},48]"}
+
+    assert not weight_copies(matmul_nt)
+    assert weight_copies(lambda x, w: jnp.matmul(x.astype(jnp.float32), w.astype(jnp.float32).T))
+    ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    np.testing.assert_allclose(np.asarray(jax.jit(matmul_nt)(x, w)), ref, rtol=1e-5, atol=1e-3)
