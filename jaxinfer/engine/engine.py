@@ -84,7 +84,8 @@ class LLMEngine:
                                    confidence_verify=spec is not None and spec.verify == "confidence",
                                    num_drafts=self.num_drafts,
                                    step_cost=step_cost(self.model.mesh.devices.flat[0].platform),
-                                   prefill_block=PREFILL_BLOCK if config.prefill_layout == "blocks" else None)
+                                   prefill_block=(PREFILL_BLOCK if config.prefill_layout == "blocks" and spec is None
+                                                  else None))  # speculative prefill steps stay grids (drafter.py)
         self.runner = ModelRunner(self.model, config.num_kv_pages, attention_backend=config.attention_backend,
                                   max_num_seqs=config.max_num_seqs, prefill_capacity=self.scheduler.prefill_capacity,
                                   min_prefill_t=self.scheduler.min_prefill_t, engine_seed=config.seed,

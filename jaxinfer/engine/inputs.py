@@ -79,7 +79,7 @@ def step_shape(out: SchedulerOutput, num_pages: dict[int, int], min_prefill_t: i
     table length after the step's new pages. block: the query-block width of prefill steps (None: grids), whose
     block tables are max_pages wide."""
     requests = out.all_requests()
-    if block and out.kind is StepKind.PREFILL and not out.speculative:
+    if block and out.kind is StepKind.PREFILL:
         rows = bucket(max(sum(-(-r.num_tokens // block) for r in rank) for rank in out.requests))
         if rows * block > prefill_capacity:
             raise RuntimeError(f"prefill step of {[[r.num_tokens for r in rank] for rank in out.requests]} tokens "
@@ -115,9 +115,9 @@ class InputBatch:
       decoding (0: off). A speculative step (``SchedulerOutput.speculative``) lays decode rows out as verification
       rows (1 + drafts tokens, right aligned like prefill chunks), prefill chunks carry the token after them
       (next_ids: -1 = the step's sample), and block tables cover K - 1 positions past the chunk for the MTP chain
-      (engine/drafter.py). prefill_block: None, or Q: prefill steps (not speculative ones) are laid out in query
-      blocks of Q columns (kernels_pallas/mla/query_blocks.py; ``first_block`` joins the arrays) with block
-      tables max_pages wide.
+      (engine/drafter.py). prefill_block: None, or Q: prefill steps are laid out in query blocks of Q columns
+      (kernels_pallas/mla/query_blocks.py; ``first_block`` joins the arrays) with block tables max_pages wide
+      (the engine passes None with speculative decoding: its drafter shifts tokens within a row).
     """
 
     def __init__(self, *, ranks: int, max_rows: int, page_size: int, min_prefill_t: int, prefill_capacity: int,
@@ -211,7 +211,7 @@ class InputBatch:
         states: list[RequestState | None] = [None] * n_rows
         steps = np.zeros((n_rows,), np.int64)
         sampled, feed = [], {}
-        blocked = bool(self.prefill_block) and out.kind is StepKind.PREFILL and not out.speculative
+        blocked = bool(self.prefill_block) and out.kind is StepKind.PREFILL
         first_block = np.tile(np.arange(rows, dtype=np.int32), self.ranks)  # [rows]: rank-local, padding: itself
         for rank, requests in enumerate(out.requests):
             offset = 0  # the block layout: the rank's rows used so far

@@ -23,10 +23,10 @@ rank has prefill work that fits, else a DECODE step over all ranks.
   longest chunk (at least ``min_prefill_t``), rows the power of two >= the most chunks of a rank, within
   ``prefill_capacity`` (the power of two >= ``max_num_batched_tokens``) tokens per rank: a prefill step has one of
   a few shapes and pads at most 2x per axis. Chunks are admitted (and cut) only while every rank's chunk count
-  times T stays within that capacity (all ranks run one program). With ``prefill_block`` = Q (not with
-  ``speculative``) the runner lays it out in query blocks instead: a chunk of n tokens takes ceil(n / Q) rows of Q
-  columns (kernels_pallas/mla/query_blocks.py), and chunks are admitted (and cut to whole blocks) while a rank's
-  blocks fit in ``prefill_capacity`` // Q: the step's shape is then its block count alone.
+  times T stays within that capacity (all ranks run one program). With ``prefill_block`` = Q the runner lays it
+  out in query blocks instead: a chunk of n tokens takes ceil(n / Q) rows of Q columns
+  (kernels_pallas/mla/query_blocks.py), and chunks are admitted (and cut to whole blocks) while a rank's blocks
+  fit in ``prefill_capacity`` // Q: the step's shape is then its block count alone.
 - Decode: each running sequence computes its last token and samples the next; with ``num_scheduler_steps`` = k
   (vLLM's multi-step scheduling) a decode chunk covers its last token and up to k - 1 tokens it samples itself
   (``num_tokens`` <= k positions and samples), within ``max_tokens``, ``max_model_len`` and the pages it can get.
@@ -193,7 +193,7 @@ class Scheduler:
       cache_key: ``extra_key`` of the page hashes (model identity).
       min_prefill_t: the fewest columns of a prefill step's grid (a power of two; see "Prefill shapes").
       prefill_block: None (prefill steps are [rows, T] grids), or Q: prefill steps are laid out in query blocks of
-        Q columns (a power of two; see "Prefill shapes"), except speculative decoding's.
+        Q columns (a power of two; see "Prefill shapes").
       num_scheduler_steps: decode iterations per decode step (see "Decode").
       speculative: the runner drafts (speculative decoding): decode steps are draft-verify rounds (see "Decode").
       confidence_verify: verify only as many drafts as are worth the step's cost (DSpark; see "Decode").
@@ -352,8 +352,7 @@ class Scheduler:
         """The next step, committed (see the module doc): a prefill step if any rank has prefill work that fits,
         else a decode step. None when there is nothing to do or report."""
         plan = _Plan(StepKind.PREFILL, [[] for _ in range(self.num_ranks)], speculative=self.speculative)
-        blocks = self.prefill_block and not self.speculative  # speculative prefill steps stay grids (drafter.py)
-        shape = (_PrefillBlocks(self.prefill_capacity, self.prefill_block) if blocks
+        shape = (_PrefillBlocks(self.prefill_capacity, self.prefill_block) if self.prefill_block
                  else _PrefillShape(self.prefill_capacity, self.min_prefill_t))
         admitted: list[Sequence] = []
         for rank in range(self.num_ranks):
