@@ -2,15 +2,16 @@
 calibration of their cost model (jaxinfer/models/moe_cost.py).
 
     python benchmarks/moe_paths.py [--hidden 512] [--inter 256] [--experts 16] [--top-k 4] [--dtype float32]
-        [--skew 0.0] [--rows 1,2,4,...]
+        [--skew 0.0] [--rows 1,2,4,...] [--transformers]
     python benchmarks/moe_paths.py --calibrate [--dtypes float32,bfloat16] [--save-measurements F | --measurements F]
-        [--write-table]
+        [--remeasure PATHS] [--write-table]
 
 Without --calibrate: times one jitted expert_ffn call per path for M tokens (median of --repeats after a warm-up,
 the paths interleaved), with what the cost model predicts and which path it picks for each M. The defaults are the
 routed experts of bench_model.py's "bench" model. Routing: each token's top-k distinct experts drawn with
 probability proportional to rank^-skew (0: uniform; 1: Zipf-like); "busiest" is the busiest expert's count over
-the mean.
+the mean. --transformers adds a column: transformers' own DeepseekV3Experts (torch, --threads) on the same weights
+and routing.
 
 --calibrate: measures every path on a grid of expert shapes (the routed experts of bench_model.SHAPES, issue 33's
 grid, plus V3's 256 narrow experts and a few wide ones) and row counts (1 to 1024) under uniform routing, fits each
@@ -82,8 +83,9 @@ def _params(s, d, i, dtype, seed=0):
             "down_proj": make(keys[2], (s, d, i))}
 
 
-def measure(dtypes, rows_list, shapes, log=print) -> list[dict]:
-    """Times every path on every (shape, rows, dtype) of the grid within MAX_FLOPS / MAX_WEIGHT_BYTES."""
+def measure(dtypes, rows_list, shapes, log=print, paths=None, points=None) -> list[dict]:
+    """Times every path (or those of ``paths``) on every (shape, rows, dtype) of the grid within MAX_FLOPS /
+    MAX_WEIGHT_BYTES; given earlier ``points``, their other paths' times are kept."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -102,8 +104,9 @@ def measure(dtypes, rows_list, shapes, log=print) -> list[dict]:
             for rows in rows_list:
                 x, w, ids, _ = _inputs(rows, s, k, d, 0.0, dtype, rng)
                 shape = moe_cost.ExpertShape(rows, k, s, d, i, dtype.itemsize)
-                times = {}
-                for path in moe_cost.PATHS:
+                earlier = [p for p in points or () if (p["shape"], p["dtype"], p["rows"]) == (name, dtype_name, rows)]
+                times = {p: t for p, t in (earlier[0]["times"] if earlier else {}).items() if p not in (paths or ())}
+                for path in paths or moe_cost.PATHS:
                     work = moe_cost.work(path, shape, backend)
                     if work["flops"] > MAX_FLOPS or work["weight_bytes"] > MAX_WEIGHT_BYTES:
                         continue
@@ -155,13 +158,16 @@ def calibrate(args) -> None:
     import numpy as np
 
     backend = jax.default_backend()
+    rows, dtypes = [int(r) for r in args.rows.split(",")], args.dtypes.split(",")
     if args.measurements:
         points = json.loads(pathlib.Path(args.measurements).read_text())["points"]
+        if args.remeasure:
+            points = measure(dtypes, rows, list(CALIBRATION_SHAPES), paths=args.remeasure.split(","), points=points)
     else:
-        points = measure(args.dtypes.split(","), [int(r) for r in args.rows.split(",")], list(CALIBRATION_SHAPES))
-        if args.save_measurements:
-            pathlib.Path(args.save_measurements).write_text(json.dumps(
-                dict(backend=backend, jax=jax.__version__, points=points), indent=1))
+        points = measure(dtypes, rows, list(CALIBRATION_SHAPES))
+    if args.save_measurements:
+        pathlib.Path(args.save_measurements).write_text(json.dumps(
+            dict(backend=backend, jax=jax.__version__, points=points), indent=1))
     points = [p for p in points if p["times"]]  # every path past MAX_FLOPS: nothing to compare
     print(f"\nleave-one-shape-out: measured time of the chosen path / the fastest path's, {backend}")
     print(f"{'dtype':>8} {'held out':>16} {'fit median':>10} {'fit max':>8} {'old median':>10} {'old max':>8}")
@@ -215,7 +221,9 @@ def compare(args) -> None:
     rng = np.random.default_rng(0)
     print(f"expert_ffn, {s} experts top-{k}, hidden {d}, moe_intermediate {i}, {args.dtype}, skew {args.skew}; "
           f"ms per call, measured (cost model's prediction)")
-    print(f"{'M':>6} {'busiest':>8} " + " ".join(f"{path:>17}" for path in moe_cost.PATHS) + "  chosen")
+    reference = transformers_experts(params, args.threads) if args.transformers else None
+    print(f"{'M':>6} {'busiest':>8} " + " ".join(f"{path:>17}" for path in moe_cost.PATHS)
+          + (f" {'transformers':>12}" if reference else "") + "  chosen")
     for m in (int(r) for r in args.rows.split(",")):
         x, w, ids, ids_np = _inputs(m, s, k, d, args.skew, dtype, rng)
         busiest = np.bincount(ids_np.ravel(), minlength=s).max() / (m * k / s)
@@ -229,9 +237,38 @@ def compare(args) -> None:
                 continue
             fn = jax.jit(functools.partial(expert_ffn, dtype=dtype, path=path),
                          compiler_options=ENGINE_OPTIONS.get(backend))
-            cells.append(f"{_time(fn, (params, x, w, ids), least=args.repeats) * 1e3:>8.2f} ({predicted:>6.2f})")
+            cells.append(f"{median_seconds(fn, (params, x, w, ids), least=args.repeats) * 1e3:>8.2f} "
+                         f"({predicted:>6.2f})")
+        if reference is not None:
+            cells.append(f"{reference(x, w, ids, least=args.repeats) * 1e3:>12.2f}")
         print(f"{m:>6} {busiest:>7.2f}x " + " ".join(cells) + f"  {moe_cost.choose(shape, dtype.name, backend)}",
               flush=True)
+
+
+def transformers_experts(params, threads: int):
+    """transformers' own routed experts (DeepseekV3Experts: a loop over the experts hit, each on its tokens, gate
+    and up as one product of its fused [2I, D] weight) on the same weights, torch with ``threads`` threads ->
+    timer(x, weights, ids, least) -> median seconds of a call."""
+    import numpy as np
+    import torch
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
+
+    torch.set_num_threads(threads)
+    s, i, d = params["gate_proj"].shape
+    as_torch = {"float32": torch.float32, "bfloat16": torch.bfloat16}[str(params["gate_proj"].dtype)]
+    experts = DeepseekV3Experts(DeepseekV3Config(n_routed_experts=s, hidden_size=d, moe_intermediate_size=i))
+    weight = {n: torch.from_numpy(np.asarray(v, np.float32)).to(as_torch) for n, v in params.items()}
+    experts.gate_up_proj.data = torch.cat([weight["gate_proj"], weight["up_proj"]], dim=1)  # [S, 2I, D]
+    experts.down_proj.data = weight["down_proj"]
+
+    def timer(x, w, ids, least):
+        args = (torch.from_numpy(np.asarray(x, np.float32)).to(as_torch), torch.from_numpy(np.asarray(ids)).long(),
+                torch.from_numpy(np.asarray(w)).to(as_torch))
+        with torch.no_grad():
+            return median_seconds(lambda: (experts(*args), None)[1], (), least=least)  # None: nothing to wait on
+
+    return timer
 
 
 def main() -> None:
@@ -244,10 +281,15 @@ def main() -> None:
     p.add_argument("--rows", default=None, help="comma-separated row counts")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--skew", type=float, default=0.0, help="expert popularity ~ rank^-skew")
+    p.add_argument("--transformers", action="store_true",
+                   help="also time transformers' DeepseekV3Experts on the same weights and routing (torch)")
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads for --transformers")
     p.add_argument("--calibrate", action="store_true")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--measurements", help="--calibrate: fit these saved measurements instead of measuring")
     p.add_argument("--save-measurements", help="--calibrate: save the measurements (JSON) here")
+    p.add_argument("--remeasure", help="--calibrate --measurements F: time these paths again (comma-separated), "
+                                       "keep F's times of the others")
     p.add_argument("--write-table", action="store_true", help="--calibrate: write jaxinfer/models/moe_costs.json")
     args = p.parse_args()
     if args.calibrate:

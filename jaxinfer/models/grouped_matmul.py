@@ -1,52 +1,40 @@
-"""The row-tile layout of grouped matmuls for routed experts: rows sorted by group (expert), each group's rows
-padded to whole tiles of ``tile_m`` rows, every tile belonging to one group.
+"""The chunk ladder of grouped matmuls for routed experts (moe.py's "grouped" path): rows sorted by group
+(expert), each group's rows multiplied in chunks whose sizes are powers of two, the largest first.
 
-This is what grouped-GEMM kernels compute over (MegaBlocks; DeepGEMM's contiguous layout aligns each group to its
-M tile the same way): work is (rows + groups * (tile_m - 1)) rows instead of rows * groups. ``jax.lax.ragged_dot``
-has the semantics of a grouped matmul, but XLA:CPU computes it as if every row met every group
-(docs/architecture.md "Platform facts": "costs about as much as computing every expert"). moe.py's "grouped" path
-runs the tiles of this plan.
+XLA compiles static shapes, so a group of c rows (c known only at run time) is covered by whole chunks of fixed
+sizes. One size for all (the row tiles of grouped-GEMM kernels: MegaBlocks, DeepGEMM's contiguous layout) pads
+each group to a multiple of it: up to size - 1 rows per group, 46% of the rows computed for 64 experts holding ~128
+rows each at tiles of 128, while small tiles run at a fraction of the GEMM rate on CPU (docs/benchmarks.md
+"Routed-expert paths (CPU)"). The ladder takes as many chunks of the top size as fit, then the binary digits of
+the remainder (at most one chunk of each smaller power of two), and only the last chunk, at the floor size, runs
+past the group's rows: fewer than ``floor`` rows of waste per group, most rows in large chunks.
+``jax.lax.ragged_dot`` has the semantics of a grouped matmul, but XLA:CPU computes it as if every row met every
+group (docs/architecture.md "Platform facts").
 """
 
 from __future__ import annotations
 
-import dataclasses
-
-import jax
-import jax.numpy as jnp
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class TilePlan:
-    """Where each sorted row goes in the padded, tiled layout. Built once, shared by the three projections."""
-
-    dest: jax.Array  # [M] int32: padded row of each sorted row (rows past sum(group_sizes): out of bounds)
-    tile_group: jax.Array  # [num_tiles] int32: the group of each tile (tiles past the used ones: the last group)
-    tile_m: int = dataclasses.field(metadata=dict(static=True))
-    num_tiles: int = dataclasses.field(metadata=dict(static=True))
+MAX_CHUNK = 512  # the top rung: larger chunks gained nothing measurable on CPU (docs/benchmarks.md)
+RUNGS = 7  # chunk sizes top, top / 2, ..., top / 64: the floor, and the waste per group below it
+MIN_CHUNK = 8  # nor below 8 rows: chunks of 1-4 rows cost about as much as one of 8 (decode-sized steps)
 
 
-def default_tile_m(rows: int, groups: int) -> int:
-    """A power of two near the mean group size, in [8, 128]: small for decode batches, full tiles for prefill."""
-    mean = max(rows // max(groups, 1), 1)
-    return int(min(128, max(8, 1 << (mean - 1).bit_length())))
+def chunk_sizes(rows: int) -> tuple[int, ...]:
+    """The ladder for a step of ``rows`` tokens, largest first: powers of two from min(MAX_CHUNK, the largest power
+    of two <= rows) over at most RUNGS rungs, none below MIN_CHUNK (unless the top is). A group holds at most
+    ``rows`` rows (a token's top-k slots are distinct), so a larger top chunk would never fill."""
+    top = min(MAX_CHUNK, 1 << (max(rows, 1).bit_length() - 1))
+    return tuple(top >> j for j in range(RUNGS) if top >> j >= min(MIN_CHUNK, top))
 
 
-def tile_plan(group_sizes: jax.Array, rows: int, tile_m: int | None = None) -> TilePlan:
-    """group_sizes [G] int32 (sum <= rows) -> the tiling of ``rows`` sorted rows: group g's rows take the tiles
-    after those of groups < g, in order; num_tiles is the worst case over all group sizes."""
-    groups = group_sizes.shape[0]
-    tile_m = default_tile_m(rows, groups) if tile_m is None else tile_m
-    num_tiles = -(-(rows + groups * (tile_m - 1)) // tile_m)  # worst case over all group sizes
-    padded = (group_sizes + tile_m - 1) // tile_m * tile_m  # [G]
-    start = jnp.cumsum(group_sizes) - group_sizes  # [G] first sorted row of each group
-    padded_start = jnp.cumsum(padded) - padded  # [G] first padded row of each group
-    row = jnp.arange(rows, dtype=jnp.int32)
-    group = jnp.searchsorted(jnp.cumsum(group_sizes), row, side="right")  # [M], G for padding rows
-    valid = group < groups
-    g = jnp.minimum(group, groups - 1)
-    dest = jnp.where(valid, row - start[g] + padded_start[g], num_tiles * tile_m).astype(jnp.int32)
-    tile_start = jnp.arange(num_tiles, dtype=jnp.int32) * tile_m
-    tile_group = jnp.searchsorted(jnp.cumsum(padded), tile_start, side="right")
-    return TilePlan(dest, jnp.minimum(tile_group, groups - 1).astype(jnp.int32), tile_m, num_tiles)
+def ladder_counts(count, sizes: tuple[int, ...]) -> list:
+    """count (an int, a numpy array or a traced jax scalar) -> the number of chunks of each of ``sizes`` that cover
+    it: count // top of the top size, then each smaller size while it fits in what is left (at most once: the
+    binary digits of the remainder), and ceil(rest / floor) of the floor size, whose last chunk may run past the
+    group's rows (by fewer than floor rows)."""
+    counts = []
+    for j, size in enumerate(sizes):
+        n = count // size if j < len(sizes) - 1 else -(-count // size)
+        counts.append(n)
+        count = count - n * size
+    return counts

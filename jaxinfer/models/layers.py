@@ -92,7 +92,10 @@ def matmul_nt(x: jax.Array, w: jax.Array, row_shards: int = 1) -> jax.Array:
             raise ValueError(f"batched matmul_nt needs x [S, M, K] and w [S, N, K], got {x.shape} and {w.shape}")
         if fast and product_form(x.shape[1], w) == "transposed":
             y = jnp.einsum("snk,smk->snm", w, x, **f32)  # [S, N, M]
-            return jax.lax.optimization_barrier(y).transpose(0, 2, 1)
+            # The second barrier materializes the transpose: left to fold into a consuming batched product (the
+            # capacity path's down projection), it made a dot contracting the middle axis, which XLA:CPU runs as a
+            # DotThunk: UNIMPLEMENTED for bf16 x bf16 -> f32 (V3's 256 slots at 128 tokens).
+            return jax.lax.optimization_barrier(jax.lax.optimization_barrier(y).transpose(0, 2, 1))
         return jnp.einsum("smk,snk->smn", x, w, **f32)
     lead, k = x.shape[:-1], x.shape[-1]
     m = math.prod(lead)

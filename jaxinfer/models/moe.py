@@ -17,7 +17,7 @@ from flax import nnx
 from jaxinfer.checkpoint.fp8 import scale_shape
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import moe_cost
-from jaxinfer.models.grouped_matmul import tile_plan
+from jaxinfer.models.grouped_matmul import chunk_sizes, ladder_counts
 from jaxinfer.models.layers import FP8_DTYPE, MLP, dense_weight, matmul_nt, matmul_nt_many, normal_init
 from jaxinfer.parallel.dispatch import expert_parallel, slot_counts
 from jaxinfer.parallel.placement import default_tables
@@ -96,9 +96,9 @@ def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, d
       capacity: each slot's assignments scattered into a [S, C, D] buffer, C the smallest of
         ``moe_cost.capacity_buckets`` that holds the busiest slot (lax.switch over the buckets), three batched
         matmuls with the weights as they are (no gather or copy of weights), results gathered back.
-      grouped: assignments sorted by slot, each slot's rows padded to whole row tiles (grouped_matmul.tile_plan),
-        then a loop over the tiles in use: each runs its three projections on its slot's weights, indexed in
-        place; ids -1 sort last and are never computed.
+      grouped: assignments sorted by slot, a loop over the slots in use, each slot's rows multiplied by its
+        weights (indexed once) in chunks of a power-of-two ladder (grouped_matmul.chunk_sizes); ids -1 sort last
+        and are never computed.
       ragged: assignments sorted by slot, three ``lax.ragged_dot_general`` grouped matmuls (a grouped GEMM
         kernel where the backend has one; XLA:CPU computes every row against every slot).
     fp8_compute: activations quantized per token per 128 channels and FP8 grouped GEMMs in DeepGEMM's contiguous
@@ -115,9 +115,7 @@ def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, d
     if fp8_compute:
         return _fp8_ffn(params, x.astype(dtype), weights, flat_ids, num_slots, dtype)
 
-    def weight(name):  # [S, out, in] in the compute dtype
-        return dense_weight(params[name], params.get(name + "_scale_inv"), dtype)
-
+    weight = functools.partial(_weight, params, dtype=dtype)  # name -> [S, out, in] in the compute dtype
     f32 = dict(preferred_element_type=jnp.float32)
     xd = x.astype(dtype)
     if path == "gather":
@@ -181,6 +179,11 @@ def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, d
     return _grouped_ffn(params, xd, weights, flat_ids, num_slots, dtype)
 
 
+def _weight(params: dict, name: str, dtype) -> jax.Array:
+    """[S, out, in] of ``params[name]`` in the compute dtype (FP8 weights dequantized)."""
+    return dense_weight(params[name], params.get(name + "_scale_inv"), dtype)
+
+
 def _slot_weight(params: dict, name: str, slot: jax.Array, dtype) -> jax.Array:
     """[out, in] of one slot of ``params[name]`` in the compute dtype, taken with dynamic_index_in_dim (read in
     place) and dequantized after indexing (FP8 weights: only that slot's blocks)."""
@@ -197,40 +200,85 @@ def _sorted_by_slot(flat_ids: jax.Array, k: int, num_slots: int):
     return order, order // k, group_sizes
 
 
-def _grouped_ffn(params: dict, xd: jax.Array, weights: jax.Array, flat_ids: jax.Array, num_slots: int,
-                 dtype) -> jax.Array:
+def _grouped_forward(params: dict, xd: jax.Array, weights: jax.Array, flat_ids: jax.Array, num_slots: int,
+                     dtype) -> jax.Array:
     """The "grouped" path of expert_ffn: xd [M, D], weights [M, K], flat_ids [M*K] -> float32 [M, D].
 
-    Each slot's assignments are padded to whole tiles of tile_m rows (tile_plan: (rows + slots * (tile_m - 1)) /
-    tile_m tiles at most) and a scan runs the tiles in use one at a time: three matmul_nt on the tile's slot's
-    weights, indexed in place, with the tile's rows still in cache between them; the unused tiles of the
-    worst-case count are skipped (lax.cond). Work follows the real per-slot counts plus at most tile_m - 1 rows
-    per slot, where the capacity path computes its bucket for every slot. (Batching the tiles into one matmul
-    instead, as grouped GEMM kernels do, makes XLA:CPU gather a copy of the weights for every tile, which is slower:
-    docs/benchmarks.md "Routed-expert paths (CPU)".) A scan of fixed length, so it is differentiable."""
+    Assignments sorted by slot; a loop over the slots in use takes each slot's three weight matrices once (indexed,
+    so copied once per slot and step) and multiplies its rows in chunks of grouped_matmul's ladder: power-of-two
+    sizes, largest first, each a loop over as many chunks as fit (traced trip counts). Work follows the real
+    per-slot counts plus fewer than the floor chunk's rows per slot. The chunks read and write the sorted rows in
+    place, not a padded copy: the last chunk of a slot runs past its rows into the next slots' (or the zero pad at
+    the end), whose results the later slots then overwrite, as the loops go in sorted order; rows of other ranks
+    (sorted last) are never computed and are masked out. The rows, the results and the slot's weights are held in
+    float32 whatever the compute dtype (values of that dtype, so the same products): with bf16 buffers XLA:CPU
+    updated the results 2-4x slower, and its float32 GEMMs run at about twice its bf16 rate (docs/benchmarks.md
+    "Routed-expert paths (CPU)"). (One size of tile for every row, padded per slot, and the
+    weights indexed per tile instead of per slot were 1.2-1.6x slower on the grid's prefill shapes; batching the
+    tiles into one matmul, as grouped GEMM kernels do, makes XLA:CPU gather a copy of the weights for every tile:
+    docs/benchmarks.md "Routed-expert paths (CPU)".) The loops have traced trip counts, so the path has no
+    reverse-mode derivative of its own: _grouped_ffn gives it the capacity path's."""
     m, k = weights.shape
     order, token, group_sizes = _sorted_by_slot(flat_ids, k, num_slots)
-    plan = tile_plan(group_sizes, m * k)
-    tm, d = plan.tile_m, xd.shape[1]
-    tiles = jnp.zeros((plan.num_tiles * tm, d), dtype).at[plan.dest].set(xd[token], mode="drop")
-    tiles = tiles.reshape(plan.num_tiles, tm, d)  # [T, tm, D]
-    used = jnp.sum(-(-group_sizes // tm))  # tiles holding rows
+    sizes = chunk_sizes(m)
+    d = xd.shape[1]
+    # [M*K + floor, D] float32: the pad holds the last slot's overhang (dynamic_slice would clamp the chunk back)
+    rows = jnp.concatenate([xd[token], jnp.zeros((sizes[-1], d), dtype)]).astype(jnp.float32)
+    start = jnp.cumsum(group_sizes) - group_sizes  # [S] first sorted row of each slot
+    active = jnp.nonzero(group_sizes, size=num_slots, fill_value=0)[0]  # [S] the slots in use, ascending
 
-    def tile(carry, xs):
-        i, rows, slot = xs  # scalar, [tm, D], scalar
+    def one_slot(j, out):  # out [M*K + floor, D]: the rows of active[j] computed
+        slot = active[j]
+        w = {name: _slot_weight(params, name, slot, dtype).astype(jnp.float32)  # [I, D], [I, D], [D, I]
+             for name in Experts.PROJ}
 
-        def compute(rows):
-            gate = matmul_nt(rows, _slot_weight(params, "gate_proj", slot, dtype))  # [tm, I]
-            up = matmul_nt(rows, _slot_weight(params, "up_proj", slot, dtype))
-            act = jax.nn.silu(gate.astype(dtype)) * up.astype(dtype)  # [tm, I]
-            return matmul_nt(act, _slot_weight(params, "down_proj", slot, dtype)).astype(dtype)  # [tm, D]
+        def chunks(size, first):
+            def chunk(c, out):  # rows first + c * size ... + size
+                r = first + c * size
+                x = jax.lax.dynamic_slice_in_dim(rows, r, size)  # [size, D]
+                gate = matmul_nt(x, w["gate_proj"])  # [size, I]
+                up = matmul_nt(x, w["up_proj"])
+                act = jax.nn.silu(gate.astype(dtype)) * up.astype(dtype)  # [size, I]
+                y = matmul_nt(act.astype(jnp.float32), w["down_proj"]).astype(dtype)  # [size, D]
+                return jax.lax.dynamic_update_slice_in_dim(out, y.astype(jnp.float32), r, 0)
+            return chunk
 
-        return carry, jax.lax.cond(i < used, compute, jnp.zeros_like, rows)
+        first = start[slot]
+        for size, n in zip(sizes, ladder_counts(group_sizes[slot], sizes)):
+            out = jax.lax.fori_loop(0, n, chunks(size, first), out)
+            first = first + n * size
+        return out
 
-    _, out = jax.lax.scan(tile, None, (jnp.arange(plan.num_tiles), tiles, plan.tile_group))  # [T, tm, D]
-    out = jnp.take(out.reshape(-1, d), plan.dest, axis=0, mode="fill", fill_value=0)  # [M*K, D], sorted
-    w = jnp.where(flat_ids[order] < num_slots, weights.reshape(-1)[order], 0.0)  # [M*K]
-    return jnp.zeros((m, d), jnp.float32).at[token].add(out.astype(jnp.float32) * w[:, None])
+    out = jax.lax.fori_loop(0, jnp.count_nonzero(group_sizes), one_slot, jnp.zeros_like(rows))[:m * k]  # sorted
+    valid = flat_ids[order] < num_slots  # [M*K]
+    out = jnp.where(valid[:, None], out, 0.0)
+    w = jnp.where(valid, weights.reshape(-1)[order], 0.0)  # [M*K]
+    return jnp.zeros((m, d), jnp.float32).at[token].add(out * w[:, None])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _grouped_ffn(params: dict, xd: jax.Array, weights: jax.Array, flat_ids: jax.Array, num_slots: int,
+                 dtype) -> jax.Array:
+    """_grouped_forward, differentiable (jaxinfer/train): the derivative is the capacity path's, which computes the
+    same function with loops of fixed length."""
+    return _grouped_forward(params, xd, weights, flat_ids, num_slots, dtype)
+
+
+def _grouped_fwd(params, xd, weights, flat_ids, num_slots, dtype):
+    return _grouped_forward(params, xd, weights, flat_ids, num_slots, dtype), (params, xd, weights, flat_ids)
+
+
+def _grouped_bwd(num_slots, dtype, residuals, g):
+    params, xd, weights, flat_ids = residuals
+
+    def capacity(params, xd, weights):
+        weight = functools.partial(_weight, params, dtype=dtype)
+        return _capacity_ffn(weight, xd, weights, flat_ids, num_slots, dtype)
+
+    return (*jax.vjp(capacity, params, xd, weights)[1](g), None)
+
+
+_grouped_ffn.defvjp(_grouped_fwd, _grouped_bwd)
 
 
 def _fp8_ffn(params: dict, xd: jax.Array, weights: jax.Array, flat_ids: jax.Array, num_slots: int,

@@ -10,7 +10,7 @@ docs/benchmarks.md "Routed-expert paths (CPU)"). The choice is a pure function o
 moe_intermediate, weight bytes, dtype, backend): no start-up timing, so every process and every rank of a mesh
 picks the same path for the same step, and a test can name the path a shape gets.
 
-The capacity path's bucket and the grouped path's tiles are their expected values under a routing scenario (a
+The capacity path's bucket and the grouped path's chunks are their expected values under a routing scenario (a
 slot's count Binomial(rows, top_k x its popularity share)). Tokens of different sequences are routed about
 independently: their steps (decode) are priced under balanced routing, what EPLB aims at and what the calibration
 measures. Tokens of one sequence share experts: steps with several tokens per sequence (prefill chunks) are priced
@@ -28,7 +28,7 @@ import pathlib
 
 import numpy as np
 
-from jaxinfer.models.grouped_matmul import default_tile_m
+from jaxinfer.models.grouped_matmul import chunk_sizes, ladder_counts
 from jaxinfer.parallel.plan import MOE_PATHS
 
 PATHS = MOE_PATHS  # ("gather", "dense", "capacity", "grouped", "ragged")
@@ -110,13 +110,16 @@ def expected_capacity(shape: ExpertShape) -> float:
     return total
 
 
-def expected_tiles(shape: ExpertShape) -> tuple[float, int, int]:
-    """The grouped path's (expected tiles in use, worst-case tiles, tile_m)."""
-    tile_m = default_tile_m(shape.assignments, shape.num_slots)
-    worst = -(-(shape.assignments + shape.num_slots * (tile_m - 1)) // tile_m)
+def expected_chunks(shape: ExpertShape) -> tuple[float, float, float]:
+    """The grouped path's (expected chunks, rows computed, slots in use) under the shape's routing scenario: each
+    slot's count covered by grouped_matmul's ladder (ladder_counts), summed over the slots."""
+    sizes = chunk_sizes(shape.rows)
     pmfs = _slot_count_pmfs(shape)  # [S, rows + 1]
-    used = float((pmfs @ -(-np.arange(pmfs.shape[1]) // tile_m)).sum())
-    return used, worst, tile_m
+    count = np.arange(pmfs.shape[1])
+    per_size = ladder_counts(count, sizes)  # [rows + 1] chunks of each size per count
+    chunks = float((pmfs @ sum(per_size)).sum())
+    rows = float((pmfs @ sum(n * size for n, size in zip(per_size, sizes))).sum())
+    return chunks, rows, float((1.0 - pmfs[:, 0]).sum())
 
 
 def work(path: str, shape: ExpertShape, backend: str) -> dict[str, float]:
@@ -132,10 +135,10 @@ def work(path: str, shape: ExpertShape, backend: str) -> dict[str, float]:
         c = expected_capacity(shape)
         return dict(matrices=3 * s, weight_bytes=s * e * wb, flops=2 * s * c * e, moved_bytes=s * c * (i + d) * 4,
                     calls=1)
-    if path == "grouped":  # a loop over the row tiles in use, each on its slot's weights
-        used, worst, tile_m = expected_tiles(shape)
-        return dict(matrices=3 * used, weight_bytes=used * e * wb, flops=2 * used * tile_m * e,
-                    moved_bytes=worst * tile_m * (i + d) * 4, calls=1)
+    if path == "grouped":  # a loop over the slots in use (their weights copied once), each slot's rows in chunks
+        chunks, rows, slots = expected_chunks(shape)
+        return dict(matrices=3 * chunks, weight_bytes=slots * e * wb, flops=2 * rows * e,
+                    moved_bytes=rows * (i + d) * 4, calls=1)
     if path == "ragged":  # lax.ragged_dot over the sorted assignments. XLA's ragged-dot expander computes every
         # row against every group: measured on XLA:CPU (docs/architecture.md "Platform facts"), assumed on XLA:GPU
         # (unmeasured); TPUs have a grouped kernel

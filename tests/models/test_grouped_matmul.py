@@ -1,45 +1,45 @@
-"""tile_plan (the row-tile layout of moe.py's "tiled" path) against a numpy construction of the same layout."""
+"""grouped_matmul's chunk ladder (moe.py's "grouped" path) against a direct construction: every chunk of a group
+listed one by one, largest size first, then the covering checked row by row."""
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.models.grouped_matmul import default_tile_m, tile_plan
+from jaxinfer.models.grouped_matmul import MAX_CHUNK, MIN_CHUNK, RUNGS, chunk_sizes, ladder_counts
 
 
-def _layout(sizes, rows, tile_m):
-    """numpy: (dest of each sorted row, group of each used tile) built group by group."""
-    dest, tile_group, nxt = [], [], 0
-    for g, n in enumerate(sizes):
-        dest += list(range(nxt, nxt + n))
-        tiles = -(-n // tile_m)
-        tile_group += [g] * tiles
-        nxt += tiles * tile_m
-    return np.array(dest, np.int64), np.array(tile_group, np.int64)
+def _chunks(count, sizes):
+    """The ladder's chunks of one group, as a list of sizes: while a whole chunk of the current size fits in what
+    is left, take it; move to the next size when it does not; the floor size covers the rest."""
+    out, left = [], count
+    for size in sizes[:-1]:
+        while left >= size:
+            out.append(size)
+            left -= size
+    while left > 0:
+        out.append(sizes[-1])
+        left -= sizes[-1]
+    return out
 
 
-@pytest.mark.parametrize("sizes, rows, tile_m", [
-    ([3, 0, 5, 1], 9, None),         # an empty group
-    ([0, 0, 7], 7, 4),               # leading empty groups, a partial tile
-    ([16, 16], 32, 8),               # exact tiles
-    ([2, 1, 0, 4, 0, 3], 13, 2),     # padding rows past sum(sizes) (3 of them)
-    ([40, 1, 23, 0, 64], 128, None),  # prefill-like
-    ([300, 0, 0, 12], 312, None),    # one hot group over many tiles
-])
-def test_tile_plan_matches_numpy_layout(sizes, rows, tile_m):
-    plan = jax.jit(tile_plan, static_argnums=(1, 2))(jnp.asarray(sizes, jnp.int32), rows, tile_m)
-    tm = default_tile_m(rows, len(sizes)) if tile_m is None else tile_m
-    assert plan.tile_m == tm and plan.num_tiles == -(-(rows + len(sizes) * (tm - 1)) // tm)
-    dest, tile_group = _layout(sizes, rows, tm)
-    valid = sum(sizes)
-    got = np.asarray(plan.dest)
-    np.testing.assert_array_equal(got[:valid], dest)
-    assert (got[valid:] >= plan.num_tiles * tm).all()  # padding rows: out of bounds (dropped)
-    np.testing.assert_array_equal(np.asarray(plan.tile_group)[:len(tile_group)], tile_group)
-    assert len(tile_group) <= plan.num_tiles
+def test_chunk_sizes():
+    # powers of two from min(512, the largest power of two <= rows) over at most 7 rungs, none below 8 unless the top
+    assert chunk_sizes(1) == (1,)
+    assert chunk_sizes(3) == (2,)
+    assert chunk_sizes(40) == (32, 16, 8)
+    assert chunk_sizes(300) == (256, 128, 64, 32, 16, 8)
+    assert chunk_sizes(1024) == chunk_sizes(100000) == (512, 256, 128, 64, 32, 16, 8)
+    assert (MAX_CHUNK, RUNGS, MIN_CHUNK) == (512, 7, 8)
 
 
-def test_default_tile_m():
-    # the power of two >= the mean group size (rows // 16 here: 0, 8, 16, 62, 256, 6250), within [8, 128]
-    assert [default_tile_m(r, 16) for r in (1, 128, 256, 1000, 4096, 100000)] == [8, 8, 16, 64, 128, 128]
+@pytest.mark.parametrize("rows", [1, 3, 40, 300, 1024])
+def test_ladder_counts_cover_every_count(rows):
+    sizes = chunk_sizes(rows)
+    counts = np.arange(rows + 1)
+    per_size = ladder_counts(counts, sizes)  # vectorized over counts, as moe_cost uses it
+    for c in range(rows + 1):
+        expected = _chunks(c, sizes)
+        assert [int(n[c]) for n in per_size] == [expected.count(size) for size in sizes]
+        assert ladder_counts(c, sizes) == [expected.count(size) for size in sizes]  # scalar form (moe.py)
+        covered = sum(expected)
+        assert c <= covered < c + sizes[-1]  # only the last chunk runs past the group, by less than the floor
+        assert all(expected.count(size) <= 1 for size in sizes[1:-1])  # the binary digits of the remainder

@@ -3,12 +3,11 @@ counts against the layouts the paths build, and the choice as a pure function of
 
 import dataclasses
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxinfer.models import moe_cost
-from jaxinfer.models.grouped_matmul import tile_plan
+from jaxinfer.models.grouped_matmul import chunk_sizes
 
 
 def _routing(rng, trials, rows, k, s):
@@ -18,17 +17,27 @@ def _routing(rng, trials, rows, k, s):
 
 
 @pytest.mark.parametrize("rows, k, s", [(5, 2, 8), (32, 4, 16), (200, 6, 64), (64, 8, 256)])
-def test_expected_capacity_and_tiles_match_monte_carlo(rows, k, s):
+def test_expected_capacity_and_chunks_match_monte_carlo(rows, k, s):
     counts = _routing(np.random.default_rng(rows), 400, rows, k, s)  # [400, s]
     shape = moe_cost.ExpertShape(rows, k, s, 64, 32)
     buckets = np.asarray(moe_cost.capacity_buckets(rows, k, s))
     chosen = buckets[np.searchsorted(buckets, counts.max(1))]  # the first bucket holding the busiest slot
     # independent slot counts (moe_cost's assumption) overestimate the busiest slot a little where slots are many
     assert moe_cost.expected_capacity(shape) == pytest.approx(chosen.mean(), rel=0.08)
-    used, worst, tile_m = moe_cost.expected_tiles(shape)
-    assert used == pytest.approx((-(-counts // tile_m)).sum(1).mean(), rel=0.05)
-    plan = tile_plan(jnp.asarray(counts[0], jnp.int32), rows * k)  # the grouped path's own layout
-    assert (plan.tile_m, plan.num_tiles) == (tile_m, worst)
+    chunks, computed, used = moe_cost.expected_chunks(shape)
+    sizes = np.asarray(chunk_sizes(rows))
+    # each slot's count: whole top chunks, the remainder's binary digits over the sizes between, and what is left
+    # below the last of those in floor chunks rounded up
+    top = counts // sizes[0]
+    rest = counts - top * sizes[0]
+    digits = [(rest // size) % 2 for size in sizes[1:-1]]
+    floor = -(-(rest % sizes[-2] if len(sizes) > 1 else rest) // sizes[-1])
+    drawn_chunks = top + sum(digits) + floor  # [400, s]
+    drawn_rows = top * sizes[0] + sum(d * size for d, size in zip(digits, sizes[1:-1])) + floor * sizes[-1]
+    assert chunks == pytest.approx(drawn_chunks.sum(1).mean(), rel=0.05)
+    assert computed == pytest.approx(drawn_rows.sum(1).mean(), rel=0.05)
+    assert (drawn_rows >= counts).all() and (drawn_rows < counts + sizes[-1]).all()
+    assert used == pytest.approx((counts > 0).sum(1).mean(), rel=0.05)
 
 
 def test_work_counts():
