@@ -24,6 +24,7 @@ from jaxinfer.models.layers import Linear, RMSNorm, matmul_nt_many
 from jaxinfer.models.rope import apply_rope
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the default eps in HF and DeepSeek's code
+SLICE_ROWS = 64  # rows per step from which the absorbed products slice W_UK / W_UV out of kv_b_proj (``paged``)
 
 
 class MLA(nnx.Module):
@@ -121,19 +122,27 @@ class MLA(nnx.Module):
         # runs the products as YNNPACK batched dots on the model-dtype operands (float32 accumulation). With heads
         # in the middle ("bthk,hkc->bthc") they become Eigen dots on float32 copies of the weights, which are
         # slower (docs/benchmarks.md "GEMM forms (CPU)").
+        # Steps of many rows (prefill) slice them after all: the padding doubles both products' flops (N = V), which
+        # costs more than the copies from about SLICE_ROWS rows on (docs/benchmarks.md "GEMM forms (CPU)").
         h, b, t = c.num_attention_heads, x.shape[0], x.shape[1]
         w_ukv = self.kv_b_proj.kernel().reshape(h, n + c.v_head_dim, c.kv_lora_rank)  # [H, N+V, C]
-        q_pad = jnp.pad(q_nope, [(0, 0)] * 3 + [(0, c.v_head_dim)])  # [B, T, H, N+V]
-        q_pad = q_pad.reshape(b * t, h, n + c.v_head_dim).transpose(1, 0, 2)  # [H, M, N+V]
-        q_lat = jnp.einsum("hmk,hkc->hmc", q_pad, w_ukv, preferred_element_type=jnp.float32)  # = q_nope @ W_UK
+        sliced = b * t >= SLICE_ROWS
+        if sliced:
+            w_uk, w_uv = w_ukv[:, :n], w_ukv[:, n:]  # [H, N, C], [H, V, C]
+            q_in = q_nope.reshape(b * t, h, n).transpose(1, 0, 2)  # [H, M, N]
+        else:
+            w_uk = w_uv = w_ukv
+            q_in = jnp.pad(q_nope, [(0, 0)] * 3 + [(0, c.v_head_dim)])  # [B, T, H, N+V]
+            q_in = q_in.reshape(b * t, h, n + c.v_head_dim).transpose(1, 0, 2)  # [H, M, N+V]
+        q_lat = jnp.einsum("hmk,hkc->hmc", q_in, w_uk, preferred_element_type=jnp.float32)  # = q_nope @ W_UK
         q_lat = q_lat.transpose(1, 0, 2).reshape(b, t, h, c.kv_lora_rank)  # [B, T, H, C]
         q = jnp.concatenate([q_lat.astype(self.dtype), q_pe], axis=-1)  # [B, T, H, C+R]
         new = self.latents(x, cos, sin, kv).astype(value_dtype(cache, self.dtype))  # [B, T, C+R]
         o_lat, cache = backend(plan, q, new, cache, md, window, head_dim_v=c.kv_lora_rank,
                                softmax_scale=c.softmax_scale)  # [B, T, H, C]
         o_lat = o_lat.reshape(b * t, h, c.kv_lora_rank).transpose(1, 0, 2)  # [H, M, C]
-        out = jnp.einsum("hmc,hkc->hmk", o_lat, w_ukv,
-                         preferred_element_type=jnp.float32)[..., n:]  # [H, M, V] = o_lat @ W_UV^T
+        out = jnp.einsum("hmc,hkc->hmk", o_lat, w_uv, preferred_element_type=jnp.float32)  # [H, M, N+V] or [H, M, V]
+        out = out if sliced else out[..., n:]  # [H, M, V] = o_lat @ W_UV^T
         out = out.transpose(1, 0, 2)  # [M, H, V]
         out = out.astype(self.dtype).reshape(*x.shape[:2], c.num_attention_heads * c.v_head_dim)
         return self.o_proj(out), cache, new
