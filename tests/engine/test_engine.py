@@ -97,7 +97,7 @@ def test_prefill_grid_is_no_larger_than_its_chunks_need(case):
     """A prefill step's [rows, T] grid: powers of two >= the chunk count and the longest chunk (T >= 16), not the
     whole max_num_batched_tokens (1024 here): one short prompt must not cost a full 1024-token step. The engine's
     own scheduler and runner plan the first step of each batch (nothing runs: no compilation)."""
-    llm = LLM(case.path, mesh="1x1", dtype="float32", num_kv_pages=16)
+    llm = LLM(case.path, mesh="1x1", dtype="float32", num_kv_pages=16, max_num_batched_tokens=1024)
     inputs = llm.runner.inputs
     assert inputs.prefill_capacity == 1024
     greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)

@@ -182,7 +182,7 @@ def test_engine_config_is_llm_options():
     naming the field; the resolved config fills the platform's defaults."""
     fields = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
     documented = dict(model=None, mesh=None, dtype=None, num_kv_pages=None, max_num_seqs=64,
-                      max_num_batched_tokens=1024, max_model_len=None, enable_prefix_caching=True, fp8_compute=None,
+                      max_num_batched_tokens=2048, max_model_len=None, enable_prefix_caching=True, fp8_compute=None,
                       seed=0, max_logprobs=20, num_redundant_experts=None, expert_load_window=1000,
                       rebalance_every_n_steps=None, num_scheduler_steps=None, greedy_screening=None,
                       compilation_cache=None, attention_backend=None, moe_path=None, speculative_config=None,
