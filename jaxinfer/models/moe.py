@@ -210,26 +210,26 @@ def _grouped_forward(params: dict, xd: jax.Array, weights: jax.Array, flat_ids: 
     per-slot counts plus fewer than the floor chunk's rows per slot. The chunks read and write the sorted rows in
     place, not a padded copy: the last chunk of a slot runs past its rows into the next slots' (or the zero pad at
     the end), whose results the later slots then overwrite, as the loops go in sorted order; rows of other ranks
-    (sorted last) are never computed and are masked out. The rows, the results and the slot's weights are held in
-    float32 whatever the compute dtype (values of that dtype, so the same products): with bf16 buffers XLA:CPU
-    updated the results 2-4x slower, and its float32 GEMMs run at about twice its bf16 rate (docs/benchmarks.md
-    "Routed-expert paths (CPU)"). (One size of tile for every row, padded per slot, and the
-    weights indexed per tile instead of per slot were 1.2-1.6x slower on the grid's prefill shapes; batching the
-    tiles into one matmul, as grouped GEMM kernels do, makes XLA:CPU gather a copy of the weights for every tile:
-    docs/benchmarks.md "Routed-expert paths (CPU)".) The loops have traced trip counts, so the path has no
-    reverse-mode derivative of its own: _grouped_ffn gives it the capacity path's."""
+    (sorted last) are never computed and are masked out. On CPU the rows, the results and the slot's weights are
+    held in float32 whatever the compute dtype (values of that dtype, so the same products): with bf16 buffers
+    XLA:CPU updated the results 2-4x slower, and its float32 GEMMs run at about twice its bf16 rate. One size of
+    tile for every row, padded per slot, with the weights indexed per tile, was 1.2-1.6x slower on the grid's
+    prefill shapes; batching the tiles into one matmul, as grouped GEMM kernels do, makes XLA:CPU gather a copy of
+    the weights for every tile (docs/benchmarks.md "Routed-expert paths (CPU)"). The loops have traced trip
+    counts, so the path has no reverse-mode derivative of its own: _grouped_ffn gives it the capacity path's."""
     m, k = weights.shape
     order, token, group_sizes = _sorted_by_slot(flat_ids, k, num_slots)
     sizes = chunk_sizes(m)
     d = xd.shape[1]
-    # [M*K + floor, D] float32: the pad holds the last slot's overhang (dynamic_slice would clamp the chunk back)
-    rows = jnp.concatenate([xd[token], jnp.zeros((sizes[-1], d), dtype)]).astype(jnp.float32)
+    held = jnp.float32 if current_platform().is_cpu else dtype  # the buffers' and weight copies' dtype (above)
+    # [M*K + floor, D]: the pad holds the last slot's overhang (dynamic_slice would clamp the chunk back)
+    rows = jnp.concatenate([xd[token], jnp.zeros((sizes[-1], d), dtype)]).astype(held)
     start = jnp.cumsum(group_sizes) - group_sizes  # [S] first sorted row of each slot
     active = jnp.nonzero(group_sizes, size=num_slots, fill_value=0)[0]  # [S] the slots in use, ascending
 
     def one_slot(j, out):  # out [M*K + floor, D]: the rows of active[j] computed
         slot = active[j]
-        w = {name: _slot_weight(params, name, slot, dtype).astype(jnp.float32)  # [I, D], [I, D], [D, I]
+        w = {name: _slot_weight(params, name, slot, dtype).astype(held)  # [I, D], [I, D], [D, I]
              for name in Experts.PROJ}
 
         def chunks(size, first):
@@ -239,8 +239,8 @@ def _grouped_forward(params: dict, xd: jax.Array, weights: jax.Array, flat_ids: 
                 gate = matmul_nt(x, w["gate_proj"])  # [size, I]
                 up = matmul_nt(x, w["up_proj"])
                 act = jax.nn.silu(gate.astype(dtype)) * up.astype(dtype)  # [size, I]
-                y = matmul_nt(act.astype(jnp.float32), w["down_proj"]).astype(dtype)  # [size, D]
-                return jax.lax.dynamic_update_slice_in_dim(out, y.astype(jnp.float32), r, 0)
+                y = matmul_nt(act.astype(held), w["down_proj"]).astype(dtype)  # [size, D]
+                return jax.lax.dynamic_update_slice_in_dim(out, y.astype(held), r, 0)
             return chunk
 
         first = start[slot]
@@ -251,7 +251,7 @@ def _grouped_forward(params: dict, xd: jax.Array, weights: jax.Array, flat_ids: 
 
     out = jax.lax.fori_loop(0, jnp.count_nonzero(group_sizes), one_slot, jnp.zeros_like(rows))[:m * k]  # sorted
     valid = flat_ids[order] < num_slots  # [M*K]
-    out = jnp.where(valid[:, None], out, 0.0)
+    out = jnp.where(valid[:, None], out.astype(jnp.float32), 0.0)
     w = jnp.where(valid, weights.reshape(-1)[order], 0.0)  # [M*K]
     return jnp.zeros((m, d), jnp.float32).at[token].add(out * w[:, None])
 
