@@ -33,7 +33,7 @@ from jaxinfer.kv.paged_cache import write
 from jaxinfer.parallel.dispatch import BATCH_AXES
 from jaxinfer.parallel.plan import ParallelPlan
 from kernels_pallas import mla_decode
-from kernels_pallas.mla import DecodeWindow, chunked_attention, query_block_attention
+from kernels_pallas.mla import DecodeWindow, chunked_attention, expanded_new_key_attention, query_block_attention
 
 # Keys per online-softmax step of the XLA backend on CPU: a batch's chunk of V3-sized keys stays within the CPU's
 # last-level cache (the chunk sizes measured: docs/benchmarks.md, "Paged attention, XLA path (CPU)").
@@ -108,7 +108,9 @@ class AttentionBackend:
         if plan is None:
             return local(*args)
         spec = P(BATCH_AXES)
-        window_spec = None if window is None else DecodeWindow(spec, spec, P() if jnp.ndim(window.length) == 0 else spec)
+        window_spec = None
+        if window is not None:
+            window_spec = DecodeWindow(spec, spec, P() if jnp.ndim(window.length) == 0 else spec)
         block_spec = None if md.first_block is None else spec
         return jax.shard_map(local, mesh=plan.mesh, in_specs=(spec,) * 6 + (window_spec, block_spec),
                              out_specs=(spec, spec))(*args)
@@ -116,6 +118,17 @@ class AttentionBackend:
 
 BACKENDS = {"pallas": AttentionBackend("pallas", writes_in_step=True),
             "xla": AttentionBackend("xla", writes_in_step=False)}
+
+
+def cached_lengths(seqlens: jax.Array, slots: jax.Array, first_block: jax.Array | None = None) -> jax.Array:
+    """[B] int32: each row's keys in the cache before its chunk (AttentionMetadata's seqlens, slots, first_block;
+    rank-local). A grid row's chunk is its real tokens (slots >= 0); a query block's, its chunk's rows first_block
+    .. b. 0 for padding rows and for every row of a fresh prompt's prefill."""
+    n_real = jnp.sum(slots >= 0, axis=1, dtype=seqlens.dtype)  # [B]
+    if first_block is None:
+        return seqlens - n_real
+    through = jnp.cumsum(n_real)  # [B]: real tokens of rows 0 .. b
+    return seqlens - (through - (through[first_block] - n_real[first_block]))  # minus the chunk's tokens up to b
 
 
 def cached_and_new_attention(q: jax.Array, new_latents: jax.Array, cache: jax.Array, block_table: jax.Array,
@@ -133,7 +146,7 @@ def cached_and_new_attention(q: jax.Array, new_latents: jax.Array, cache: jax.Ar
     dtype.
     """
     real = slots >= 0  # [B, T]
-    cached_len = seqlens - jnp.sum(real, axis=1, dtype=seqlens.dtype)  # [B]: keys before the step's tokens
+    cached_len = cached_lengths(seqlens, slots)  # [B]: keys before the step's tokens
     out, _ = chunked_attention(q, cache, block_table, cached_len, head_dim_v=head_dim_v, softmax_scale=softmax_scale,
                                chunk_pages=max(1, chunk_tokens // cache.shape[1]), value_dtype=new_latents.dtype,
                                new_keys=new_latents, new_valid=real, window=window)
@@ -148,16 +161,46 @@ def query_block_cached_and_new(q: jax.Array, new_latents: jax.Array, cache: jax.
     latents. Shapes as AttentionBackend; a block's real tokens are its slots >= 0. Returns o_lat [B, Q, H,
     head_dim_v] in q's dtype."""
     real = slots >= 0  # [B, Q]
-    n_real = jnp.sum(real, axis=1, dtype=seqlens.dtype)  # [B]
-    through = jnp.cumsum(n_real)  # [B]: real tokens of rows 0 .. b
-    in_chunk = through - (through[first_block] - n_real[first_block])  # [B]: the chunk's tokens up to row b
-    cached_len = seqlens - in_chunk  # [B]: the chunk's start (0 for padding rows)
+    cached_len = cached_lengths(seqlens, slots, first_block)  # [B]: the chunk's start (0 for padding rows)
     s_q, page = q.shape[1], cache.shape[1]
     out, _ = query_block_attention(q, new_latents, real, cache, block_table, cached_len, first_block,
                                    head_dim_v=head_dim_v, softmax_scale=softmax_scale,
                                    chunk_pages=max(1, chunk_tokens // page),
                                    blocks_per_step=max(1, chunk_tokens // s_q), value_dtype=new_latents.dtype)
     return out
+
+
+def has_cached_keys(plan: ParallelPlan | None, md: AttentionMetadata) -> jax.Array:
+    """bool scalar: whether any row of the step reads keys from the cache (a chunk after a prefix hit or an earlier
+    chunk, a decode step); False for a step of fresh prompts only, on every rank alike."""
+
+    def local(seqlens, slots, first_block):  # -> [1]
+        return jnp.max(cached_lengths(seqlens, slots, first_block), keepdims=True) > 0
+
+    args = (md.seqlens, md.slots, md.first_block)
+    if plan is None:
+        return local(*args)[0]
+    spec = P(BATCH_AXES)
+    block_spec = None if md.first_block is None else spec
+    return jnp.any(jax.shard_map(local, mesh=plan.mesh, in_specs=(spec, spec, block_spec), out_specs=spec)(*args))
+
+
+def new_key_attention(plan: ParallelPlan | None, q: jax.Array, k: jax.Array, v: jax.Array, md: AttentionMetadata, *,
+                      softmax_scale: float, chunk_tokens: int = CHUNK_TOKENS) -> jax.Array:
+    """Attention of a step without cached keys (``has_cached_keys`` False) over its own keys, in the expanded form
+    (kernels_pallas.mla.expanded_new_key_attention): q, k [B, H, T, N + R], v [B, H, T, V] per head -> out [B, H,
+    T, V] float32. A row sees its own real keys causally and, in query blocks, the earlier blocks of its chunk."""
+
+    def local(q, k, v, slots, first_block):
+        return expanded_new_key_attention(q, k, v, slots >= 0, first_block, softmax_scale=softmax_scale,
+                                          blocks_per_step=max(1, chunk_tokens // q.shape[2]))[0]
+
+    args = (q, k, v, md.slots, md.first_block)
+    if plan is None:
+        return local(*args)
+    spec = P(BATCH_AXES)
+    block_spec = None if md.first_block is None else spec
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=(spec,) * 4 + (block_spec,), out_specs=spec)(*args)
 
 
 def write_latents(mesh, cache: jax.Array, new_latents: jax.Array, slots: jax.Array) -> jax.Array:

@@ -5,13 +5,16 @@ head shared by all heads) are all that is cached: C + R values (576 for V3). Two
 
 - expanded (``__call__``, the cache-free forward of Model.logits and training): K_nope = c @ W_UK, V = c @ W_UV per
   head, then ordinary attention;
-- absorbed (``paged``, every engine step): q_lat = q_nope @ W_UK (per head, into latent space), scores = q_lat . c
-  + q_pe . k_pe, o_lat = P @ c, out = o_lat @ W_UV. Same math, re-associated; the cache is never expanded. The
+- absorbed (``paged``, the engine's steps that read the cache): q_lat = q_nope @ W_UK (per head, into latent
+  space), scores = q_lat . c + q_pe . k_pe, o_lat = P @ c, out = o_lat @ W_UV. Same math, re-associated; the cache
+  is never expanded. Engine steps of fresh prompts (no cached keys) expand their own latents (``paged``). The
   engine's steps are checked against the expanded forward (test_paged_forward.py), which is checked against
   transformers (test_parity_hf.py).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -19,12 +22,17 @@ from flax import nnx
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv.paged_cache import value_dtype
-from jaxinfer.models.attention import AttentionBackend, AttentionMetadata
+from jaxinfer.models.attention import AttentionBackend, AttentionMetadata, has_cached_keys, new_key_attention
 from jaxinfer.models.layers import Linear, RMSNorm, matmul_nt_many
 from jaxinfer.models.rope import apply_rope
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the default eps in HF and DeepSeek's code
 SLICE_ROWS = 64  # rows per step from which the absorbed products slice W_UK / W_UV out of kv_b_proj (``paged``)
+EXPANDED_T = 32  # columns per step from which a step without cached keys attends in the expanded form
+# ... where the absorbed form's columns per head and key, 2C + R, are at least this many times the expanded form's,
+# N + R + V: the decompression of the step's latents costs what the absorbed products cost (C (N + V) per head and
+# token either way), so the columns are all it saves (docs/benchmarks.md "MLA prefill forms (CPU)").
+EXPANDED_GAIN = 1.5
 
 
 class MLA(nnx.Module):
@@ -107,24 +115,48 @@ class MLA(nnx.Module):
 
     def paged(self, x, cos, sin, cache, md: AttentionMetadata, backend: AttentionBackend, window=None,
               plan=None):
-        """Absorbed attention over the paged latent cache (decode, MTP verification, chunked prefill).
-        x [B, T, D]: the last T tokens of each sequence; cache [pages, 64, 1, C+R]; md: the step's metadata;
-        backend: how the cache is read and written (models/attention.py); window: this layer's DecodeWindow or
-        None. Returns ([B, T, D], the cache (updated when the backend writes in the step), this step's latents
-        [B, T, C+R])."""
-        c = self.config
-        n = c.qk_nope_head_dim
+        """Attention over the paged latent cache (decode, MTP verification, chunked prefill). x [B, T, D]: the last T
+        tokens of each sequence; cache [pages, 64, 1, C+R]; md: the step's metadata; backend: how the cache is read
+        and written (models/attention.py); window: this layer's DecodeWindow or None. Returns ([B, T, D], the cache
+        (updated when the backend writes in the step), this step's latents [B, T, C+R]).
+
+        Absorbed (``_absorbed``) but for steps of fresh prompts, which have no cached keys to read: those attend to
+        their own keys in the expanded form (``_expanded``; DeepSeek's and vLLM's prefill form), whose scores and
+        values take N + R + V columns per head instead of 2C + R (160 vs 288 on the benchmark model, 320 vs 1088 on
+        V3). A lax.cond picks the form at run time, so that a step's shape, not its prefix hits, sets its program;
+        steps of fewer than EXPANDED_T columns (decode, verification) and shapes whose columns gain too little
+        (EXPANDED_GAIN) compile the absorbed form alone."""
         q_a, kv = self.a_projections(x)
         q_nope, q_pe = self.queries(x, cos, sin, q_a)
+        new = self.latents(x, cos, sin, kv).astype(value_dtype(cache, self.dtype))  # [B, T, C+R]
+        absorbed = functools.partial(self._absorbed, q_nope, q_pe, new, cache, md, backend, window, plan)
+        if x.shape[1] < EXPANDED_T or window is not None or backend.writes_in_step or not self.expands_fresh_steps:
+            out, cache = absorbed()
+        else:  # the cache is only read (the backend returns it as given)
+            out = jax.lax.cond(has_cached_keys(plan, md), lambda: absorbed()[0],
+                               lambda: self._expanded(q_nope, q_pe, new, md, plan))
+        return self.o_proj(out), cache, new
+
+    @property
+    def expands_fresh_steps(self) -> bool:
+        """Whether steps without cached keys take the expanded form (EXPANDED_GAIN)."""
+        c = self.config
+        return (2 * c.kv_lora_rank + c.qk_rope_head_dim
+                >= EXPANDED_GAIN * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim))
+
+    def _absorbed(self, q_nope, q_pe, new, cache, md, backend, window, plan):
+        """The absorbed form (module doc) -> ([B, T, H * V] in the model dtype, the cache)."""
+        c = self.config
+        n = c.qk_nope_head_dim
         # Both absorbed products use kv_b_proj whole, [H, N+V, C] (a reshape): slicing W_UK and W_UV out of it
         # costs XLA:CPU a copy of each per layer and step; zero-padding q_nope to N+V and dropping the first N
         # outputs costs a few flops instead. Heads lead both operands ("hmk,hkc->hmc", M = B*T): XLA:CPU then
         # runs the products as YNNPACK batched dots on the model-dtype operands (float32 accumulation). With heads
         # in the middle ("bthk,hkc->bthc") they become Eigen dots on float32 copies of the weights, which are
         # slower (docs/benchmarks.md "GEMM forms (CPU)").
-        # Steps of many rows (prefill) slice them after all: the padding doubles both products' flops (N = V), which
-        # costs more than the copies from about SLICE_ROWS rows on (docs/benchmarks.md "GEMM forms (CPU)").
-        h, b, t = c.num_attention_heads, x.shape[0], x.shape[1]
+        # Steps of many rows slice them after all: the padding doubles both products' flops (N = V), which costs
+        # more than the copies from about SLICE_ROWS rows on (docs/benchmarks.md "GEMM forms (CPU)").
+        h, b, t = c.num_attention_heads, q_nope.shape[0], q_nope.shape[1]
         w_ukv = self.kv_b_proj.kernel().reshape(h, n + c.v_head_dim, c.kv_lora_rank)  # [H, N+V, C]
         sliced = b * t >= SLICE_ROWS
         if sliced:
@@ -137,12 +169,26 @@ class MLA(nnx.Module):
         q_lat = jnp.einsum("hmk,hkc->hmc", q_in, w_uk, preferred_element_type=jnp.float32)  # = q_nope @ W_UK
         q_lat = q_lat.transpose(1, 0, 2).reshape(b, t, h, c.kv_lora_rank)  # [B, T, H, C]
         q = jnp.concatenate([q_lat.astype(self.dtype), q_pe], axis=-1)  # [B, T, H, C+R]
-        new = self.latents(x, cos, sin, kv).astype(value_dtype(cache, self.dtype))  # [B, T, C+R]
         o_lat, cache = backend(plan, q, new, cache, md, window, head_dim_v=c.kv_lora_rank,
                                softmax_scale=c.softmax_scale)  # [B, T, H, C]
         o_lat = o_lat.reshape(b * t, h, c.kv_lora_rank).transpose(1, 0, 2)  # [H, M, C]
         out = jnp.einsum("hmc,hkc->hmk", o_lat, w_uv, preferred_element_type=jnp.float32)  # [H, M, N+V] or [H, M, V]
         out = out if sliced else out[..., n:]  # [H, M, V] = o_lat @ W_UV^T
         out = out.transpose(1, 0, 2)  # [M, H, V]
-        out = out.astype(self.dtype).reshape(*x.shape[:2], c.num_attention_heads * c.v_head_dim)
-        return self.o_proj(out), cache, new
+        return out.astype(self.dtype).reshape(b, t, h * c.v_head_dim), cache
+
+    def _expanded(self, q_nope, q_pe, new, md, plan):
+        """The expanded form over the step's own keys (a step without cached keys) -> [B, T, H * V] in the model
+        dtype: K_nope and V from kv_b_proj over the step's latents (rounded to the cache's dtype, as the absorbed
+        form reads them), k_pe shared by the heads."""
+        c = self.config
+        n, r, h = c.qk_nope_head_dim, c.qk_rope_head_dim, c.num_attention_heads
+        b, t = q_nope.shape[:2]
+        latent = new.astype(self.dtype)
+        kv = self.kv_b_proj(latent[..., : c.kv_lora_rank]).reshape(b, t, h, n + c.v_head_dim)  # [B, T, H, N+V]
+        k_pe = jnp.broadcast_to(latent[:, :, None, c.kv_lora_rank:], (b, t, h, r))  # [B, T, H, R]
+        heads_first = functools.partial(jnp.transpose, axes=(0, 2, 1, 3))  # [B, T, H, X] -> [B, H, T, X]
+        q = heads_first(jnp.concatenate([q_nope, q_pe], axis=-1))  # [B, H, T, N+R]
+        k = heads_first(jnp.concatenate([kv[..., :n], k_pe], axis=-1))  # [B, H, T, N+R]
+        out = new_key_attention(plan, q, k, heads_first(kv[..., n:]), md, softmax_scale=c.softmax_scale)
+        return heads_first(out).astype(self.dtype).reshape(b, t, h * c.v_head_dim)  # [B, T, H * V]

@@ -105,3 +105,69 @@ def query_block_attention(q, new_keys, new_valid, cache, block_table, cached_len
     out, lse = from_rows(out.reshape(b, 1, r, head_dim_v), lse.reshape(b, 1, r), s_q)
     return out.astype(q.dtype), lse
 
+
+
+def expanded_new_key_attention(q, k, v, valid, first_block=None, *, softmax_scale: float, blocks_per_step: int = 1):
+    """Attention of a step's queries over the step's own keys in the expanded (multi-head) form: per head, keys
+    [K_nope | k_pe] and values V decompressed from the latents (DeepSeek's and vLLM's MLA prefill form; MQA over the
+    latents is the decode form). For a step without cached keys: each row sees only new keys. Returns (out [B, H, Q,
+    V] float32, lse [B, H, Q] float32, natural log; out 0 and lse -inf for a query that sees no key).
+
+    q [B, H, Q, E], k [B, H, Q, E], v [B, H, Q, V] (any float dtype; computed in float32); valid [B, Q] bool: the
+    real tokens; first_block [B] int32 or None: as query_block_attention's (the blocks of a chunk are consecutive
+    rows), or None for a grid step (every row its own chunk). Query i of row b sees key j of its own row iff
+    valid[b, j] and j <= i, and every valid key of rows first_block[b] .. b - 1. blocks_per_step: earlier blocks per
+    online-softmax step.
+    """
+    b, h, s_q, e = q.shape
+    if k.shape != q.shape or v.shape[:3] != q.shape[:3] or valid.shape != (b, s_q):
+        raise ValueError(f"k must be q's shape {q.shape}, v [b, h, s_q, v] and valid [b, s_q]; got {k.shape}, "
+                         f"{v.shape}, {valid.shape}")
+    qs = q.astype(jnp.float32) * (softmax_scale * LOG2E)  # log2 units
+    k = k.astype(jnp.float32)  # a padding key's scores are replaced (where), its values zeroed: they may be NaN
+    v = jnp.where(valid[:, None, :, None], v.astype(jnp.float32), 0.0)
+
+    def update(carry, k, v, visible):  # k [B, H, L, E], v [B, H, L, V], visible [B, 1, Q or 1, L]
+        s = jnp.where(visible, jnp.einsum("bhqe,bhle->bhql", qs, k), -jnp.inf)  # [B, H, Q, L]
+        mx = jnp.max(s, axis=-1) if carry is None else jnp.maximum(carry[1], jnp.max(s, axis=-1))  # [B, H, Q]
+        mx_use = jnp.where(mx == -jnp.inf, 0.0, mx)
+        p = jnp.exp2(s - mx_use[..., None])
+        l, acc = jnp.sum(p, axis=-1), jnp.einsum("bhql,bhlv->bhqv", p, v)  # [B, H, Q], [B, H, Q, V]
+        if carry is not None:
+            alpha = jnp.exp2(carry[1] - mx_use)
+            l, acc = carry[2] * alpha + l, carry[0] * alpha[..., None] + acc
+        return acc, mx, l
+
+    own = (jnp.arange(s_q)[None, :] <= jnp.arange(s_q)[:, None])[None, None] & valid[:, None, None, :]  # [B,1,Q,Q]
+    carry = update(None, k, v, own)
+    if first_block is not None:
+        rows = jnp.arange(b, dtype=jnp.int32)
+
+        def earlier_blocks(w):  # blocks j .. j + w - 1 rows above each row, where they belong to the same chunk
+            def body(state):
+                j, carry = state
+                above = rows[:, None] - j - jnp.arange(w, dtype=jnp.int32)[None, :]  # [B, w]
+                src = jnp.maximum(above, 0)
+                visible = (above >= first_block[:, None])[..., None] & valid[src]  # [B, w, Q]
+                kj = k[src].transpose(0, 2, 1, 3, 4).reshape(b, h, w * s_q, e)  # [B, H, w * Q, E]
+                vj = v[src].transpose(0, 2, 1, 3, 4).reshape(b, h, w * s_q, v.shape[-1])
+                return j + w, update(carry, kj, vj, visible.reshape(b, 1, 1, w * s_q))
+            return body
+
+        w = max(1, min(blocks_per_step, b))
+        most = jnp.max(rows - first_block)  # traced: the most earlier blocks any row has
+
+        def all_earlier(carry):
+            j = jnp.int32(1)
+            if w > 1:
+                wide_end = most // w * w
+                j, carry = lax.while_loop(lambda state: state[0] <= wide_end, earlier_blocks(w), (j, carry))
+            return lax.while_loop(lambda state: state[0] <= most, earlier_blocks(1), (j, carry))[1]
+
+        # A step of one-block chunks skips the loops (entering them costs XLA:CPU copies of their state).
+        carry = lax.cond(most > 0, all_earlier, lambda carry: carry, carry)
+    acc, mx, l = carry
+    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    lse = jnp.where(l > 0, (jnp.where(mx == -jnp.inf, 0.0, mx) + jnp.log2(jnp.where(l > 0, l, 1.0))) / LOG2E,
+                    -jnp.inf)
+    return out, lse

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kernels_pallas.mla import mla_decode_reference
-from kernels_pallas.mla.query_blocks import query_block_attention
+from kernels_pallas.mla.query_blocks import expanded_new_key_attention, query_block_attention
 
 PS, HEADS, D, V = 8, 3, 24, 16
 attention = jax.jit(query_block_attention, static_argnames=("head_dim_v", "softmax_scale", "chunk_pages",
@@ -96,3 +96,49 @@ def test_bit_pattern_cache_and_checks():
         query_block_attention(q, new, valid, jnp.concatenate([cache, cache], 2), table, cached, first, **kw)
     with pytest.raises(ValueError, match="new_keys must be"):
         query_block_attention(q, new[:, :2], valid, cache, table, cached, first, **kw)
+
+
+@pytest.mark.parametrize("q_width,blocks_per_step,grid", [(4, 1, False), (4, 3, False), (8, 2, True)])
+def test_expanded_new_keys_match_causal_attention_per_chunk(q_width, blocks_per_step, grid):
+    """expanded_new_key_attention against float64 causal softmax attention over each chunk's real tokens (its
+    blocks' keys in order); padding columns hold NaN; a padding row sees no key. grid: every row its own chunk."""
+    rng = np.random.default_rng(q_width)
+    lengths = [q_width, 3, q_width - 1] if grid else [3, 2 * q_width, 3 * q_width + 1, q_width - 1]
+    e, v_dim, heads = 6, 5, 2
+    q, k, v, valid, first = [], [], [], [], []
+    for n in lengths:
+        blocks = -(-n // q_width)
+        span = blocks * q_width
+        real = np.arange(span) >= span - n
+        first += [len(valid)] * blocks
+        for x, width in ((q, e), (k, e), (v, v_dim)):
+            block = rng.standard_normal((heads, span, width))
+            block[:, ~real] = np.nan
+            x += list(block.reshape(heads, blocks, q_width, width).transpose(1, 0, 2, 3))
+        valid += list(real.reshape(blocks, q_width))
+    for x, width in ((q, e), (k, e), (v, v_dim)):  # the padding row
+        x.append(np.full((heads, q_width, width), np.nan))
+    first.append(len(valid))
+    valid.append(np.zeros(q_width, bool))
+    q, k, v, valid = (np.stack(x) for x in (q, k, v, valid))
+    scale = 0.4
+    fn = jax.jit(expanded_new_key_attention, static_argnames=("softmax_scale", "blocks_per_step"))
+    out, lse = fn(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)), jnp.asarray(valid),
+                  None if grid else jnp.asarray(first, jnp.int32), softmax_scale=scale,
+                  blocks_per_step=blocks_per_step)
+    out, lse = np.asarray(out), np.asarray(lse)
+    row = 0
+    for n in lengths:
+        blocks = -(-n // q_width)
+        rows = slice(row, row + blocks)
+        row += blocks
+        qc, kc, vc = (x[rows].transpose(1, 0, 2, 3).reshape(heads, blocks * q_width, -1)[:, -n:] for x in (q, k, v))
+        s = np.einsum("hqe,hke->hqk", qc, kc) * scale
+        s = np.where(np.tril(np.ones((n, n), bool)), s, -np.inf)
+        ref_lse = np.log(np.exp(s - s.max(-1, keepdims=True)).sum(-1)) + s.max(-1)  # [H, n]
+        ref = np.einsum("hqk,hkv->hqv", np.exp(s - ref_lse[..., None]), vc)
+        got = out[rows].transpose(1, 0, 2, 3).reshape(heads, blocks * q_width, -1)[:, -n:]
+        np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(lse[rows].transpose(1, 0, 2).reshape(heads, -1)[:, -n:], ref_lse, rtol=2e-5,
+                                   atol=2e-5)
+    assert (out[-1] == 0).all() and (lse[-1] == -np.inf).all()
