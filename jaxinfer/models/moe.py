@@ -207,7 +207,7 @@ def _grouped_forward(params: dict, xd: jax.Array, weights: jax.Array, flat_ids: 
     Assignments sorted by slot; a loop over the slots in use takes each slot's three weight matrices once (indexed,
     so copied once per slot and step) and multiplies its rows in chunks of grouped_matmul's ladder: power-of-two
     sizes, largest first, each a loop over as many chunks as fit (traced trip counts). Work follows the real
-    per-slot counts plus fewer than the floor chunk's rows per slot. The chunks read and write the sorted rows in
+    per-slot counts plus fewer rows than the slot's last chunk. The chunks read and write the sorted rows in
     place, not a padded copy: the last chunk of a slot runs past its rows into the next slots' (or the zero pad at
     the end), whose results the later slots then overwrite, as the loops go in sorted order; rows of other ranks
     (sorted last) are never computed and are masked out. On CPU the rows, the results and the slot's weights are
@@ -222,12 +222,12 @@ def _grouped_forward(params: dict, xd: jax.Array, weights: jax.Array, flat_ids: 
     sizes = chunk_sizes(m)
     d = xd.shape[1]
     held = jnp.float32 if current_platform().is_cpu else dtype  # the buffers' and weight copies' dtype (above)
-    # [M*K + floor, D]: the pad holds the last slot's overhang (dynamic_slice would clamp the chunk back)
-    rows = jnp.concatenate([xd[token], jnp.zeros((sizes[-1], d), dtype)]).astype(held)
+    # [M*K + top, D]: the pad holds the last slot's overhang, less than a chunk (dynamic_slice would clamp it back)
+    rows = jnp.concatenate([xd[token], jnp.zeros((sizes[0], d), dtype)]).astype(held)
     start = jnp.cumsum(group_sizes) - group_sizes  # [S] first sorted row of each slot
     active = jnp.nonzero(group_sizes, size=num_slots, fill_value=0)[0]  # [S] the slots in use, ascending
 
-    def one_slot(j, out):  # out [M*K + floor, D]: the rows of active[j] computed
+    def one_slot(j, out):  # out [M*K + top, D]: the rows of active[j] computed
         slot = active[j]
         w = {name: _slot_weight(params, name, slot, dtype).astype(held)  # [I, D], [I, D], [D, I]
              for name in Experts.PROJ}

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.models import moe_cost
-from jaxinfer.models.grouped_matmul import chunk_sizes
+from jaxinfer.models.grouped_matmul import CHUNK_ROWS, chunk_sizes
 
 
 def _routing(rng, trials, rows, k, s):
@@ -25,18 +25,25 @@ def test_expected_capacity_and_chunks_match_monte_carlo(rows, k, s):
     # independent slot counts (moe_cost's assumption) overestimate the busiest slot a little where slots are many
     assert moe_cost.expected_capacity(shape) == pytest.approx(chosen.mean(), rel=0.08)
     chunks, computed, used = moe_cost.expected_chunks(shape)
-    sizes = np.asarray(chunk_sizes(rows))
-    # each slot's count: whole top chunks, the remainder's binary digits over the sizes between, and what is left
-    # below the last of those in floor chunks rounded up
-    top = counts // sizes[0]
-    rest = counts - top * sizes[0]
-    digits = [(rest // size) % 2 for size in sizes[1:-1]]
-    floor = -(-(rest % sizes[-2] if len(sizes) > 1 else rest) // sizes[-1])
-    drawn_chunks = top + sum(digits) + floor  # [400, s]
-    drawn_rows = top * sizes[0] + sum(d * size for d, size in zip(digits, sizes[1:-1])) + floor * sizes[-1]
+    sizes = chunk_sizes(rows)
+    # each slot's count covered chunk by chunk: for every floor size, whole chunks of each size while they fit and
+    # the floor's rounded up; the cover of least rows + CHUNK_ROWS per chunk
+    def cover(count):
+        options = []
+        for f in range(len(sizes)):
+            chunks, left = [], count
+            for size in sizes[:f]:
+                chunks += [size] * (left // size)
+                left -= size * (left // size)
+            options.append(chunks + [sizes[f]] * -(-left // sizes[f]))
+        return min(reversed(options), key=lambda c: sum(c) + CHUNK_ROWS * len(c))
+
+    covers = {c: cover(c) for c in np.unique(counts)}
+    drawn_chunks = np.vectorize(lambda c: len(covers[c]))(counts)  # [400, s]
+    drawn_rows = np.vectorize(lambda c: sum(covers[c]))(counts)
     assert chunks == pytest.approx(drawn_chunks.sum(1).mean(), rel=0.05)
     assert computed == pytest.approx(drawn_rows.sum(1).mean(), rel=0.05)
-    assert (drawn_rows >= counts).all() and (drawn_rows < counts + sizes[-1]).all()
+    assert (drawn_rows >= counts).all() and (drawn_rows < counts + sizes[0]).all()
     assert used == pytest.approx((counts > 0).sum(1).mean(), rel=0.05)
 
 
