@@ -78,33 +78,18 @@ def query_block_attention(q, new_keys, new_valid, cache, block_table, cached_len
     _, carry = lax.while_loop(lambda state: state[0] < chunks, cached_chunk, (jnp.int32(0), carry))
 
     keys = jnp.where(new_valid[..., None], new_keys.astype(jnp.float32), 0.0)  # [B, Q, D]
-    rows = jnp.arange(b, dtype=jnp.int32)
 
-    def earlier_blocks(w):  # blocks j .. j + w - 1 rows above each row, where they belong to the same chunk
-        def body(state):
-            j, carry = state
-            above = rows[:, None] - j - jnp.arange(w, dtype=jnp.int32)[None, :]  # [B, w]
-            src = jnp.maximum(above, 0)
-            visible = (above >= first_block[:, None])[..., None] & new_valid[src]  # [B, w, Q]: every query sees them
-            k = keys[src].reshape(b, w * s_q, d)  # [B, w * Q, D]
-            return j + w, update(carry, k, visible.reshape(b, w * s_q, 1))
-        return body
+    def earlier(carry, src, same_chunk):  # src, same_chunk [B, w]: w earlier blocks of each row
+        w = src.shape[1]
+        visible = same_chunk[..., None] & new_valid[src]  # [B, w, Q]: every query sees them
+        return update(carry, keys[src].reshape(b, w * s_q, d), visible.reshape(b, w * s_q, 1))
 
-    # Earlier blocks w at a time while a whole step of them remains, then one at a time: short chunks (one or two
-    # blocks) do not compute a wide step of masked keys.
-    w = max(1, min(blocks_per_step, b))
-    most = jnp.max(rows - first_block)  # traced: the most earlier blocks any row has
-    j = jnp.int32(1)
-    if w > 1:
-        wide_end = most // w * w  # blocks 1 .. wide_end in steps of w
-        j, carry = lax.while_loop(lambda state: state[0] <= wide_end, earlier_blocks(w), (j, carry))
-    _, carry = lax.while_loop(lambda state: state[0] <= most, earlier_blocks(1), (j, carry))
+    carry = _over_earlier_blocks(carry, first_block, blocks_per_step, earlier)
     query = jnp.arange(r) // h_q  # [R]: each row's query column
     own = new_valid[:, :, None] & (jnp.arange(s_q)[None, :, None] <= query[None, None, :])  # [B, Q, R]
     out, lse = finish(update(carry, keys, own), head_dim_v)  # [B, R, V], [B, R]
     out, lse = from_rows(out.reshape(b, 1, r, head_dim_v), lse.reshape(b, 1, r), s_q)
     return out.astype(q.dtype), lse
-
 
 
 def expanded_new_key_attention(q, k, v, valid, first_block=None, *, softmax_scale: float, blocks_per_step: int = 1):
@@ -141,33 +126,44 @@ def expanded_new_key_attention(q, k, v, valid, first_block=None, *, softmax_scal
     own = (jnp.arange(s_q)[None, :] <= jnp.arange(s_q)[:, None])[None, None] & valid[:, None, None, :]  # [B,1,Q,Q]
     carry = update(None, k, v, own)
     if first_block is not None:
-        rows = jnp.arange(b, dtype=jnp.int32)
+        def earlier(carry, src, same_chunk):  # src, same_chunk [B, w]: w earlier blocks of each row
+            w = src.shape[1]
+            visible = same_chunk[..., None] & valid[src]  # [B, w, Q]
+            kj = k[src].transpose(0, 2, 1, 3, 4).reshape(b, h, w * s_q, e)  # [B, H, w * Q, E]
+            vj = v[src].transpose(0, 2, 1, 3, 4).reshape(b, h, w * s_q, v.shape[-1])
+            return update(carry, kj, vj, visible.reshape(b, 1, 1, w * s_q))
 
-        def earlier_blocks(w):  # blocks j .. j + w - 1 rows above each row, where they belong to the same chunk
-            def body(state):
-                j, carry = state
-                above = rows[:, None] - j - jnp.arange(w, dtype=jnp.int32)[None, :]  # [B, w]
-                src = jnp.maximum(above, 0)
-                visible = (above >= first_block[:, None])[..., None] & valid[src]  # [B, w, Q]
-                kj = k[src].transpose(0, 2, 1, 3, 4).reshape(b, h, w * s_q, e)  # [B, H, w * Q, E]
-                vj = v[src].transpose(0, 2, 1, 3, 4).reshape(b, h, w * s_q, v.shape[-1])
-                return j + w, update(carry, kj, vj, visible.reshape(b, 1, 1, w * s_q))
-            return body
-
-        w = max(1, min(blocks_per_step, b))
-        most = jnp.max(rows - first_block)  # traced: the most earlier blocks any row has
-
-        def all_earlier(carry):
-            j = jnp.int32(1)
-            if w > 1:
-                wide_end = most // w * w
-                j, carry = lax.while_loop(lambda state: state[0] <= wide_end, earlier_blocks(w), (j, carry))
-            return lax.while_loop(lambda state: state[0] <= most, earlier_blocks(1), (j, carry))[1]
-
-        # A step of one-block chunks skips the loops (entering them costs XLA:CPU copies of their state).
-        carry = lax.cond(most > 0, all_earlier, lambda carry: carry, carry)
+        carry = _over_earlier_blocks(carry, first_block, blocks_per_step, earlier)
     acc, mx, l = carry
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     lse = jnp.where(l > 0, (jnp.where(mx == -jnp.inf, 0.0, mx) + jnp.log2(jnp.where(l > 0, l, 1.0))) / LOG2E,
                     -jnp.inf)
     return out, lse
+
+
+def _over_earlier_blocks(carry, first_block, blocks_per_step: int, attend):
+    """carry after ``attend(carry, src, same_chunk)`` over every row's earlier blocks: src [B, w] the rows 1 .. w
+    (then w + 1 .. 2w, ...) above each row (clipped at 0), same_chunk [B, w] whether they belong to its chunk. w =
+    blocks_per_step while a whole step of them remains, then 1: short chunks (one or two blocks) do not compute a
+    wide step of masked keys. Loops with traced trip counts (the most earlier blocks any row has), skipped by a
+    cond for a step of one-block chunks (entering them costs XLA:CPU copies of their state)."""
+    b = first_block.shape[0]
+    rows = jnp.arange(b, dtype=jnp.int32)
+    most = jnp.max(rows - first_block)  # traced: the most earlier blocks any row has
+    w = max(1, min(blocks_per_step, b))
+
+    def blocks(width):
+        def body(state):
+            j, carry = state
+            above = rows[:, None] - j - jnp.arange(width, dtype=jnp.int32)[None, :]  # [B, width]
+            return j + width, attend(carry, jnp.maximum(above, 0), above >= first_block[:, None])
+        return body
+
+    def loops(carry):
+        j = jnp.int32(1)
+        if w > 1:
+            wide_end = most // w * w  # blocks 1 .. wide_end in steps of w
+            j, carry = lax.while_loop(lambda state: state[0] <= wide_end, blocks(w), (j, carry))
+        return lax.while_loop(lambda state: state[0] <= most, blocks(1), (j, carry))[1]
+
+    return lax.cond(most > 0, loops, lambda carry: carry, carry)
