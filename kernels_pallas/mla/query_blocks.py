@@ -13,6 +13,9 @@ Loops with traced trip counts: the cached keys are read page chunk by page chunk
 of the step, and the earlier blocks up to the most any row has, so a block table of fixed width and blocks of a
 long chunk cost only the work present (no chunk skipped by a cond, no trip count in the compiled shape).
 
+``expanded_new_key_attention``: the same blocks of a step without cached keys in the expanded (multi-head) form,
+per-head keys and values decompressed from the latents (jaxinfer/models/mla.py).
+
 Shapes (letters as in common.py, G = 1: an MLA latent cache): q [B, Q, N, D], new_keys [B, Q, D], cache [pages,
 S, 1, D], block_table [B, P].
 """
