@@ -1,7 +1,8 @@
-"""The model over the paged latent cache (chunked prefill, then decode, absorbed MLA) gives the logits of the plain
-full-sequence forward (the expanded form checked against transformers in test_parity_hf.py), with either attention
-backend (the cache written inside the step and read by mla_decode; or only read, the latents written after it), on
-one device and with every device a DP rank holding its own pages, for a V3 and a V2 (no q_lora) configuration."""
+"""The model over the paged latent cache (chunked prefill, then decode; on the XLA backend the first chunk in the
+expanded MLA form, the rest absorbed) gives the logits of the plain full-sequence forward (the expanded form checked
+against transformers in test_parity_hf.py), with either attention backend (the cache written inside the step and
+read by mla_decode; or only read, the latents written after it), on one device and with every device a DP rank
+holding its own pages, for a V3 and a V2 (no q_lora) configuration."""
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +45,7 @@ def paged_step(model, backend):
 @pytest.mark.parametrize("mesh,name,backend,slice_rows", [
     ("1x1", "v3", "xla", None), ("2x4", "v3", "xla", None), ("2x4", "v3", "pallas", None),
     ("1x1", "v2-no-qlora", "pallas", None),
-    ("1x1", "v3", "xla", 1),  # the absorbed products on W_UK / W_UV sliced out of kv_b_proj at every step (mla.py)
+    ("1x1", "v3", "xla", 1),  # the absorbed products on W_UK / W_UV sliced out of kv_b_proj at every absorbed step
 ])
 def test_chunked_prefill_and_decode_match_full_forward(mesh, name, backend, slice_rows, monkeypatch):
     if slice_rows is not None:
