@@ -26,6 +26,14 @@ Host share (jaxinfer, decode): 1 - (device time per token) / (wall time per toke
 measured by dispatching the same captured decode step back to back (no host work between them) and divided by
 the tokens it computes per sequence (--num-scheduler-steps).
 
+Goals (issue 33, at batch 1 and 32): decode >= 5x transformers at batch 1 and >= 3x at batch 32, whole generate
+>= 3x at batch 32, prefill >= 1x at both. A measure's limit is its roofline time, max(flops / peak, weight bytes /
+bandwidth) with the limits above: decode steps as above, prefill the prompts' flops (the head on the last tokens)
+and one read of the weights their tokens use, whole generate the two. A ratio below its goal is "exempt" where
+transformers already reaches 1 / goal of that limit (no engine could reach the goal there), else "missed", with
+jaxinfer's fraction of the limit (near 100%: the limit bounds it; well below: overhead). The verdicts end each
+batch's lines, and a markdown table of them over the shapes ends the run.
+
 Memory floor (batch 1): a decode token reads every weight it uses once (the routed experts' top-k, one embedding
 row; the head's int8 copy when greedy screening is on, jaxinfer/models/screened_head.py). The line after batch 1
 gives those bytes and the time of one matrix-vector product over as many bytes, timed in alternation with the
@@ -67,12 +75,42 @@ def main() -> None:
     from jaxinfer.parallel.mesh import mesh_shape
 
     jax.config.update("jax_num_cpu_devices", args.cpu_devices or math.prod(mesh_shape(args.mesh, 1)))
+    verdicts = {}  # shape -> {(measure, batch): cell}
     for shape in list(SHAPES) if args.shapes == "all" else args.shapes.split(","):
-        run_shape(args, shape)
+        verdicts[shape] = run_shape(args, shape)
+    if not args.skip_transformers:
+        print(goal_table(verdicts))
 
 
-def run_shape(args, shape: str) -> None:
-    """The benchmark of the module doc on one of bench_model.py's SHAPES."""
+GOALS = {("decode", 1): 5.0, ("decode", 32): 3.0, ("whole generate", 32): 3.0, ("prefill", 1): 1.0,
+         ("prefill", 32): 1.0}  # issue 33's: (measure, batch) -> ratio to transformers
+
+
+def verdict(ratio: float, goal: float, limit_s: float, ours_s: float, theirs_s: float) -> str:
+    """One goal's verdict (module doc): met / exempt / missed, with the two sides' fractions of the limit."""
+    ours, theirs = limit_s / ours_s, limit_s / theirs_s
+    if ratio >= goal:
+        word = "met"
+    elif theirs >= 1 / goal:
+        word = f"exempt: transformers at {theirs:.0%} of the limit"
+    else:
+        word = f"missed: jaxinfer at {ours:.0%} of the limit, transformers {theirs:.0%}"
+    return f"{ratio:.2f}x ({word})"
+
+
+def goal_table(verdicts: dict) -> str:
+    """Markdown: a row per shape, a column per goal, the cells of ``verdict``."""
+    cols = [key for key in GOALS if any(key in row for row in verdicts.values())]
+    lines = ["| shape | " + " | ".join(f"{m} B={b} (goal {GOALS[m, b]:g}x)" for m, b in cols) + " |",
+             "|---|" + "---|" * len(cols)]
+    for shape, row in verdicts.items():
+        lines.append(f"| {shape} | " + " | ".join(row.get(key, "-") for key in cols) + " |")
+    return "\n".join(lines)
+
+
+def run_shape(args, shape: str) -> dict:
+    """The benchmark of the module doc on one of bench_model.py's SHAPES; returns its goal verdicts
+    ({(measure, batch): cell}, empty with --skip-transformers)."""
     import numpy as np
     import torch
 
@@ -106,6 +144,7 @@ def run_shape(args, shape: str) -> None:
     peak, bandwidth = machine_limits(llm.model.dtype)
     print(f"limits, measured now: matmul {peak / 1e9:.1f} GFLOP/s ({args.dtype} [2048, 2048] x [2048, 2048]), "
           f"memory {bandwidth / 1e9:.1f} GB/s (one-row product over 512 MB)", flush=True)
+    verdicts = {}
     for b in batch_sizes:
         prompts = np.random.default_rng(b).integers(0, cfg.vocab_size, (b, args.input_len))
 
@@ -151,6 +190,20 @@ def run_shape(args, shape: str) -> None:
         first_line += (f"\n         jaxinfer vs the limits: decode {flops * b * steps / ours_decode / peak:5.1%} of "
                        f"the matmul peak, {step_bytes * steps / ours_decode / bandwidth:5.1%} of the bandwidth; "
                        f"prefill {prefill_flops / statistics.median(first['jaxinfer']) / peak:5.1%} of the peak")
+        if not args.skip_transformers:
+            decode_limit = steps * max(flops * b / peak, step_bytes / bandwidth)
+            prefill_bytes = token_work(llm, b * args.input_len)[2]  # the experts the prompts' tokens route to
+            prefill_limit = max(prefill_flops / peak, prefill_bytes / bandwidth)
+            measured = {"decode": (statistics.median(ratios), decode_limit, decode),
+                        "prefill": (first_ratio, prefill_limit, first),
+                        "whole generate": (whole_ratio, prefill_limit + decode_limit, whole)}
+            for measure, (ratio, limit, times) in measured.items():
+                if (measure, b) in GOALS:
+                    verdicts[measure, b] = verdict(ratio, GOALS[measure, b], limit,
+                                                   statistics.median(times["jaxinfer"]),
+                                                   statistics.median(times["transformers"]))
+            if any(key[1] == b for key in verdicts):
+                first_line += "\n         goals: " + "; ".join(f"{m} {v}" for (m, bb), v in verdicts.items() if bb == b)
         print(line + "\n" + first_line, flush=True)
         if b == 1:
             mb, floor_ms, step_ms = weight_stream_floor(llm, replay)
@@ -158,6 +211,7 @@ def run_shape(args, shape: str) -> None:
                   f"{floor_ms:.2f} ms ({mb / floor_ms:.1f} GB/s); the decode token took {step_ms / floor_ms:.2f}x "
                   f"that (interleaved, min of 7)", flush=True)
     tmp.cleanup()
+    return verdicts
 
 
 def decode_host_share(llm, ours, output_len: int):
