@@ -22,6 +22,10 @@ otherwise SGLang / vLLM-style lines. ``--dispatch-bytes`` adds the expert-parall
 the prompts' routing on the mesh (jaxinfer/parallel/comm.py; keys ``DISPATCH_KEYS``), as ``jaxinfer sweep``
 records them.
 
+``--kv-cache-dir DIR`` (``--kv-cache-max-bytes N``) turns on the KV storage tier (and prefix caching, which it
+works through): a later run of the same prompts (the same ``--seed``) reads their pages; the last result gets
+``LLM.cache_stats()``'s keys, counted since its engine was built (untimed runs included).
+
 ``--speculative-tokens K`` (0 = off, the default) runs MTP speculative decoding (``speculative_config`` {"method":
 "mtp", "num_speculative_tokens": K, "verify": ``--speculative-verify``}); ``jaxinfer generate`` takes the same
 flags. Every result has ``SPECULATIVE_KEYS``: the settings and the timed run's counts in vLLM's spec-decode
@@ -79,6 +83,7 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--json", action="store_true", help="one JSON object per result on stdout")
     add_speculative_flags(p)
+    add_kv_cache_flags(p)
 
 
 def add_speculative_flags(p: argparse.ArgumentParser) -> None:
@@ -92,6 +97,31 @@ def add_speculative_flags(p: argparse.ArgumentParser) -> None:
     spec.add_argument("--speculative-verify", choices=VERIFY_MODES, default="all",
                       help="which drafts a step verifies: all (default), or confidence (the prefix worth its cost, "
                            "DSpark); needs --speculative-tokens K >= 1")
+
+
+def add_kv_cache_flags(p: argparse.ArgumentParser) -> None:
+    """--kv-cache-dir and --kv-cache-max-bytes (the KV storage tier, EngineConfig.kv_cache_dir), on ``jaxinfer
+    generate`` and ``jaxinfer bench``."""
+    kv = p.add_argument_group("KV storage tier (prompt pages kept in a directory for later runs)")
+    kv.add_argument("--kv-cache-dir", metavar="DIR", default=None,
+                    help="write full prompt pages to DIR and read them back on a prefix hit in any later run "
+                         "(created if missing; several processes may share it)")
+    kv.add_argument("--kv-cache-max-bytes", metavar="N", type=int, default=None,
+                    help="bound DIR to N bytes (least recently used pages removed); default: unbounded")
+
+
+def kv_cache_options(args) -> dict:
+    """The engine options of the KV storage tier flags (none when they are not given)."""
+    return {k: v for k, v in (("kv_cache_dir", args.kv_cache_dir), ("kv_cache_max_bytes", args.kv_cache_max_bytes))
+            if v is not None}
+
+
+def format_cache_stats(c: dict) -> str:
+    """``LLM.cache_stats()`` as one line in DeepSeek's vocabulary (cache hit tokens over input tokens)."""
+    return (f"prefix cache: prompt tokens {c['prompt_tokens']}, hits on device {c['device_hit_tokens']}, from "
+            f"storage {c['storage_hit_tokens']} (hit rate {c['hit_rate'] * 100:.1f}%); storage read "
+            f"{c['storage_bytes_read'] / 1e6:.1f} MB, written {c['storage_bytes_written'] / 1e6:.1f} MB, rejected "
+            f"files {c['storage_rejected_files']}, directory {c['storage_bytes'] / 1e6:.1f} MB")
 
 
 def speculative_usage_error(args) -> str | None:
@@ -262,14 +292,16 @@ def dispatch_bytes(model, rows: int, input_len: int, seed: int = 0) -> dict:
 
 
 def _llm(args, mesh, max_model_len: int, **options):
-    """The engine under test (prefix caching off: every prompt is computed); ValueError when the longest request
-    does not fit the model's positions."""
+    """The engine under test (prefix caching off: every prompt is computed, unless --kv-cache-dir asks for the
+    storage tier, which works through it); ValueError when the longest request does not fit the model's
+    positions."""
     import jaxinfer
 
+    kv = kv_cache_options(args)
     # compilation_cache="off": the CLI has configured JAX's cache from --compilation-cache (cli._start_jax).
-    llm = jaxinfer.LLM(args.model, mesh=mesh, dtype=args.dtype, enable_prefix_caching=False,
+    llm = jaxinfer.LLM(args.model, mesh=mesh, dtype=args.dtype, enable_prefix_caching="kv_cache_dir" in kv,
                        max_model_len=max_model_len, compilation_cache="off",
-                       speculative_config=speculative_config(args), **options)
+                       speculative_config=speculative_config(args), **kv, **options)
     if llm.max_model_len < max_model_len:
         raise ValueError(f"requests of up to {max_model_len} tokens (input + output) exceed the model's "
                          f"max_position_embeddings={llm.max_model_len}")
@@ -314,6 +346,8 @@ def run(args) -> None:
         extra = dispatch_bytes(llm.model, rows, args.input_len, args.seed)
         for r in results:
             r.update(extra)
+    if args.kv_cache_dir is not None:  # the last engine's counts, its untimed runs included
+        results[-1].update(llm.cache_stats())
     if not multihost.is_primary():  # all processes compute, process 0 prints
         return
     for r in results:
@@ -342,6 +376,8 @@ def format_result(r: dict) -> str:
                  f"TPOT p50 {r['tpot_p50_s'] * 1e3:.2f} ms p99 {r['tpot_p99_s'] * 1e3:.2f} ms"]
     if r.get("speculative_tokens"):
         lines.append(format_speculative(r, "Speculative decoding"))
+    if "storage_hit_tokens" in r:
+        lines.append(format_cache_stats(r))
     if "dispatch_bytes_per_token" in r:
         lines.append(f"Dispatch: {r['dispatch_bytes_per_token']:.0f} B/token as run, "
                      f"{r['dispatch_bytes_per_token_fp8']:.0f} B/token in FP8 (all MoE layers)")

@@ -6,7 +6,8 @@ Prompts come from arguments, a text file (one prompt per line) or JSONL (``{"pro
 summary in vLLM/SGLang vocabulary to stderr. ``--json-schema FILE | --regex RE | --choice A,B,C | --grammar
 FILE.lark`` constrain every output (a JSONL line's own ``"structured_outputs"`` wins). ``--speculative-tokens K``
 (bench.add_speculative_flags) decodes with MTP speculative decoding and adds a line of its counts in vLLM's
-spec-decode vocabulary (bench.format_speculative).
+spec-decode vocabulary (bench.format_speculative). ``--kv-cache-dir DIR`` keeps prompt pages in DIR for later
+runs (the KV storage tier) and adds a line of the prefix cache's counts (bench.format_cache_stats).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def add_parser(sub) -> None:
     one.add_argument("--choice", metavar="A,B,C", help="outputs are one of these comma-separated strings")
     one.add_argument("--grammar", metavar="FILE.lark", help="outputs follow this Lark grammar (llguidance syntax)")
     bench.add_speculative_flags(gen)
+    bench.add_kv_cache_flags(gen)
 
 
 def structured_outputs(args):
@@ -139,7 +141,7 @@ def run(args) -> None:
     # compilation_cache="off": the CLI has configured JAX's cache from --compilation-cache (cli._start_jax).
     # compile_ahead off: one generate call, then the process exits; other prefill block counts are not needed.
     llm = jaxinfer.LLM(args.model, mesh=args.mesh, dtype=args.dtype, compilation_cache="off", compile_ahead=False,
-                       speculative_config=bench.speculative_config(args))
+                       speculative_config=bench.speculative_config(args), **bench.kv_cache_options(args))
     defaults = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
                     seed=args.seed, structured_outputs=constraint)
     prompts, params = [], []
@@ -184,3 +186,5 @@ def run(args) -> None:
     spec = llm.config.speculative_config
     if spec is not None:
         print(f"[jaxinfer] {bench.format_speculative(bench.speculative_metrics(llm.stats, spec))}", file=sys.stderr)
+    if args.kv_cache_dir is not None:
+        print(f"[jaxinfer] {bench.format_cache_stats(llm.cache_stats())}", file=sys.stderr)

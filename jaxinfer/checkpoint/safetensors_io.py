@@ -158,6 +158,11 @@ def _read_index(index: pathlib.Path) -> dict[str, str]:
     return weight_map
 
 
+def checkpoint_files(path: str | os.PathLike) -> list[pathlib.Path]:
+    """The safetensors files a ``SafetensorsCheckpoint`` of ``path`` reads (sorted)."""
+    return sorted(SafetensorsCheckpoint._locate(pathlib.Path(path))[1])
+
+
 class SafetensorsCheckpoint:
     """Tensors of one safetensors checkpoint: headers read eagerly, data memory-mapped lazily.
 

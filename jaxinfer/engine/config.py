@@ -72,6 +72,11 @@ class EngineConfig:
       right after one generate call waits for at most the compilation under way. ``LLM.wait_for_compilations()``
       waits for them. None: on, unless the environment sets JAXINFER_COMPILE_AHEAD=0 (the test suite does: its
       hundred engines would compile programs they never run).
+    kv_cache_dir: the KV storage tier (kv/page_store.py): full prompt pages written to this directory (created if
+      missing; several processes may share it) and read back on a prefix hit in any later process; None: off.
+      Needs enable_prefix_caching. An unwritable directory: a warning, and the engine runs without the tier.
+    kv_cache_max_bytes: the tier's bound (LRU by file mtime; it may be exceeded by one page per writer); None:
+      unbounded. Needs kv_cache_dir; below one page: ValueError when the engine is built.
 
     Raises ValueError naming the field for an invalid value.
     """
@@ -98,6 +103,8 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict | None = None
     prefill_layout: str = "blocks"
     compile_ahead: bool | None = None
+    kv_cache_dir: str | os.PathLike | None = None
+    kv_cache_max_bytes: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
@@ -107,7 +114,7 @@ class EngineConfig:
                                       ("max_num_batched_tokens", 1, False), ("max_model_len", 1, True),
                                       ("max_logprobs", 0, False), ("num_redundant_experts", 0, True),
                                       ("expert_load_window", 1, False), ("rebalance_every_n_steps", 1, True),
-                                      ("num_scheduler_steps", 1, True)]:
+                                      ("num_scheduler_steps", 1, True), ("kv_cache_max_bytes", 1, True)]:
             value = getattr(self, name)
             if optional and value is None:
                 continue
@@ -133,6 +140,14 @@ class EngineConfig:
         if self.compilation_cache is not None and (not isinstance(self.compilation_cache, (str, os.PathLike))
                                                    or not os.fspath(self.compilation_cache)):
             raise ValueError(f"compilation_cache must be None, 'off' or a directory, got {self.compilation_cache!r}")
+        if self.kv_cache_dir is not None and (not isinstance(self.kv_cache_dir, (str, os.PathLike))
+                                              or not os.fspath(self.kv_cache_dir)):
+            raise ValueError(f"kv_cache_dir must be None or a directory, got {self.kv_cache_dir!r}")
+        if self.kv_cache_max_bytes is not None and self.kv_cache_dir is None:
+            raise ValueError("kv_cache_max_bytes bounds the KV storage tier: it needs kv_cache_dir")
+        if self.kv_cache_dir is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_cache_dir (the KV storage tier) needs enable_prefix_caching=True: stored pages are "
+                             "found by the prefix cache's page hashes")
 
     def resolve(self, model) -> EngineConfig:
         """A copy with every default that depends on the loaded ``model`` (a jaxinfer Model) or the platform

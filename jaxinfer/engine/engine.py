@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import pathlib
 import time
 from collections.abc import Iterable
 
@@ -29,6 +30,10 @@ from jaxinfer.engine.sequence import Sequence
 from jaxinfer.engine.speculative import step_cost
 from jaxinfer.engine.structured_output import Grammars
 from jaxinfer.engine.tokenizer import Tokenizer
+from jaxinfer.checkpoint.fingerprint import weights_digest
+from jaxinfer.kv.page_allocator import PAGE_SIZE
+from jaxinfer.kv.page_store import DirectoryPageStore, model_salt
+from jaxinfer.kv.paged_cache import latent_width
 from jaxinfer.model import load_model
 from jaxinfer.rebalance import rebalance_model
 
@@ -76,6 +81,7 @@ class LLMEngine:
                              f"{config.model} has none (no model.layers.{self.model.config.num_hidden_layers}"
                              f".eh_proj.weight, or num_nextn_predict_layers = 0)")
         self.num_drafts = spec.num_speculative_tokens if spec else 0
+        self.kv_store = self._kv_store(config)
         self.scheduler = Scheduler(self.model.dp_size, config.num_kv_pages, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=config.max_model_len,
@@ -85,7 +91,8 @@ class LLMEngine:
                                    num_drafts=self.num_drafts,
                                    step_cost=step_cost(self.model.mesh.devices.flat[0].platform),
                                    prefill_block=(PREFILL_BLOCK if config.prefill_layout == "blocks" and spec is None
-                                                  else None))  # speculative prefill steps stay grids (drafter.py)
+                                                  else None),  # speculative prefill steps stay grids (drafter.py)
+                                   storage=self.kv_store)
         self.runner = ModelRunner(self.model, config.num_kv_pages, attention_backend=config.attention_backend,
                                   max_num_seqs=config.max_num_seqs, prefill_capacity=self.scheduler.prefill_capacity,
                                   min_prefill_t=self.scheduler.min_prefill_t, engine_seed=config.seed,
@@ -93,7 +100,8 @@ class LLMEngine:
                                   num_scheduler_steps=config.num_scheduler_steps, eos_token_id=eos,
                                   greedy_screening=config.greedy_screening, num_drafts=self.num_drafts,
                                   prefill_block=self.scheduler.prefill_block, compile_ahead=config.compile_ahead,
-                                  max_pages=-(-config.max_model_len // self.scheduler.page_size))
+                                  max_pages=-(-config.max_model_len // self.scheduler.page_size),
+                                  kv_store=self.kv_store)
         self.grammars = (Grammars(self.tokenizer.to_json(), self.model.config.vocab_size, eos)
                          if self.tokenizer else None)
         self.stats = EngineStats(accepted_per_position=[0] * self.num_drafts)
@@ -103,6 +111,46 @@ class LLMEngine:
         self._ids = itertools.count()
         self._in_flight: _Dispatched | None = None
         self._steps_since_rebalance = 0
+
+    def _kv_store(self, config: EngineConfig) -> DirectoryPageStore | None:
+        """The KV storage tier of ``config.kv_cache_dir`` (kv/page_store.py), or None (off, or the directory is not
+        writable: a warning): pages of every layer (the MTP module's cache too with speculative decoding) in the
+        model's dtype, salted with the model's identity (its config, dtype, FP8 mode and weights' content:
+        checkpoint/fingerprint.py, the digests cached in the directory)."""
+        if config.kv_cache_dir is None:
+            return None
+        mc = self.model.config
+        shape = (mc.num_hidden_layers + (1 if self.num_drafts else 0), PAGE_SIZE, latent_width(mc))
+        path = pathlib.Path(config.kv_cache_dir)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            pass  # the store warns and runs without the tier; the digests are not cached
+        weights = weights_digest(config.model, path / "weights-digests.json")
+        salt = model_salt(mc, self.model.dtype, self.model.layout.get("fp8", "off"), weights, shape)
+        store = DirectoryPageStore(path, salt=salt, dtype=self.model.dtype, shape=shape,
+                                   max_bytes=config.kv_cache_max_bytes)
+        return store if store.enabled else None  # it warned: the engine runs without the tier
+
+    def cache_stats(self) -> dict:
+        """Prefix-cache counters since the engine was built, as DeepSeek reports them: prompt_tokens (of the
+        admissions), device_hit_tokens, storage_hit_tokens, hit_rate (both hits over prompt_tokens), and the
+        storage tier's storage_bytes_read, storage_bytes_written, storage_rejected_files, storage_bytes (its
+        directory now, every writer's); the tier's counts are 0 without it. Waits for the tier's queued writes."""
+        stats = [c.stats for c in self.scheduler.caches]
+        prompt = sum(s.query_tokens for s in stats)
+        device = sum(s.hit_tokens for s in stats)
+        storage = self.scheduler.storage_hit_tokens
+        out = dict(prompt_tokens=prompt, device_hit_tokens=device, storage_hit_tokens=storage,
+                   hit_rate=(device + storage) / prompt if prompt else 0.0, storage_bytes_read=0,
+                   storage_bytes_written=0, storage_rejected_files=0, storage_bytes=0)
+        if self.kv_store is not None:
+            self.runner.page_io.flush()
+            st = self.kv_store.stats
+            out.update(storage_bytes_read=st.bytes_read, storage_bytes_written=st.bytes_written,
+                       storage_rejected_files=st.rejected_files,
+                       storage_bytes=self.kv_store.size_bytes() if self.kv_store.enabled else 0)
+        return out
 
     # ---- requests ----------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
@@ -233,6 +281,7 @@ class LLMEngine:
                                           {r.req_id: r.draft_token_ids for r in out.all_requests()
                                            if r.draft_token_ids})
         handle = self.runner.execute(out, allowed)
+        self.runner.store_pages(self.scheduler.take_stores())  # pages this step computes: copied after it
         self._steps_since_rebalance += 1
         self.stats.steps += 1
         self.stats.scheduled_tokens += out.num_scheduled_tokens
@@ -252,6 +301,7 @@ class LLMEngine:
         t1 = time.perf_counter()
         self.stats.wait_s += t1 - t0
         updates = self.scheduler.update_from_output(step.output, result)
+        self.runner.store_pages(self.scheduler.take_stores())  # pages whose tokens this update made known
         for update in updates:
             self.stats.count_round(update.num_drafts, update.num_accepted, self.num_drafts)
             seq = update.seq

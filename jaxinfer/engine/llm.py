@@ -98,6 +98,12 @@ class LLM:
             sampling_params = params if isinstance(sampling_params, (list, tuple)) else params[0]
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def cache_stats(self) -> dict:
+        """LLMEngine.cache_stats: prompt_tokens, device_hit_tokens, storage_hit_tokens, hit_rate,
+        storage_bytes_read, storage_bytes_written, storage_rejected_files, storage_bytes (since the LLM was
+        built; the KV storage tier's counts 0 without kv_cache_dir)."""
+        return self.engine.cache_stats()
+
     # ---- expert load balancing ---------------------------------------------------------------------------
     def expert_load(self) -> np.ndarray:
         """LLMEngine.expert_load: np.int64 [num_moe_layers, n_routed_experts] over the last expert_load_window

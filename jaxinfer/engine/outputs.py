@@ -46,7 +46,8 @@ class CompletionOutput:
 class RequestOutput:
     """A request's output: all n completions. metrics: ttft_s (first token after add_request), tpot_s (time per
     output token after the first), both None until known; num_prompt_tokens, num_cached_prompt_tokens (served by
-    the prefix cache), num_output_tokens (all completions); num_draft_tokens, num_accepted_tokens (speculative
+    the prefix cache, its storage tier included), num_storage_cached_prompt_tokens (those read from the KV storage
+    tier: kv/page_store.py), num_output_tokens (all completions); num_draft_tokens, num_accepted_tokens (speculative
     decoding: drafts verified and accepted, summed over the completions; 0 without)."""
 
     request_id: str
@@ -216,6 +217,8 @@ class RequestState:
         metrics = dict(ttft_s=None if first is None else first - self.arrival, tpot_s=tpot,
                        num_prompt_tokens=len(self.prompt_token_ids),
                        num_cached_prompt_tokens=max(c.seq.num_cached_tokens for c in self.completions),
+                       num_storage_cached_prompt_tokens=max(c.seq.num_storage_cached_tokens
+                                                            for c in self.completions),
                        num_output_tokens=n_out,
                        num_draft_tokens=sum(c.seq.num_draft_tokens for c in self.completions),
                        num_accepted_tokens=sum(c.seq.num_accepted_tokens for c in self.completions))

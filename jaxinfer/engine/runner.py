@@ -21,12 +21,14 @@ from jaxinfer.engine import packing
 from jaxinfer.engine.compile_ahead import CompiledFamily
 from jaxinfer.engine.expert_load import ExpertLoadWindow
 from jaxinfer.engine.inputs import InputBatch
+from jaxinfer.engine.page_io import PageIO
 from jaxinfer.engine.drafter import Drafts
 from jaxinfer.engine.rejection_sampler import VerifyOutput
 from jaxinfer.engine.sampler import SampleOutput
 from jaxinfer.engine.buckets import MIN_PREFILL_T, bucket
 from jaxinfer.engine.scheduler_output import RunnerOutput, SchedulerOutput
 from jaxinfer.engine.step_program import StepProgram
+from jaxinfer.kv.page_store import PageStore
 from jaxinfer.kv.paged_cache import init_paged_cache
 from jaxinfer.models.attention import BACKENDS
 from jaxinfer.models.screened_head import HeadScreen, build_head_screen
@@ -69,6 +71,8 @@ class ModelRunner:
       prefill_block, max_pages: prefill steps in query blocks of that many columns with block tables of max_pages
         (Scheduler.prefill_block; None: [rows, T] grids). compile_ahead: once a prefill block count first compiles,
         compile the others in a background thread (``_block_steps``).
+      kv_store: the KV storage tier (kv/page_store.py) or None: pages move between it and the cache through
+        ``page_io`` (``execute`` places a step's ``page_loads``; ``store_pages`` copies registered pages out).
     """
 
     def __init__(self, model, num_pages_per_rank: int, *, attention_backend: str, max_num_seqs: int = 64,
@@ -76,7 +80,7 @@ class ModelRunner:
                  engine_seed: int = 0, max_logprobs: int = 20, expert_load_window: int = 1000,
                  num_scheduler_steps: int = 1, eos_token_id: int | None = None, greedy_screening: bool = False,
                  num_drafts: int = 0, prefill_block: int | None = None, max_pages: int = 0,
-                 compile_ahead: bool = True):
+                 compile_ahead: bool = True, kv_store: PageStore | None = None):
         self.model = model
         self.backend = BACKENDS[attention_backend]
         self.greedy_screening = greedy_screening
@@ -97,6 +101,7 @@ class ModelRunner:
         self.layers = cache().layers
         # The MTP module's cache: one more layer over the same pages (only read inside a step: drafter.py).
         self.mtp_layers = cache().layers[:1] if num_drafts else ()
+        self.page_io = PageIO(kv_store, num_pages_per_rank, model.dtype) if kv_store is not None else None
         self.tokens = global_array(np.zeros(ranks * max_rows, np.int32), self._batch)
         load_shape = (ranks, model.config.num_moe_layers, model.config.n_routed_experts)
         self.load = ExpertLoadWindow(load_shape, self._batch, expert_load_window)
@@ -130,6 +135,8 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, allowed: dict[int, np.ndarray] | None = None) -> InFlight:
         """Starts the step of ``out`` on the devices and returns without waiting for it. allowed: constrained
         requests' allowed next tokens (``StepInputs.build``)."""
+        if out.page_loads:  # pages read from the storage tier: in the cache before the step reads them
+            self._set_cache(self.page_io.place(self.layers + self.mtp_layers, out.page_loads))
         self.inputs.update_states(out)
         step = self.inputs.build(out, allowed)
         packed, layout = packing.pack((*step.arrays, step.tensors))  # one transfer: packing.py says why
@@ -138,6 +145,15 @@ class ModelRunner:
         if out.speculative:
             return InFlight(step.sampled, widths, *self._run_spec(packed, layout, step.verifying))
         return InFlight(step.sampled, widths, self._run(packed, layout, step.blocks))
+
+    def store_pages(self, stores: list[tuple[int, int, bytes]]) -> None:
+        """Copies the pages ``stores`` ((rank, rank-local page, storage key): Scheduler.take_stores) to the storage
+        tier: the copy is dispatched now, after the steps that wrote them; the files are written behind."""
+        if stores and self.page_io is not None:
+            self._set_cache(self.page_io.copy_out(self.layers + self.mtp_layers, stores))
+
+    def _set_cache(self, layers: tuple) -> None:
+        self.layers, self.mtp_layers = tuple(layers[:len(self.layers)]), tuple(layers[len(self.layers):])
 
     @functools.cached_property
     def _block_steps(self) -> CompiledFamily:

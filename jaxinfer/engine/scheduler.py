@@ -51,6 +51,11 @@ rank has prefill work that fits, else a DECODE step over all ranks.
   step before applying one that carries them. Where a rank has ``SPLIT_CONSTRAINED_ROWS`` or more of them and none
   in flight, a step takes the first half: the two halves then alternate, one computed on the device while the
   host applies the other's tokens and builds its masks.
+- Storage tier (``storage``: kv/page_store.py, EngineConfig.kv_cache_dir). At admission, after the device prefix
+  cache's hits, the pages the tier holds for the next hashes are read (verified) up to the first it does not have;
+  they take the first of the sequence's new pages, are registered in the prefix cache at once and counted as
+  cached, and ride in the step's ``page_loads`` (the runner writes them into the cache before the step). Pages
+  registered as computed are queued for the tier (``take_stores``; the engine has the runner copy them).
 - Out of pages. A running sequence that cannot make progress preempts the newest running sequence (by arrival) of
   its rank, itself included: the victim frees its pages and goes to the FRONT of the rank's waiting queue with
   ``num_computed_tokens = 0``, keeping its outputs (it recomputes prompt + outputs as its next prefill; with
@@ -78,6 +83,7 @@ from jaxinfer.engine.scheduler_output import (NewRequest, RunnerOutput, Schedule
 from jaxinfer.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from jaxinfer.engine.speculative import PROBE_AFTER_PLAIN_STEPS, STEP_COSTS, StepCost, verify_width
 from jaxinfer.kv.page_allocator import PAGE_SIZE, PageAllocator
+from jaxinfer.kv.page_store import PageStore, page_key
 from jaxinfer.kv.prefix_cache import PrefixCache
 
 # The most columns of a decode step that computes known tokens (``Scheduler.append_outputs``): a longer run of them
@@ -199,6 +205,7 @@ class Scheduler:
       confidence_verify: verify only as many drafts as are worth the step's cost (DSpark; see "Decode").
       num_drafts: K, the drafts the runner proposes per sequence (speculative decoding).
       step_cost: the confidence rule's cost model (engine/speculative.py StepCost; default: the CPU's).
+      storage: the KV storage tier (kv/page_store.py PageStore) or None; see "Storage tier".
 
     Raises ValueError (naming the value) for invalid arguments.
     """
@@ -207,7 +214,8 @@ class Scheduler:
                  max_model_len: int, enable_prefix_caching: bool = True, page_size: int = PAGE_SIZE,
                  eos_token_id: int | None = None, cache_key=None, min_prefill_t: int = MIN_PREFILL_T,
                  num_scheduler_steps: int = 1, speculative: bool = False, confidence_verify: bool = False,
-                 num_drafts: int = 0, step_cost: StepCost | None = None, prefill_block: int | None = None):
+                 num_drafts: int = 0, step_cost: StepCost | None = None, prefill_block: int | None = None,
+                 storage: PageStore | None = None):
         for name, value in [("num_ranks", num_ranks), ("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens), ("max_model_len", max_model_len),
                             ("page_size", page_size), ("num_scheduler_steps", num_scheduler_steps)]:
@@ -244,6 +252,10 @@ class Scheduler:
         self._seqs: dict[int, Sequence] = {}   # added sequences until finished and holding no placeholder
         self._finished_ids: list[int] = []     # finished since the last SchedulerOutput
         self._next_arrival = 0
+        self.storage = storage
+        self.storage_hit_tokens = 0            # prompt tokens read from the storage tier at admissions
+        self._loads: list[list[tuple[int, object]]] = [[] for _ in range(num_ranks)]  # for the next output
+        self._stores: list[tuple[int, int, int]] = []  # (rank, page, hash) registered since take_stores()
 
     # ---- queries -------------------------------------------------------------------------------------------
     @property
@@ -516,7 +528,7 @@ class Scheduler:
         while the decoding sequences never get a step (found by the property test)."""
         cache = self.caches[seq.rank]
         stats = dataclasses.replace(cache.stats)
-        cached = []
+        cached, hashes = [], []
         if self.enable_prefix_caching:
             hashes = seq.page_hashes((seq.num_tokens - 1) // self.page_size, self.page_size, self.cache_key)
             cached = cache.match(hashes, num_tokens=seq.num_tokens)
@@ -526,15 +538,43 @@ class Scheduler:
             cache.stats = stats                        # an admission that did not happen is not a query
             return 0
         seq.pages = cached + cache.allocate(need)
+        stored = self._read_stored(hashes[len(cached):])
+        if stored:  # pages of the storage tier: written into the cache before this step (page_loads), cached now
+            pages = seq.pages[len(cached):len(cached) + len(stored)]
+            cache.insert(hashes[len(cached):len(cached) + len(stored)], pages)
+            self._loads[seq.rank].extend(zip(pages, stored))
+            self.storage_hit_tokens += len(stored) * self.page_size
+        hit = len(cached) + len(stored)
         seq.num_pages_sent = 0
         seq.unsent_token_ids = []  # its NewRequest carries all its outputs
-        seq.num_computed_tokens = len(cached) * self.page_size
+        seq.num_computed_tokens = hit * self.page_size
         seq.status = SequenceStatus.RUNNING
         seq.num_prefill_tokens = seq.num_tokens
-        seq.num_registered_pages = len(cached)
+        seq.num_registered_pages = hit
         if seq.num_preemptions == 0:
-            seq.num_cached_tokens = len(cached) * self.page_size
+            seq.num_cached_tokens = hit * self.page_size
+            seq.num_storage_cached_tokens = len(stored) * self.page_size
         return min(budget, seq.num_tokens - seq.num_computed_tokens)
+
+    def _read_stored(self, hashes: list[int]) -> list:
+        """The pages of the storage tier that continue a prefix (``hashes``: the pages after the device cache's
+        hits), verified, up to the first one it does not have (or rejects)."""
+        pages = []
+        if self.storage is not None:
+            for h in hashes:
+                page = self.storage.get(page_key(h))
+                if page is None:
+                    break
+                pages.append(page)
+        return pages
+
+    def take_stores(self) -> list[tuple[int, int, bytes]]:
+        """(rank, page, storage key) of the pages registered in the prefix cache since the last call, computed by
+        dispatched steps: the engine has the runner copy them to the storage tier (their data as the device holds
+        it once the steps that wrote them have run; they are never written again, and a copy taken before the next
+        step is dispatched precedes any reuse of the page)."""
+        stores, self._stores = self._stores, []
+        return [(rank, page, page_key(h)) for rank, page, h in stores]
 
     def _preempt(self, seq: Sequence) -> None:
         self.running[seq.rank].remove(seq)
@@ -590,8 +630,10 @@ class Scheduler:
                 elif c.num_sampled and self._at_length_limit(seq):
                     self.finish(seq, "length", keep_pending=True)  # update still fills its last tokens
             requests.append(tuple(rank_requests))
+        loads = tuple(tuple(rank) for rank in self._loads) if any(self._loads) else ()
+        self._loads = [[] for _ in range(self.num_ranks)]
         return SchedulerOutput(plan.kind, tuple(requests), new, finished, tuple(s.seq_id for s in plan.preempted),
-                               plan.speculative)
+                               plan.speculative, loads)
 
     def _at_length_limit(self, seq: Sequence) -> bool:
         return seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
@@ -679,4 +721,6 @@ class Scheduler:
             hashes = seq.page_hashes(full, self.page_size, self.cache_key)
             lo = seq.num_registered_pages
             self.caches[seq.rank].insert(hashes[lo:full], seq.pages[lo:full])
+            if self.storage is not None:
+                self._stores.extend((seq.rank, page, h) for page, h in zip(seq.pages[lo:full], hashes[lo:full]))
             seq.num_registered_pages = full

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Any
 
 from jaxinfer.engine.sampling_params import SamplingParams
 
@@ -91,6 +92,9 @@ class SchedulerOutput:
     preempted_req_ids: requests preempted while building this step (their pages are freed; they wait again).
     speculative: a step of speculative decoding (the runner's ``spec_step``: one draft-verify round, every
       sampling request gets new drafts); False: a plain step (a multi-step decode step: no drafts).
+    page_loads: pages read from the KV storage tier at admission, per rank (rank-local page id, the page's data
+      [layers, page_size, width] in the cache's value dtype): the runner writes them into the cache before the
+      step, which reads them as cached keys.
     """
 
     kind: StepKind
@@ -99,6 +103,7 @@ class SchedulerOutput:
     finished_req_ids: tuple[int, ...] = ()
     preempted_req_ids: tuple[int, ...] = ()
     speculative: bool = False
+    page_loads: tuple[tuple[tuple[int, Any], ...], ...] = ()
 
     def all_requests(self) -> list[ScheduledRequest]:
         return [r for rank in self.requests for r in rank]

@@ -41,7 +41,8 @@ class Sequence:
     fixed on arrival), ``arrival`` (arrival order on that scheduler), ``status``, ``output_token_ids``,
     ``num_computed_tokens``, ``num_prefill_tokens`` (tokens to compute in the current prefill), ``pages``,
     ``num_cached_tokens`` (prompt tokens served by the prefix cache at the first admission; later re-admissions
-    after preemption do not change it), ``num_preemptions``, ``finish_reason`` ("stop" | "length" | "error" |
+    after preemption do not change it), ``num_storage_cached_tokens`` (those of them read from the KV storage
+    tier), ``num_preemptions``, ``finish_reason`` ("stop" | "length" | "error" |
     engine-defined) and ``error`` (message for "error").
     """
 
@@ -59,6 +60,7 @@ class Sequence:
         self.num_prefill_tokens = 0
         self.pages: list[int] = []
         self.num_cached_tokens = 0
+        self.num_storage_cached_tokens = 0
         self.num_preemptions = 0
         self.num_registered_pages = 0   # leading pages of ``pages`` already offered to the prefix cache
         self.num_pages_sent = 0         # leading pages of ``pages`` the runner was told about (new_page_ids)

@@ -43,15 +43,18 @@ def test_missing_prompt_file(case, capsys):
 
 def test_generate_embedded_model_end_to_end(tmp_path, capsys):
     """No --model: the embedded default model; text prompts from arguments and JSONL (messages + overrides);
-    JSONL output; completions equal LLM.generate's / LLM.chat's; the vLLM-style summary on stderr."""
+    JSONL output; completions equal LLM.generate's / LLM.chat's (the first run with the KV storage tier on); the
+    vLLM-style summary on stderr."""
     from jaxinfer import LLM, SamplingParams
 
     out = tmp_path / "out.jsonl"
     assert main(["generate", "The with statement is used to", "Return a new dictionary", "--max-tokens", "5",
-                 "--temperature", "0", "--mesh", "1x1", "--dtype", "float32", "--output", str(out)]) == 0
+                 "--temperature", "0", "--mesh", "1x1", "--dtype", "float32", "--output", str(out),
+                 "--kv-cache-dir", str(tmp_path / "kv")]) == 0
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     err = capsys.readouterr().err
     assert "requests 2" in err and "TTFT" in err and "TPOT" in err
+    assert "prefix cache: prompt tokens" in err and (tmp_path / "kv").is_dir()  # the storage tier's line
     llm = LLM(mesh="1x1", dtype="float32")
     ref = llm.generate(["The with statement is used to", "Return a new dictionary"],
                        SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
