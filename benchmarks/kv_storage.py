@@ -1,14 +1,15 @@
 """Time to first token of a long shared prefix read from the KV storage tier vs computed, and the tier's read
 bandwidth against the disk's own (issue: the KV cache storage tier; docs/benchmarks.md "KV storage tier (CPU)").
 
-    python benchmarks/kv_storage.py [--shapes embedded,bench] [--prefix-lens 256,512,1024,2048,4096]
+    python benchmarks/kv_storage.py [--shapes embedded,bench] [--prefix-lens 256,512,1024,2048,4032]
         [--suffix-len 16] [--rounds 3] [--dtype DTYPE]
 
 Per shape (``embedded``: the embedded default model; the others bench_model.py's SHAPES, random weights) and
 prefix length L: a writer engine stores the pages of prompts of L random tokens + --suffix-len more; a second
 engine (a fresh LLM on the same directory, as a later process would be) then runs, per round, one prompt whose
 prefix the tier holds ("storage") and one it does not ("recompute"), each a first of its kind (no device prefix
-cache hit), alternating; one warm-up of each kind first (compilation). TTFT = the request's ``ttft_s`` of a
+cache hit), alternating; one warm-up of each kind first (compilation; then the programs compiled ahead are
+waited for). TTFT = the request's ``ttft_s`` of a
 ``generate(max_tokens=1)``; medians over the rounds. Read bandwidth: the tier's page files of one prefix read and
 verified (``DirectoryPageStore.get``, page cache warm: the engine's case right after a write) and the same files
 read cold (``posix_fadvise(DONTNEED)`` first: from the disk), in MB/s.
@@ -30,7 +31,8 @@ import numpy as np
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="embedded,bench")
-    p.add_argument("--prefix-lens", default="256,512,1024,2048,4096")
+    p.add_argument("--prefix-lens", default="256,512,1024,2048,4032",
+                   help="prefix lengths (those that do not fit the model's positions with the suffix are skipped)")
     p.add_argument("--suffix-len", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dtype", default=None, help="the engine's dtype (default: LLM's, bfloat16)")
@@ -86,6 +88,8 @@ def run_shape(shape: str, lens: list[int], args) -> None:
         ttft = {"storage": [], "recompute": []}
         hits = []
         for r in range(args.rounds + 1):  # round 0: warm-up (compilation)
+            if r == 1:
+                reader.wait_for_compilations()  # the prefill block counts compiled ahead: not during the rounds
             for kind, prompt in (("storage", prompts[n][2 * r]), ("recompute", prompts[n][2 * r + 1])):
                 out = reader.generate([prompt], first, use_tqdm=False)[0]
                 if r:

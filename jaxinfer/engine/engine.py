@@ -121,7 +121,7 @@ class LLMEngine:
             return None
         mc = self.model.config
         shape = (mc.num_hidden_layers + (1 if self.num_drafts else 0), PAGE_SIZE, latent_width(mc))
-        path = pathlib.Path(config.kv_cache_dir)
+        path = pathlib.Path(config.kv_cache_dir).expanduser()
         try:
             path.mkdir(parents=True, exist_ok=True)
         except OSError:

@@ -630,7 +630,8 @@ class Scheduler:
                 elif c.num_sampled and self._at_length_limit(seq):
                     self.finish(seq, "length", keep_pending=True)  # update still fills its last tokens
             requests.append(tuple(rank_requests))
-        loads = tuple(tuple(rank) for rank in self._loads) if any(self._loads) else ()
+        # One entry per page, the last: a page loaded, released and evicted in this same step could be loaded again.
+        loads = tuple(tuple(dict(rank).items()) for rank in self._loads) if any(self._loads) else ()
         self._loads = [[] for _ in range(self.num_ranks)]
         return SchedulerOutput(plan.kind, tuple(requests), new, finished, tuple(s.seq_id for s in plan.preempted),
                                plan.speculative, loads)

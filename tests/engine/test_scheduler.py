@@ -673,3 +673,61 @@ def test_random_workloads(w, overlap):
         assert cache.allocator.num_used == cache.num_cached == cache.num_evictable
         assert all(cache.allocator.refcount(p) == (cache.page_hash(p) is not None)
                    for p in range(1, cache.allocator.num_pages))
+
+
+# ---- the KV storage tier ----------------------------------------------------------------------------------------
+class DictStore:
+    """A PageStore over a dict (kv/page_store.py's interface), counting reads."""
+
+    def __init__(self, pages=None):
+        self.pages, self.reads = dict(pages or {}), []
+
+    def get(self, key):
+        self.reads.append(key)
+        return self.pages.get(key)
+
+    def contains(self, key):
+        return key in self.pages
+
+    def put(self, key, page):
+        self.pages.setdefault(key, page)
+        return True
+
+
+def test_storage_pages_are_read_at_admission_up_to_the_first_miss():
+    from jaxinfer.kv.page_store import page_key
+    from jaxinfer.kv.prefix_cache import page_hashes
+
+    prompt = [(7 * j) % VOCAB for j in range(5 * S + 2)]
+    keys = [page_key(h) for h in page_hashes(prompt, S)]
+    store = DictStore({keys[0]: "page 0", keys[1]: "page 1", keys[3]: "page 3"})  # page 2 missing
+    sched = make(storage=store, max_num_batched_tokens=256)
+    s = sched.add(seq(0, len(prompt), prompt=prompt))
+    out = sched.schedule()
+    assert store.reads == keys[:3]                       # stops at the first miss
+    assert [data for _, data in out.page_loads[0]] == ["page 0", "page 1"]
+    assert [page for page, _ in out.page_loads[0]] == s.pages[:2]
+    assert chunks(out) == [(0, 2 * S, 3 * S + 2)]        # the step computes the rest
+    assert s.num_cached_tokens == s.num_storage_cached_tokens == 2 * S and sched.storage_hit_tokens == 2 * S
+    assert sched.caches[0].lookup(page_hashes(prompt, S)) == 5  # stored pages cached now; computed ones too
+    stored = sched.take_stores()                         # the pages this step computes (full ones), not the loaded
+    assert [(page, key) for _, page, key in stored] == list(zip(s.pages[2:5], keys[2:5]))
+    assert sched.take_stores() == []
+    sched.update_from_output(out, fake_result(out))
+    nxt = sched.schedule()
+    assert nxt.page_loads == ()                          # loads ride in one output only
+
+
+def test_no_storage_reads_for_an_admission_that_does_not_fit():
+    from jaxinfer.kv.page_store import page_key
+    from jaxinfer.kv.prefix_cache import page_hashes
+
+    first = [(3 * j) % VOCAB for j in range(3 * S)]
+    second = [(5 * j + 1) % VOCAB for j in range(4 * S)]
+    store = DictStore()
+    sched = make(storage=store, num_pages=6, max_num_batched_tokens=256)  # 5 pages: both need 7
+    sched.add(seq(0, len(first), prompt=first))
+    sched.add(seq(1, len(second), prompt=second))
+    out = sched.schedule()
+    assert [r.req_id for r in out.requests[0]] == [0]   # the second waits for pages
+    assert not set(store.reads) & {page_key(h) for h in page_hashes(second, S)}
