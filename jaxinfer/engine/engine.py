@@ -18,6 +18,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from jaxinfer import default_model
+from jaxinfer.checkpoint.fingerprint import weights_digest
 from jaxinfer.compile_cache import enable_compilation_cache
 from jaxinfer.engine.buckets import PREFILL_BLOCK
 from jaxinfer.engine.config import EngineConfig
@@ -30,7 +31,6 @@ from jaxinfer.engine.sequence import Sequence
 from jaxinfer.engine.speculative import step_cost
 from jaxinfer.engine.structured_output import Grammars
 from jaxinfer.engine.tokenizer import Tokenizer
-from jaxinfer.checkpoint.fingerprint import weights_digest
 from jaxinfer.kv.page_allocator import PAGE_SIZE
 from jaxinfer.kv.page_store import DirectoryPageStore, model_salt
 from jaxinfer.kv.paged_cache import latent_width
@@ -122,15 +122,13 @@ class LLMEngine:
         mc = self.model.config
         shape = (mc.num_hidden_layers + (1 if self.num_drafts else 0), PAGE_SIZE, latent_width(mc))
         path = pathlib.Path(config.kv_cache_dir).expanduser()
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            pass  # the store warns and runs without the tier; the digests are not cached
-        weights = weights_digest(config.model, path / "weights-digests.json")
-        salt = model_salt(mc, self.model.dtype, self.model.layout.get("fp8", "off"), weights, shape)
-        store = DirectoryPageStore(path, salt=salt, dtype=self.model.dtype, shape=shape,
+        store = DirectoryPageStore(path, salt=b"", dtype=self.model.dtype, shape=shape,
                                    max_bytes=config.kv_cache_max_bytes)
-        return store if store.enabled else None  # it warned: the engine runs without the tier
+        if not store.enabled:
+            return None  # it warned: the engine runs without the tier (and the weights are not hashed)
+        weights = weights_digest(config.model, path / "weights-digests.json")
+        store.salt = model_salt(mc, self.model.dtype, self.model.layout.get("fp8", "off"), weights, shape)
+        return store
 
     def cache_stats(self) -> dict:
         """Prefix-cache counters since the engine was built, as DeepSeek reports them: prompt_tokens (of the

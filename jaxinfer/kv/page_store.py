@@ -110,7 +110,9 @@ class DirectoryPageStore(PageStore):
 
     Args:
       path: the directory (created if missing; shared by any number of processes).
-      salt: the model's fingerprint; pages of another salt are never read.
+      salt: the model's fingerprint (``model_salt``); pages of another salt are never read. An attribute that may
+        be set after construction, before the first read or write (the engine checks the directory before it
+        hashes the weights).
       dtype, shape: the layout of every page ([layers, page_size, width] in the cache's value dtype).
       max_bytes: the bound on the directory's page files (None: unbounded).
     """
@@ -205,6 +207,10 @@ class DirectoryPageStore(PageStore):
                              f"{page.dtype.name} {list(page.shape)}")
         path = self.file(key)
         if os.path.exists(path):
+            try:
+                os.utime(path)  # in use again: recent for the LRU bound
+            except OSError:
+                pass
             return False
         blob = self._encode(bytes.fromhex(self.name(key)), page)
         tmp = os.path.join(os.path.dirname(path), f".tmp-{os.getpid()}-{uuid.uuid4().hex}")

@@ -142,6 +142,9 @@ def test_the_bound_holds_with_lru_order_by_mtime(tmp_path):
     store.put(_key(3), _page(3))  # evicts the least recently used: 1
     assert [store.contains(_key(i)) for i in range(4)] == [True, False, True, True]
     assert store.stats.evicted_files == 1
+    os.utime(store.file(_key(2)), (t0, t0))
+    assert not store.put(_key(2), _page(2))  # already stored: made recent instead
+    assert os.path.getmtime(store.file(_key(2))) > t0 + 10
     for i in range(4, 12):
         store.put(_key(i), _page(i))
         assert store.size_bytes() <= store.max_bytes
