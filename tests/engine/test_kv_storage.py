@@ -15,8 +15,9 @@ import textwrap
 import numpy as np
 import pytest
 
-from jaxinfer import LLM, SamplingParams
-from jaxinfer.kv.page_store import SUFFIX, DirectoryPageStore, page_key
+from jaxinfer import LLM, SamplingParams, default_model
+from jaxinfer.checkpoint.fingerprint import weights_digest
+from jaxinfer.kv.page_store import SUFFIX, DirectoryPageStore, model_salt, page_key
 from jaxinfer.kv.prefix_cache import page_hashes
 
 PAGE = 64
@@ -123,8 +124,20 @@ def test_bad_files_and_foreign_pages_never_change_a_token(written, tmp_path):
     with open(_page_file(store, prompts[2], 0), "r+b") as f:         # prefix 2: its 1st page truncated
         f.truncate(page_bytes // 2)
     open(_page_file(store, prompts[3], 2), "wb").close()             # prefix 3: its 3rd page empty
-    # prefix 4: its pages under the names a model of the same config but other weights (another salt) gives them
-    other = DirectoryPageStore(store_dir, salt=b"other weights", dtype=store.dtype, shape=store.shape)
+    # prefix 4: its pages under the names a model of the same config but other weights gives them (the engine's
+    # salt recipe on a copy of the checkpoint with one weight byte changed)
+    other_ckpt = tmp_path / "other-model"
+    shutil.copytree(default_model.path(), other_ckpt)
+    with open(other_ckpt / "model.safetensors", "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)[0]
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last ^ 1]))
+    model = llm.engine.model
+    salt = model_salt(model.config, model.dtype, model.layout.get("fp8", "off"), weights_digest(other_ckpt),
+                      store.shape)
+    assert salt != store.salt
+    other = DirectoryPageStore(store_dir, salt=salt, dtype=store.dtype, shape=store.shape)
     for page in range(5):
         key = page_key(page_hashes(prompts[4][:(page + 1) * PAGE])[page])
         os.makedirs(os.path.dirname(other.file(key)), exist_ok=True)
