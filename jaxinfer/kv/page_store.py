@@ -15,15 +15,16 @@ model of the same config but other weights never reads another's pages. DeepSeek
 
 Rules (docs/architecture.md "KV storage tier"):
 - Writes are atomic: a temporary file in the same directory, then ``os.replace``; a reader sees a whole file or
-  none, and several processes may write and read one directory at once (the same page written twice holds the
-  same bytes).
+  none, and several processes may write and read one directory at once (a page two of them write is either's
+  whole file: the same prefix's latents, equal up to the rounding of the batches that computed them).
 - A file that is truncated, corrupt, of another format version, another page's (its header names another key)
   or of another layout is *rejected*: counted, removed, and reported as a miss. Nothing read from the tier is used
   unless its checksum and header match, so a bad file can cost a recompute, never a wrong token.
-- The bound (``max_bytes``) holds with LRU eviction by file mtime (a read touches its file), with no shared
-  index: before a write, the writer lists the directory and removes the oldest pages until its page fits, so the
-  directory exceeds the bound by at most the pages other writers add between its listing and its write (one per
-  concurrent writer). Listing costs O(files) per write; writes run behind the engine's steps.
+- The bound (``max_bytes``) holds with LRU eviction by file mtime (a read, or a write of a page already there,
+  touches its file), with no shared index: before a write, the writer lists the directory and removes the oldest
+  pages until its page fits, so the directory exceeds the bound by at most the pages other writers add between
+  its listing and its write (one per concurrent writer). Listing costs O(files) per write; writes run behind the
+  engine's steps.
 - Faults of the directory itself (unwritable, disk full) never raise into the engine: the store warns once and
   reports misses / skipped writes.
 """
