@@ -147,7 +147,7 @@ class LLMEngine:
             st = self.kv_store.stats
             out.update(storage_bytes_read=st.bytes_read, storage_bytes_written=st.bytes_written,
                        storage_rejected_files=st.rejected_files,
-                       storage_bytes=self.kv_store.size_bytes() if self.kv_store.enabled else 0)
+                       storage_bytes=self.kv_store.size_bytes())
         return out
 
     # ---- requests ----------------------------------------------------------------------------------------

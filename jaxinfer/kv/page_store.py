@@ -125,7 +125,8 @@ class DirectoryPageStore(PageStore):
         self.dtype = jnp.dtype(dtype)
         self.shape = tuple(int(n) for n in shape)
         self.payload_bytes = math.prod(self.shape) * self.dtype.itemsize
-        self.page_bytes = len(self._encode(b"\0" * _NAME_BYTES, np.zeros(0, np.uint8), self.payload_bytes))
+        self.page_bytes = (_PREFIX.size + len(self._header(b"\0" * _NAME_BYTES)) + self.payload_bytes
+                           + _DIGEST_BYTES)  # every name has the same length: every file this many bytes
         if max_bytes is not None and max_bytes < self.page_bytes:
             raise ValueError(f"kv_cache_max_bytes={max_bytes} is below one page ({self.page_bytes} bytes)")
         self.max_bytes = max_bytes
@@ -147,10 +148,10 @@ class DirectoryPageStore(PageStore):
         return json.dumps({"name": name.hex(), "dtype": self.dtype.name, "shape": list(self.shape)},
                           sort_keys=True, separators=(",", ":")).encode()
 
-    def _encode(self, name: bytes, payload: np.ndarray, payload_bytes: int | None = None) -> bytes:
-        """The file's bytes (payload_bytes: a zero payload of that size, to size a page without data)."""
+    def _encode(self, name: bytes, payload: np.ndarray) -> bytes:
+        """The file's bytes."""
         header = self._header(name)
-        data = bytes(payload_bytes) if payload_bytes is not None else np.ascontiguousarray(payload).tobytes()
+        data = np.ascontiguousarray(payload).tobytes()
         body = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header)) + header + data
         return body + hashlib.blake2b(body, digest_size=_DIGEST_BYTES).digest()
 
