@@ -22,13 +22,15 @@ from jaxinfer.checkpoint.fingerprint import weights_digest
 from jaxinfer.compile_cache import enable_compilation_cache
 from jaxinfer.engine.buckets import PREFILL_BLOCK
 from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.handover import Handover, handover, restore
 from jaxinfer.engine.outputs import EngineStats, RequestOutput, RequestOutputKind, RequestState
 from jaxinfer.engine.runner import InFlight, ModelRunner
 from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.scheduler_output import SchedulerOutput
-from jaxinfer.engine.sequence import Sequence
+from jaxinfer.engine.sequence import Sequence, SequenceStatus
 from jaxinfer.engine.speculative import step_cost
+from jaxinfer.engine.step_log import step_record
 from jaxinfer.engine.structured_output import Grammars
 from jaxinfer.engine.tokenizer import Tokenizer
 from jaxinfer.kv.page_allocator import PAGE_SIZE
@@ -36,6 +38,9 @@ from jaxinfer.kv.page_store import DirectoryPageStore, model_salt
 from jaxinfer.kv.paged_cache import latent_width
 from jaxinfer.model import load_model
 from jaxinfer.rebalance import rebalance_model
+
+
+ROLES = ("colocated", "prefill", "decode")
 
 
 @dataclasses.dataclass
@@ -58,14 +63,20 @@ class LLMEngine:
         self._setup(EngineConfig(model=model, mesh=mesh, dtype=dtype, **engine_options))
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> LLMEngine:
+    def from_config(cls, config: EngineConfig, role: str = "colocated") -> LLMEngine:
+        """role: "colocated" (prefill and decode steps on this engine's mesh), or one side of prefill/decode
+        disaggregation (engine/disaggregated.py): "prefill" (prefill steps only; a request whose prompt is computed
+        and first token sampled is handed over: ``take_handovers``) or "decode" (takes ``add_prefilled``)."""
         if not isinstance(config, EngineConfig):
             raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         engine = cls.__new__(cls)
-        engine._setup(config)
+        engine._setup(config, role)
         return engine
 
-    def _setup(self, config: EngineConfig) -> None:
+    def _setup(self, config: EngineConfig, role: str = "colocated") -> None:
+        self.role = role
         enable_compilation_cache(config.compilation_cache)  # before anything compiles
         self.model = load_model(config.model or default_model.path(), mesh=config.mesh,
                                 dtype=config.dtype or "bfloat16", fp8_compute=config.fp8_compute,
@@ -92,7 +103,7 @@ class LLMEngine:
                                    step_cost=step_cost(self.model.mesh.devices.flat[0].platform),
                                    prefill_block=(PREFILL_BLOCK if config.prefill_layout == "blocks" and spec is None
                                                   else None),  # speculative prefill steps stay grids (drafter.py)
-                                   storage=self.kv_store)
+                                   storage=self.kv_store, prefill_only=role == "prefill")
         self.runner = ModelRunner(self.model, config.num_kv_pages, attention_backend=config.attention_backend,
                                   max_num_seqs=config.max_num_seqs, prefill_capacity=self.scheduler.prefill_capacity,
                                   min_prefill_t=self.scheduler.min_prefill_t, engine_seed=config.seed,
@@ -111,6 +122,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._in_flight: _Dispatched | None = None
         self._steps_since_rebalance = 0
+        self._handovers: list[Handover] = []  # a prefill engine's, until take_handovers()
 
     def _kv_store(self, config: EngineConfig) -> DirectoryPageStore | None:
         """The KV storage tier of ``config.kv_cache_dir`` (kv/page_store.py), or None (off, or the directory is not
@@ -279,6 +291,7 @@ class LLMEngine:
                                           {r.req_id: r.draft_token_ids for r in out.all_requests()
                                            if r.draft_token_ids})
         handle = self.runner.execute(out, allowed)
+        self.stats.log_step(step_record(out, self.scheduler, self.role, time.perf_counter()))
         self.runner.store_pages(self.scheduler.take_stores())  # pages this step computes: copied after it
         self._steps_since_rebalance += 1
         self.stats.steps += 1
@@ -300,6 +313,7 @@ class LLMEngine:
         self.stats.wait_s += t1 - t0
         updates = self.scheduler.update_from_output(step.output, result)
         self.runner.store_pages(self.scheduler.take_stores())  # pages whose tokens this update made known
+        touched = set()
         for update in updates:
             self.stats.count_round(update.num_drafts, update.num_accepted, self.num_drafts)
             seq = update.seq
@@ -307,6 +321,7 @@ class LLMEngine:
             if entry is None or update.num == 0:
                 continue
             request, child = entry
+            touched.add(request.request_id)
             if self.grammars and seq.seq_id in self.grammars:  # before the text: it may append forced tokens
                 self._advance_grammar(seq, update.num)
             logprobs = result.logprobs.get(seq.seq_id)
@@ -315,7 +330,60 @@ class LLMEngine:
                 self._finish_late(seq, "stop")
             self._ready[request.request_id] = request
         self._close_finished([u.seq.seq_id for u in updates])
+        if self.role == "prefill":
+            self._hand_over(touched)
         self.stats.host_s += time.perf_counter() - t1
+
+    # ---- prefill/decode disaggregation (engine/disaggregated.py) --------------------------------------------
+    def _hand_over(self, request_ids: Iterable[str]) -> None:
+        """A prefill engine: requests whose samples all finished or decode (prompt computed, first token known)
+        leave this engine as Handovers with their prompts' latents (gathered by a program dispatched now, before
+        any later step could reuse the pages, which are freed at once). A request of finished samples only is
+        returned as usual."""
+        for rid in sorted(request_ids):
+            request = self._requests.get(rid)
+            if request is None:
+                continue
+            seqs = [c.seq for c in request.completions]
+            if all(s.is_finished for s in seqs) or any(
+                    not s.is_finished and (s.status is not SequenceStatus.RUNNING or s.is_prefilling
+                                           or s.num_placeholders) for s in seqs):
+                continue
+            latents = {s.seq_id: self.runner.gather_pages(s.rank, s.pages[:-(-s.num_computed_tokens // PAGE_SIZE)])
+                       for s in seqs if not s.is_finished}
+            self._handovers.append(handover(request, latents))
+            self.abort_request(rid)  # frees its pages and state; no output returned for it here
+
+    def take_handovers(self) -> list[Handover]:
+        """The requests a prefill engine handed over since the last call (engine/handover.py)."""
+        out, self._handovers = self._handovers, []
+        return out
+
+    def add_prefilled(self, h: Handover) -> None:
+        """A decode engine: continues a request a prefill engine handed over; ``h``'s latents must be on this
+        engine's devices (e.g. ``jax.device_put`` to a replicated sharding of its mesh). A sample that can never
+        fit (more pages than a rank has) finishes with "error". Raises ValueError for the id of an unfinished
+        request."""
+        if h.request_id in self._requests:
+            raise ValueError(f"request_id {h.request_id!r} is the id of an unfinished request")
+        request = restore(h, self.tokenizer)
+        self._requests[h.request_id] = request
+        self.stats.kv_transfer_bytes += h.num_latent_bytes
+        for child, (c, ch) in enumerate(zip(request.completions, h.children)):
+            seq = c.seq
+            if ch.finish_reason is not None:
+                continue
+            constraint = h.params.structured_outputs
+            if constraint is not None:  # the matcher, advanced over the outputs the prefill engine chose
+                self.grammars.add([seq.seq_id], constraint)
+                self.grammars.consume(seq.seq_id, seq.output_token_ids)
+            self.scheduler.add_prefilled(seq, ch.latents, ch.num_kv_tokens)
+            if seq.is_finished:
+                self._drop_grammar(seq.seq_id)
+                request.close(child)
+            else:
+                self._seqs[seq.seq_id] = (request, child)
+        self._ready[h.request_id] = request
 
     def _advance_grammar(self, seq: Sequence, num: int) -> None:
         """Feeds a constrained sequence's new tokens to its matcher, then appends the tokens its grammar forces
@@ -382,6 +450,10 @@ class LLMEngine:
                 self._requests.pop(rid, None)
         self._ready = {}
         return outputs
+
+    def clear_step_log(self) -> None:
+        """Empties ``stats.step_log`` (LLM.generate does, so that its stats log the call's steps)."""
+        self.stats.step_log.clear()
 
     def wait_for_compilations(self) -> None:
         """Blocks until the step programs compiled ahead in the background (EngineConfig.compile_ahead) are ready:

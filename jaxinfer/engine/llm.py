@@ -15,6 +15,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.disaggregated import DisaggregatedEngine
 from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.engine.outputs import RequestOutput, RequestOutputKind
 from jaxinfer.engine.sampling_params import SamplingParams
@@ -24,10 +25,19 @@ from jaxinfer.engine.structured_output import from_response_format
 class LLM:
     """Offline generation on a mesh: ``LLM(model=None, mesh=None, dtype=None, **engine_options)`` with
     ``EngineConfig``'s fields (engine/config.py documents each). ``llm.engine`` is its LLMEngine; ``llm.stats``
-    the last generate call's counters."""
+    the last generate call's counters (outputs.EngineStats; its step_log: engine/step_log.py).
 
-    def __init__(self, model=None, mesh=None, dtype: str | None = None, **engine_options):
-        self.engine = LLMEngine.from_config(EngineConfig(model=model, mesh=mesh, dtype=dtype, **engine_options))
+    Prefill/decode disaggregation: ``LLM(..., prefill_mesh=SPEC, decode_mesh=SPEC)`` (both or neither; mesh must
+    be None) runs a prefill engine and a decode engine on disjoint devices ("DxE" and mesh files take devices in
+    order, prefill first; engine/disaggregated.py); ``llm.engine`` is then a DisaggregatedEngine."""
+
+    def __init__(self, model=None, mesh=None, dtype: str | None = None, *, prefill_mesh=None, decode_mesh=None,
+                 **engine_options):
+        config = EngineConfig(model=model, mesh=mesh, dtype=dtype, **engine_options)
+        if prefill_mesh is None and decode_mesh is None:
+            self.engine = LLMEngine.from_config(config)
+        else:  # prefill/decode disaggregation (engine/disaggregated.py)
+            self.engine = DisaggregatedEngine(config, prefill_mesh, decode_mesh)
         self.stats = self.engine.stats.since(self.engine.stats)  # zeros (with K per-position counts)
 
     # The engine's parts, for notebooks and benchmarks.
@@ -55,7 +65,9 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
         params = [p or SamplingParams() for p in params]
-        engine, before = self.engine, dataclasses.replace(self.engine.stats)
+        engine = self.engine
+        engine.clear_step_log()  # the records of this call (step_log.py)
+        before = engine.stats.snapshot()
         ids = [str(i) for i in range(len(prompts))]
         results: dict[str, RequestOutput] = {}
         try:

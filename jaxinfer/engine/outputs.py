@@ -58,6 +58,10 @@ class RequestOutput:
     finished: bool = False
 
 
+# Step records an engine keeps (EngineStats.log_step): a long-running engine's log stays bounded.
+STEP_LOG_MAX = 1 << 16
+
+
 @dataclasses.dataclass
 class EngineStats:
     """Counters: steps dispatched, tokens computed (all / in prefill steps), preemptions, prompt and output tokens
@@ -67,7 +71,11 @@ class EngineStats:
     Speculative decoding (vLLM's spec-decode metrics): num_drafts, verification rounds of a sequence with at
     least one draft; num_draft_tokens, drafts verified; num_accepted_tokens, drafts accepted (recovered and bonus
     tokens excluded); accepted_per_position[j], rounds whose draft j + 1 was accepted (a list of K counts;
-    empty without speculation)."""
+    empty without speculation).
+
+    Prefill/decode disaggregation and load balance: kv_transfer_bytes, latent bytes handed from the prefill engine
+    to the decode engine (0 without); step_log, a dict per dispatched step (engine/step_log.py; an engine keeps the
+    last STEP_LOG_MAX, LLM.generate's stats those of the call)."""
 
     steps: int = 0
     scheduled_tokens: int = 0
@@ -81,6 +89,8 @@ class EngineStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+    kv_transfer_bytes: int = 0
+    step_log: list[dict] = dataclasses.field(default_factory=list)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -99,9 +109,36 @@ class EngineStats:
             per[j] += 1
         self.accepted_per_position = per
 
+    def log_step(self, record: dict) -> None:
+        """Appends a step record, dropping the older half of the log once it holds STEP_LOG_MAX."""
+        if len(self.step_log) >= STEP_LOG_MAX:
+            del self.step_log[:STEP_LOG_MAX // 2]
+        self.step_log.append(record)
+
+    def snapshot(self) -> EngineStats:
+        """A copy that later counting leaves as it is (for ``since``)."""
+        return dataclasses.replace(self, accepted_per_position=list(self.accepted_per_position),
+                                   step_log=list(self.step_log))
+
+    @classmethod
+    def combine(cls, *stats: EngineStats) -> EngineStats:
+        """The counts of several engines summed (per-position lists elementwise); their step logs merged by
+        t_dispatch."""
+        def total(name, values):
+            if name == "step_log":
+                return sorted((r for v in values for r in v), key=lambda r: r["t_dispatch"])
+            if isinstance(values[0], list):
+                return [sum(v[i] for v in values if i < len(v)) for i in range(max(map(len, values)))]
+            return sum(values)
+
+        return cls(**{f.name: total(f.name, [getattr(s, f.name) for s in stats]) for f in dataclasses.fields(cls)})
+
     def since(self, before: EngineStats) -> EngineStats:
-        """The counts accumulated after ``before`` (a copy of an earlier state)."""
+        """The counts accumulated after ``before`` (a ``snapshot`` of an earlier state); the step records logged
+        after it."""
         def diff(now, then):
+            if now is self.step_log:
+                return now[len(then):] if len(now) >= len(then) else list(now)  # (halved since: all it holds)
             if isinstance(now, list):
                 then = then or [0] * len(now)
                 return [a - b for a, b in zip(now, then)]

@@ -7,8 +7,9 @@ the cache by a program dispatched at once, in the device's order of work: after 
 before any later step could reuse them, so the copy is the page's data whatever happens to the page afterwards (no
 reference is held). A background thread brings the copy to the host and writes the files, behind the steps.
 
-Both programs take the cache (every layer, the MTP module's included) donated and return it, so a step dispatched
-after them never waits on them; their page counts are padded to powers of two (a few programs).
+Both programs (``put_pages``, ``take_pages``; prefill/decode disaggregation's hand-over uses them too) take the
+cache (every layer, the MTP module's included) donated and return it, so a step dispatched after them never waits
+on them; the tier's page counts are padded to powers of two (a few programs).
 """
 
 from __future__ import annotations
@@ -27,13 +28,13 @@ from jaxinfer.kv.page_store import PageStore
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _place(layers, idx, data):
+def put_pages(layers, idx, data):
     """layers: per layer [G, S, 1, W]; idx [n] global page ids (G: a padding entry, dropped); data [n, L, S, W]."""
     return tuple(a.at[idx].set(data[:, i, :, None, :], mode="drop") for i, a in enumerate(layers))
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _take(layers, idx):
+def take_pages(layers, idx):
     """(the layers unchanged, [n, L, S, W]: the pages ``idx`` of every layer)."""
     return layers, jnp.stack([a[idx, :, 0, :] for a in layers], axis=1)
 
@@ -61,7 +62,7 @@ class PageIO:
         for i, (page, page_data) in enumerate(entries):
             idx[i] = page
             data[i] = np.asarray(page_data).view(layers[0].dtype)  # bit patterns: the same bytes
-        return _place(layers, jnp.asarray(idx), jnp.asarray(data))
+        return put_pages(layers, jnp.asarray(idx), jnp.asarray(data))
 
     def copy_out(self, layers: tuple, stores: list[tuple[int, int, bytes]]) -> tuple:
         """Dispatches the copy of ``stores`` ((rank, rank-local page, storage key)) and queues their writes;
@@ -70,7 +71,7 @@ class PageIO:
         idx = np.zeros(n, np.int32)  # padding: the null page, copied and ignored
         for i, (rank, page, _) in enumerate(stores):
             idx[i] = rank * self.pages_per_rank + page
-        layers, data = _take(layers, jnp.asarray(idx))
+        layers, data = take_pages(layers, jnp.asarray(idx))
         keys = [key for _, _, key in stores]
         future = self._writer.submit(self._write, keys, data)
         with self._lock:

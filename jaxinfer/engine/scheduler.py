@@ -56,6 +56,13 @@ rank has prefill work that fits, else a DECODE step over all ranks.
   they take the first of the sequence's new pages, are registered in the prefix cache at once and counted as
   cached, and ride in the step's ``page_loads`` (the runner writes them into the cache before the step). Pages
   registered as computed are queued for the tier (``take_stores``; the engine has the runner copy them).
+- Hand-over (prefill/decode disaggregation, engine/disaggregated.py). A ``prefill_only`` scheduler plans prefill
+  steps only: a sequence whose prefill is done stays RUNNING, holding its pages, until its engine hands it over
+  (the engine finishes it here once its latents are gathered). A decode engine's scheduler takes such sequences
+  with ``add_prefilled``: the decode load balancer (``rank_load``, counting their pages as promised) picks the
+  rank; each rank admits them FIFO, ahead of its waiting queue, once it has the pages of their latents and room
+  to run them; admitted, a sequence is RUNNING and decoding (its KV is in place), and its latents ride in the
+  step's ``kv_transfers`` with those pages.
 - Out of pages. A running sequence that cannot make progress preempts the newest running sequence (by arrival) of
   its rank, itself included: the victim frees its pages and goes to the FRONT of the rank's waiting queue with
   ``num_computed_tokens = 0``, keeping its outputs (it recomputes prompt + outputs as its next prefill; with
@@ -206,6 +213,8 @@ class Scheduler:
       num_drafts: K, the drafts the runner proposes per sequence (speculative decoding).
       step_cost: the confidence rule's cost model (engine/speculative.py StepCost; default: the CPU's).
       storage: the KV storage tier (kv/page_store.py PageStore) or None; see "Storage tier".
+      prefill_only: a prefill engine's scheduler (prefill/decode disaggregation): no decode steps; a sequence
+        whose prefill is done waits until the engine hands it over (see "Hand-over").
 
     Raises ValueError (naming the value) for invalid arguments.
     """
@@ -215,7 +224,7 @@ class Scheduler:
                  eos_token_id: int | None = None, cache_key=None, min_prefill_t: int = MIN_PREFILL_T,
                  num_scheduler_steps: int = 1, speculative: bool = False, confidence_verify: bool = False,
                  num_drafts: int = 0, step_cost: StepCost | None = None, prefill_block: int | None = None,
-                 storage: PageStore | None = None):
+                 storage: PageStore | None = None, prefill_only: bool = False):
         for name, value in [("num_ranks", num_ranks), ("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens), ("max_model_len", max_model_len),
                             ("page_size", page_size), ("num_scheduler_steps", num_scheduler_steps)]:
@@ -256,6 +265,12 @@ class Scheduler:
         self.storage_hit_tokens = 0            # prompt tokens read from the storage tier at admissions
         self._loads: list[list[tuple[int, object]]] = [[] for _ in range(num_ranks)]  # for the next output
         self._stores: list[tuple[int, int, int]] = []  # (rank, page, hash) registered since take_stores()
+        self.prefill_only = bool(prefill_only)
+        self.step_load: list[tuple[int, int]] = []  # per rank (held pages, running requests) of the last step
+        # Handed-over sequences waiting for their pages (see "Hand-over"): (seq, latents, tokens they cover).
+        self._transfers: list[collections.deque[tuple[Sequence, object, int]]] = [
+            collections.deque() for _ in range(num_ranks)]
+        self._kv_in: list[tuple[int, tuple[int, ...], object]] = []  # for the next output: (rank, pages, latents)
 
     # ---- queries -------------------------------------------------------------------------------------------
     @property
@@ -264,22 +279,26 @@ class Scheduler:
         return self.caches[0].allocator.capacity
 
     def has_unfinished(self) -> bool:
-        return any(self.waiting) or any(self.running)
+        return any(self.waiting) or any(self.running) or any(self._transfers)
 
     def num_unfinished(self) -> int:
-        return sum(map(len, self.waiting)) + sum(map(len, self.running))
+        return sum(map(len, self.waiting)) + sum(map(len, self.running)) + sum(map(len, self._transfers))
 
     def stats(self, rank: int) -> RankStats:
         c = self.caches[rank]
         return RankStats(rank, c.allocator.num_used, c.num_cached, c.num_evictable, c.allocator.num_free,
                          len(self.running[rank]), len(self.waiting[rank]))
 
+    def held_pages(self, rank: int) -> int:
+        """Pages of ``rank`` held by sequences (allocator ``num_used`` minus prefix-cache pages nobody else holds)."""
+        c = self.caches[rank]
+        return c.allocator.num_used - c.num_evictable
+
     def rank_load(self, rank: int) -> tuple[int, int, int]:
         """The load balancer's key: (pages held by sequences + pages promised to waiting ones, requests, rank)."""
-        c = self.caches[rank]
-        promised = sum(-(-s.num_tokens // self.page_size) for s in self.waiting[rank])
-        held = c.allocator.num_used - c.num_evictable
-        return held + promised, len(self.running[rank]) + len(self.waiting[rank]), rank
+        queued = [*self.waiting[rank], *(seq for seq, _, _ in self._transfers[rank])]
+        promised = sum(-(-s.num_tokens // self.page_size) for s in queued)
+        return self.held_pages(rank) + promised, len(self.running[rank]) + len(queued), rank
 
     # ---- requests ------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> Sequence:
@@ -289,6 +308,17 @@ class Scheduler:
         than a rank has) is finished at once with reason "error" and a message; the caller checks
         ``seq.is_finished``. Raises ValueError for a sequence that is not fresh or a seq_id already in use.
         """
+        error = self._arrive(seq, seq.num_prompt_tokens, "prompt")
+        if error is not None:
+            self._set_finished(seq, "error", error)
+        else:
+            self._seqs[seq.seq_id] = seq
+            self.waiting[seq.rank].append(seq)
+        return seq
+
+    def _arrive(self, seq: Sequence, n: int, what: str) -> str | None:
+        """Gives a fresh sequence its arrival and rank (the decode load balancer, ``rank_load``); returns why a
+        sequence needing ``n`` tokens' pages can never run, or None."""
         if seq.status is not SequenceStatus.WAITING or seq.arrival is not None:
             raise ValueError(f"sequence {seq.seq_id} was already added ({seq.status.value})")
         if seq.seq_id in self._seqs:
@@ -296,19 +326,54 @@ class Scheduler:
         seq.arrival = self._next_arrival
         self._next_arrival += 1
         seq.rank = min(range(self.num_ranks), key=self.rank_load)
-        n = seq.num_prompt_tokens
         need = -(-n // self.page_size)
         if n == 0:
-            self._set_finished(seq, "error", "empty prompt")
-        elif n > self.max_model_len:
-            self._set_finished(seq, "error", f"prompt of {n} tokens exceeds max_model_len={self.max_model_len}")
-        elif need > self.capacity:
-            self._set_finished(seq, "error", f"prompt of {n} tokens needs {need} KV pages of {self.page_size}, "
-                                             f"a rank has {self.capacity}")
+            return f"empty {what}"
+        if seq.num_tokens > self.max_model_len:
+            return f"{what} of {seq.num_tokens} tokens exceeds max_model_len={self.max_model_len}"
+        if need > self.capacity:
+            return f"{what} of {n} tokens needs {need} KV pages of {self.page_size}, a rank has {self.capacity}"
+        return None
+
+    def add_prefilled(self, seq: Sequence, latents, num_kv_tokens: int) -> Sequence:
+        """Queues a sequence prefilled elsewhere (a prefill engine's hand-over): ``latents`` (opaque here; the
+        runner writes them into the pages this scheduler gives it) hold positions [0, num_kv_tokens) of its
+        tokens, and its outputs (at least one, all known) follow. It gets a rank by ``rank_load`` and runs as a
+        decoding sequence once its rank has the pages (see "Hand-over"). A sequence that can never fit is finished
+        with "error" (the caller checks ``seq.is_finished``).
+
+        Raises ValueError for a sequence that is not fresh, a seq_id in use, no outputs, unknown outputs, or a
+        num_kv_tokens that is not in [1, num_tokens)."""
+        if not seq.output_token_ids or PLACEHOLDER in seq.output_token_ids:
+            raise ValueError(f"a prefilled sequence needs its outputs known, seq {seq.seq_id} has "
+                             f"{seq.output_token_ids}")
+        if not 1 <= num_kv_tokens < seq.num_tokens:
+            raise ValueError(f"{num_kv_tokens=} must be in [1, {seq.num_tokens}) for seq {seq.seq_id}")
+        error = self._arrive(seq, num_kv_tokens, "prefilled sequence")
+        if error is not None:
+            self._set_finished(seq, "error", error)
         else:
             self._seqs[seq.seq_id] = seq
-            self.waiting[seq.rank].append(seq)
+            self._transfers[seq.rank].append((seq, latents, num_kv_tokens))
         return seq
+
+    def _admit_transfers(self, rank: int, admitted: list[Sequence]) -> None:
+        """Admits the rank's handed-over sequences, FIFO, while it has their pages and room to run them."""
+        queue, cache = self._transfers[rank], self.caches[rank]
+        while queue and len(self.running[rank]) < self.max_num_seqs:
+            seq, latents, n = queue[0]
+            need = -(-n // self.page_size)
+            if need > cache.num_available:
+                break
+            queue.popleft()
+            seq.pages = cache.allocate(need)
+            seq.num_computed_tokens = seq.num_prefill_tokens = n
+            seq.num_pages_sent = seq.num_registered_pages = 0
+            seq.unsent_token_ids = []
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running[rank], seq, key=lambda s: s.arrival)
+            admitted.append(seq)
+            self._kv_in.append((rank, tuple(seq.pages), latents))
 
     def finish(self, seq: Sequence, reason: str, error: str | None = None, *, keep_pending: bool = False) -> None:
         """Finishes an unfinished sequence now (stop strings, aborts): frees its pages, drops it from its queue and
@@ -321,8 +386,10 @@ class Scheduler:
         rank = seq.rank
         if seq.status is SequenceStatus.RUNNING:
             self.running[rank].remove(seq)
-        else:
+        elif seq in self.waiting[rank]:
             self.waiting[rank].remove(seq)
+        else:  # handed over, waiting for its pages
+            self._transfers[rank] = collections.deque(t for t in self._transfers[rank] if t[0] is not seq)
         self._release(seq)
         self._set_finished(seq, reason, error)
         if not keep_pending:
@@ -368,8 +435,9 @@ class Scheduler:
                  else _PrefillShape(self.prefill_capacity, self.min_prefill_t))
         admitted: list[Sequence] = []
         for rank in range(self.num_ranks):
+            self._admit_transfers(rank, admitted)
             self._schedule_prefill(rank, plan, shape, admitted)
-        if plan.empty():
+        if plan.empty() and not self.prefill_only:
             plan.kind = StepKind.DECODE
             width = self._verify_width()
             plan.speculative = self.speculative and width != 0
@@ -612,6 +680,8 @@ class Scheduler:
         if any(PLACEHOLDER in r.output_token_ids for r in new):
             raise RuntimeError("a request was re-admitted before its last step's tokens were applied")
         finished, self._finished_ids = tuple(self._finished_ids), []  # before this step's "length" finishes
+        # The step's load per rank, its pages allocated and before any sequence finishes as it commits.
+        self.step_load = [(self.held_pages(r), len(self.running[r])) for r in range(self.num_ranks)]
         requests = []
         for chunks in plan.chunks:
             rank_requests = []
@@ -633,8 +703,9 @@ class Scheduler:
         # One entry per page, the last: a page loaded, released and evicted in this same step could be loaded again.
         loads = tuple(tuple(dict(rank).items()) for rank in self._loads) if any(self._loads) else ()
         self._loads = [[] for _ in range(self.num_ranks)]
+        kv_in, self._kv_in = tuple(self._kv_in), []
         return SchedulerOutput(plan.kind, tuple(requests), new, finished, tuple(s.seq_id for s in plan.preempted),
-                               plan.speculative, loads)
+                               plan.speculative, loads, kv_in)
 
     def _at_length_limit(self, seq: Sequence) -> bool:
         return seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len

@@ -95,6 +95,9 @@ class SchedulerOutput:
     page_loads: pages read from the KV storage tier at admission, per rank (rank-local page id, the page's data
       [layers, page_size, width] in the cache's value dtype): the runner writes them into the cache before the
       step, which reads them as cached keys.
+    kv_transfers: latents handed over by a prefill engine (prefill/decode disaggregation), each (rank, rank-local
+      pages, the latents of every layer [pages, layers, page_size, width] on this engine's devices): the runner
+      writes them into those pages before the step.
     """
 
     kind: StepKind
@@ -104,6 +107,7 @@ class SchedulerOutput:
     preempted_req_ids: tuple[int, ...] = ()
     speculative: bool = False
     page_loads: tuple[tuple[tuple[int, Any], ...], ...] = ()
+    kv_transfers: tuple[tuple[int, tuple[int, ...], Any], ...] = ()
 
     def all_requests(self) -> list[ScheduledRequest]:
         return [r for rank in self.requests for r in rank]

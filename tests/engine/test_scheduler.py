@@ -731,3 +731,71 @@ def test_no_storage_reads_for_an_admission_that_does_not_fit():
     out = sched.schedule()
     assert [r.req_id for r in out.requests[0]] == [0]   # the second waits for pages
     assert not set(store.reads) & {page_key(h) for h in page_hashes(second, S)}
+
+
+# ---- hand-over (prefill/decode disaggregation) -------------------------------------------------------------------
+def _hand_over(prefill: Scheduler, decode: Scheduler, moved: dict) -> None:
+    """Moves the prefill scheduler's sequences whose prompt is computed and first token known to ``decode`` (as
+    engine.py's hand-over does), with a fake latents object naming the pages they leave."""
+    for rank in range(prefill.num_ranks):
+        for s in list(prefill.running[rank]):
+            if s.is_prefilling or s.num_placeholders:
+                continue
+            new = Sequence(s.seq_id, s.prompt_token_ids, s.params)
+            new.output_token_ids = list(s.output_token_ids)
+            latents = ("latents of", s.seq_id, tuple(s.pages))
+            prefill.finish(s, "handover")
+            decode.add_prefilled(new, latents, s.num_computed_tokens)
+            moved[s.seq_id] = new
+
+
+def test_prefill_only_scheduler_and_hand_over_give_the_fake_models_outputs():
+    prefill = make(num_ranks=2, max_num_batched_tokens=8, prefill_only=True)
+    decode = make(num_ranks=3, num_pages=12, num_scheduler_steps=3)
+    seqs = [prefill.add(seq(i, n, max_tokens=m)) for i, (n, m) in enumerate([(9, 6), (3, 1), (14, 9), (5, 4),
+                                                                               (21, 7), (1, 3)])]
+    moved, transfers = {}, []
+    for _ in range(200):
+        out, _ = step(prefill)
+        assert out is None or out.kind == "prefill"    # never a decode step
+        _hand_over(prefill, decode, moved)
+        dout, _ = step(decode)
+        if dout is not None:
+            transfers += dout.kv_transfers
+            for rank, pages, latents in dout.kv_transfers:
+                new = next(r for r in dout.new_requests if r.req_id == latents[1])
+                assert new.rank == rank and new.output_token_ids == tuple(moved[latents[1]].output_token_ids[:1])
+                assert len(pages) == -(-len(new.prompt_token_ids) // S)  # the prompt's pages, placed before the step
+        if out is None and dout is None:
+            break
+    assert not prefill.has_unfinished() and not decode.has_unfinished()
+    assert sorted(latents[1] for _, _, latents in transfers) == [0, 2, 3, 4, 5]  # seq 1 ends at its first token
+    for s in seqs:
+        final = moved.get(s.seq_id, s)
+        assert (final.output_token_ids, final.finish_reason) == expected_outputs(s, 256)
+
+
+def test_handed_over_sequences_wait_for_pages_and_can_be_finished_while_waiting():
+    decode = make(num_pages=5, max_model_len=64)          # 4 pages
+    a, b, c = (Sequence(i, [1] * 9, SamplingParams(max_tokens=2, ignore_eos=True)) for i in range(3))
+    for s in (a, b, c):
+        s.output_token_ids = [5]
+    decode.add_prefilled(a, "A", 9)                       # 3 pages
+    decode.add_prefilled(b, "B", 9)
+    decode.add_prefilled(c, "C", 9)
+    assert decode.rank_load(0) == (9, 3, 0)               # promised pages of the queued hand-overs count
+    out = decode.schedule()
+    assert [t[2] for t in out.kv_transfers] == ["A"] and chunks(out) == [(0, 9, 1)]
+    assert a.finish_reason == "length"                    # its second output: finished as the step commits
+    decode.finish(c, "abort")                             # queued: leaves the queue
+    assert decode.num_unfinished() == 1
+    decode.update_from_output(out, fake_result(out))
+    out = decode.schedule()                               # a's pages go to b
+    assert [t[2] for t in out.kv_transfers] == ["B"] and a.output_token_ids == [5, fake_token(0, 10)]
+    with pytest.raises(ValueError, match="outputs known"):
+        decode.add_prefilled(Sequence(7, [1, 2]), "X", 1)
+    d = Sequence(8, [1, 2]); d.output_token_ids = [3]
+    with pytest.raises(ValueError, match="num_kv_tokens=3"):
+        decode.add_prefilled(d, "X", 3)
+    big = Sequence(9, [1] * 20); big.output_token_ids = [3]
+    assert decode.add_prefilled(big, "X", 20).finish_reason == "error" and "needs 5 KV pages" in big.error

@@ -1,0 +1,145 @@
+"""Prefill/decode disaggregation in one process (engine/disaggregated.py) and the step log (engine/step_log.py):
+a prefill engine on a 1x2 mesh hands requests to a decode engine on a 2x2 mesh. Greedy tokens equal transformers'
+generate; seeded samples (n > 1, logprobs, stops at and after the first token) equal a co-located 1x1 engine's; the
+bytes handed over are the prompts' latents rounded up to pages, counted from the model's shape. (Unseeded samples
+are keyed on the engine's sequence ids, which the decode engine takes from the prefill engine; comparing them
+would need two engines with the same request history.)"""
+
+import jax
+import numpy as np
+import pytest
+import torch
+from jax.sharding import Mesh
+
+from jaxinfer.engine.disaggregated import split_meshes
+from jaxinfer.engine.llm import LLM
+from jaxinfer.engine.sampling_params import SamplingParams
+from jaxinfer.engine.step_log import imbalance
+from jaxinfer.parallel.mesh import AXES
+
+LENGTHS = (1, 63, 64, 65, 130)  # around the 64-token page, and a prompt chunked over several prefill steps
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+OPTIONS = dict(dtype="float32", num_kv_pages=16, max_num_batched_tokens=96)  # test_llm.py's 1x1 engine's
+
+
+@pytest.fixture(scope="module")
+def case(v3_case):
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, v3_case.cfg["vocab_size"], n).tolist() for n in LENGTHS]
+    refs = []
+    for p in prompts:
+        with torch.no_grad():
+            out = v3_case.model.generate(torch.tensor([p]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                                         eos_token_id=None)
+        refs.append(out[0, len(p):].tolist())
+    return v3_case, prompts, refs
+
+
+@pytest.fixture(scope="module")
+def pd(case):
+    return LLM(case[0].path, prefill_mesh="1x2", decode_mesh="2x2", **OPTIONS)
+
+
+def test_greedy_matches_transformers_and_the_latents_handed_over(case, pd):
+    model_case, prompts, refs = case
+    outs = pd.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    cfg = model_case.cfg  # a page: layers x 64 tokens x (kv_lora_rank + qk_rope_head_dim) float32 values
+    page_bytes = cfg["num_hidden_layers"] * 64 * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
+    assert pd.stats.kv_transfer_bytes == sum(-(-n // 64) for n in LENGTHS) * page_bytes
+    log = pd.stats.step_log
+    assert {(r["kind"], r["engine"]) for r in log} == {("prefill", "prefill"), ("decode", "decode")}
+    assert [len(r["rank_tokens"]) for r in log] == [2 if r["engine"] == "prefill" else 4 for r in log]
+    prefill_tokens = sum(sum(r["rank_tokens"]) for r in log if r["kind"] == "prefill")
+    assert prefill_tokens == sum(LENGTHS)   # every prompt computed once, by the prefill engine
+    assert [r["t_dispatch"] for r in log] == sorted(r["t_dispatch"] for r in log)
+
+
+def test_sampling_equals_a_colocated_engine(case, pd):
+    model_case, prompts, refs = case
+    params = [SamplingParams(temperature=1.0, seed=11, max_tokens=7, ignore_eos=True),
+              SamplingParams(temperature=0.7, top_k=5, max_tokens=6, n=2, logprobs=2, seed=5, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=1),                              # ends at its first token
+              SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[refs[3][2]]),  # stops at its third
+              SamplingParams(temperature=0.9, top_p=0.8, max_tokens=9, n=3, seed=2, ignore_eos=True)]
+    colocated = LLM(model_case.path, mesh="1x1", **OPTIONS)
+    want = colocated.generate(prompts, params, use_tqdm=False)
+    got = pd.generate(prompts, params, use_tqdm=False)
+    for w, g in zip(want, got):
+        assert [(c.token_ids, c.finish_reason) for c in g.outputs] == [(c.token_ids, c.finish_reason)
+                                                                         for c in w.outputs]
+        for cw, cg in zip(w.outputs, g.outputs):
+            if cw.logprobs is not None:
+                assert [sorted(e) for e in cg.logprobs] == [sorted(e) for e in cw.logprobs]
+                np.testing.assert_allclose([v for e in cg.logprobs for v in e.values()],
+                                           [v for e in cw.logprobs for v in e.values()], rtol=1e-5, atol=1e-5)
+        assert g.metrics["ttft_s"] is not None and g.metrics["num_output_tokens"] == w.metrics["num_output_tokens"]
+    assert got[3].outputs[0].token_ids == refs[3][:3]
+    # The request that ended at its first token never reached the decode engine.
+    handed = sum(p.n * -(-n // 64) for p, n in zip(params, LENGTHS) if p.max_tokens > 1)
+    cfg = model_case.cfg
+    assert pd.stats.kv_transfer_bytes == handed * cfg["num_hidden_layers"] * 64 * (cfg["kv_lora_rank"]
+                                                                                    + cfg["qk_rope_head_dim"]) * 4
+    # The co-located engine logs its steps too: prefill steps compute every prompt token once per sample
+    # admitted (n > 1 samples share the prompt's cached pages: at least the prompt, at most n of them).
+    log = colocated.stats.step_log
+    assert {r["engine"] for r in log} == {"colocated"} and {r["kind"] for r in log} == {"prefill", "decode"}
+
+
+def test_streamed_deltas_continue_across_the_hand_over(case, pd):
+    _, prompts, refs = case
+    engine = pd.engine
+    for i in (1, 4):
+        engine.add_request(f"s{i}", prompts[i], GREEDY, output_kind="delta")
+    tokens = {"s1": [], "s4": []}
+    finished = set()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.outputs[0].token_ids
+            if out.finished:
+                finished.add(out.request_id)
+    assert finished == {"s1", "s4"} and tokens == {"s1": refs[1], "s4": refs[4]}
+
+
+def test_step_log_of_a_colocated_engine(case):
+    llm = LLM(case[0].path, mesh="1x1", dtype="float32", num_kv_pages=8, num_scheduler_steps=8)
+    prompt = list(range(3, 103))  # 100 tokens: one prefill chunk, 2 pages
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True), use_tqdm=False)
+    prefill, decode = llm.stats.step_log
+    assert (prefill["kind"], prefill["rank_tokens"], prefill["rank_attention"]) == ("prefill", [100], [100 * 100])
+    assert (prefill["rank_kv_pages"], prefill["rank_requests"]) == ([2], [1])
+    # One multi-step decode step: 8 tokens from position 100 on, 8 new over 108 keys; 108 tokens fill 2 pages.
+    assert (decode["kind"], decode["rank_tokens"], decode["rank_attention"]) == ("decode", [8], [8 * 108])
+    assert (decode["rank_kv_pages"], decode["rank_requests"]) == ([2], [1])
+    llm.generate([prompt[:5]], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert len(llm.stats.step_log) == 1   # each generate call logs its own steps
+
+
+def test_imbalance_definition():
+    log = [dict(kind="prefill", engine="colocated", rank_tokens=[4, 2]),
+           dict(kind="prefill", engine="colocated", rank_tokens=[3, 3]),
+           dict(kind="decode", engine="colocated", rank_tokens=[1, 0])]
+    assert imbalance(log, "rank_tokens", "prefill") == pytest.approx((4 + 3) / (3 + 3))
+    assert imbalance(log, "rank_tokens") == pytest.approx((4 + 3 + 1) / (3 + 3 + 0.5))
+    assert imbalance(log, "rank_tokens", engine="decode") == 1.0   # no such records: balanced
+    with pytest.raises(ValueError, match="field"):
+        imbalance(log, "tokens")
+
+
+def test_bad_meshes():
+    with pytest.raises(ValueError, match="go together"):
+        LLM(prefill_mesh="1x2")
+    with pytest.raises(ValueError, match="each engine has its own mesh"):
+        split_meshes("1x1", "1x2", "1x2")
+    with pytest.raises(ValueError, match=r"prefill_mesh '4x1' \(4 devices\) and decode_mesh '1x8' \(8\) need 12"):
+        split_meshes(None, "4x1", "1x8")
+    devices = np.array(jax.devices()[:4])
+    with pytest.raises(ValueError, match=r"share devices \[2, 3\]"):
+        split_meshes(None, Mesh(devices.reshape(2, 2), AXES), Mesh(devices[2:].reshape(1, 2), AXES))
+    prefill, decode = split_meshes(None, "1x3", "2x2")
+    assert [d.id for d in prefill.devices.flat] == [0, 1, 2] and [d.id for d in decode.devices.flat] == [3, 4, 5, 6]
+
+
+def test_a_decode_mesh_whose_expert_axis_does_not_split_the_experts(case):
+    with pytest.raises(ValueError, match="decode_mesh '1x3'"):
+        LLM(case[0].path, prefill_mesh="1x1", decode_mesh="1x3", dtype="float32", num_kv_pages=4)
