@@ -191,15 +191,15 @@ def main(argv: list[str] | None = None) -> int:
         args.speculative_parser.error(problem)  # the subcommand's usage and the problem on stderr, exit 2
     try:
         _start_jax(args)
-        {"score": _score, "convert": _convert, "generate": generate.run, "bench": bench.run,
-         "sweep": sweep.run}[args.command](args)
+        status = {"score": _score, "convert": _convert, "generate": generate.run, "bench": bench.run,
+                  "sweep": sweep.run}[args.command](args)
     except (ValueError, RuntimeError, FileNotFoundError) as e:
         # Multi-process: returning (not os._exit) lets jax.distributed's exit-time shutdown barrier end the run
         # cleanly when every process fails alike; process 0 hosts the coordination service, so its abrupt exit
         # would abort the others before they print their own error.
         print(f"jaxinfer {args.command}: error: {e}", file=sys.stderr)
         return 2
-    return 0
+    return status or 0  # a command's own exit status (generate --role decode: 1 when its peer died)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,14 @@ def add_parser(sub) -> None:
     one.add_argument("--grammar", metavar="FILE.lark", help="outputs follow this Lark grammar (llguidance syntax)")
     bench.add_speculative_flags(gen)
     bench.add_kv_cache_flags(gen)
+    pd = gen.add_argument_group("prefill/decode disaggregation across processes (engine/pd_remote.py)")
+    pd.add_argument("--role", choices=("prefill", "decode"), default=None,
+                    help="prefill: compute the prompts here, decode in the process serving --pd-address (prints "
+                         "the completions); decode: serve --pd-address (no prompts) until the prefill process is "
+                         "done")
+    pd.add_argument("--pd-address", metavar="HOST:PORT", help="the decode process's address (it binds it)")
+    pd.add_argument("--pd-timeout", type=float, default=30.0, metavar="S",
+                    help="a peer silent this long is dead: its requests finish with an error (default 30)")
 
 
 def structured_outputs(args):
@@ -132,16 +140,39 @@ def write_expert_load(path, llm) -> None:
             "expert_load": load.tolist()}, indent=1) + "\n")
 
 
-def run(args) -> None:
+def _check_pd(args) -> None:
+    if (args.role is None) != (args.pd_address is None):
+        raise ValueError("--role and --pd-address go together")
+    if args.role == "decode" and (args.prompt or args.prompt_file):
+        raise ValueError("--role decode takes no prompts: the prefill process sends them")
+
+
+def serve(args) -> int:
+    """--role decode: the decode process's loop (pd_remote.DecodeServer); returns the exit status."""
+    from jaxinfer.engine.config import EngineConfig
+    from jaxinfer.engine.pd_remote import DecodeServer
+
+    config = EngineConfig(model=args.model, mesh=args.mesh, dtype=args.dtype, compilation_cache="off",
+                          compile_ahead=False, speculative_config=bench.speculative_config(args))
+    server = DecodeServer(config, args.pd_address, args.pd_timeout)
+    print(f"[jaxinfer] decode process serving {args.pd_address}", file=sys.stderr, flush=True)
+    return server.run()
+
+
+def run(args) -> int | None:
     import jaxinfer
     from jaxinfer.parallel import multihost
 
+    _check_pd(args)
+    if args.role == "decode":
+        return serve(args)
     requests = read_requests(args)
     constraint = structured_outputs(args)
     # compilation_cache="off": the CLI has configured JAX's cache from --compilation-cache (cli._start_jax).
     # compile_ahead off: one generate call, then the process exits; other prefill block counts are not needed.
+    pd = dict(pd_address=args.pd_address, pd_timeout=args.pd_timeout) if args.role == "prefill" else {}
     llm = jaxinfer.LLM(args.model, mesh=args.mesh, dtype=args.dtype, compilation_cache="off", compile_ahead=False,
-                       speculative_config=bench.speculative_config(args), **bench.kv_cache_options(args))
+                       speculative_config=bench.speculative_config(args), **bench.kv_cache_options(args), **pd)
     defaults = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
                     seed=args.seed, structured_outputs=constraint)
     prompts, params = [], []
@@ -158,7 +189,10 @@ def run(args) -> None:
         else:
             prompts.append(item["prompt"])
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=True)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=True)
+    finally:
+        llm.close()  # --role prefill: the decode process exits once done
     duration = time.perf_counter() - start
     lines = []
     for item, out in zip(requests, outputs):

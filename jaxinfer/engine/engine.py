@@ -20,6 +20,7 @@ import numpy as np
 from jaxinfer import default_model
 from jaxinfer.checkpoint.fingerprint import weights_digest
 from jaxinfer.compile_cache import enable_compilation_cache
+from jaxinfer.engine.balance import ROLES
 from jaxinfer.engine.buckets import PREFILL_BLOCK
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.handover import Handover, handover, restore
@@ -38,9 +39,6 @@ from jaxinfer.kv.page_store import DirectoryPageStore, model_salt
 from jaxinfer.kv.paged_cache import latent_width
 from jaxinfer.model import load_model
 from jaxinfer.rebalance import rebalance_model
-
-
-ROLES = ("colocated", "prefill", "decode")
 
 
 @dataclasses.dataclass
@@ -103,7 +101,7 @@ class LLMEngine:
                                    step_cost=step_cost(self.model.mesh.devices.flat[0].platform),
                                    prefill_block=(PREFILL_BLOCK if config.prefill_layout == "blocks" and spec is None
                                                   else None),  # speculative prefill steps stay grids (drafter.py)
-                                   storage=self.kv_store, prefill_only=role == "prefill")
+                                   storage=self.kv_store, role=role)
         self.runner = ModelRunner(self.model, config.num_kv_pages, attention_backend=config.attention_backend,
                                   max_num_seqs=config.max_num_seqs, prefill_capacity=self.scheduler.prefill_capacity,
                                   min_prefill_t=self.scheduler.min_prefill_t, engine_seed=config.seed,
@@ -234,6 +232,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         """True until every request's finished output has been returned by ``step()``."""
         return bool(self._requests)
+
+    def unfinished_request_ids(self) -> list[str]:
+        """The ids of the requests whose finished output ``step()`` has not returned yet, in the order added."""
+        return list(self._requests)
 
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -18,6 +18,7 @@ from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.disaggregated import DisaggregatedEngine
 from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.engine.outputs import RequestOutput, RequestOutputKind
+from jaxinfer.engine.pd_remote import DEFAULT_TIMEOUT_S, PrefillEngine
 from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.engine.structured_output import from_response_format
 
@@ -29,12 +30,20 @@ class LLM:
 
     Prefill/decode disaggregation: ``LLM(..., prefill_mesh=SPEC, decode_mesh=SPEC)`` (both or neither; mesh must
     be None) runs a prefill engine and a decode engine on disjoint devices ("DxE" and mesh files take devices in
-    order, prefill first; engine/disaggregated.py); ``llm.engine`` is then a DisaggregatedEngine."""
+    order, prefill first; engine/disaggregated.py); ``llm.engine`` is then a DisaggregatedEngine. Across processes:
+    ``LLM(..., pd_address="HOST:PORT", pd_timeout=30.0)`` is the prefill process of a pair whose decode process
+    serves that address (engine/pd_remote.py ``DecodeServer``; ``jaxinfer generate --role decode``); requests
+    the decode process holds when it goes silent for pd_timeout seconds finish with "error". ``llm.close()``
+    tells it to exit once done."""
 
     def __init__(self, model=None, mesh=None, dtype: str | None = None, *, prefill_mesh=None, decode_mesh=None,
-                 **engine_options):
+                 pd_address: str | None = None, pd_timeout: float = DEFAULT_TIMEOUT_S, **engine_options):
         config = EngineConfig(model=model, mesh=mesh, dtype=dtype, **engine_options)
-        if prefill_mesh is None and decode_mesh is None:
+        if pd_address is not None:  # the prefill process of a pair (engine/pd_remote.py)
+            if prefill_mesh is not None or decode_mesh is not None:
+                raise ValueError("pd_address (a decode process elsewhere) excludes prefill_mesh / decode_mesh")
+            self.engine = PrefillEngine(config, pd_address, pd_timeout)
+        elif prefill_mesh is None and decode_mesh is None:
             self.engine = LLMEngine.from_config(config)
         else:  # prefill/decode disaggregation (engine/disaggregated.py)
             self.engine = DisaggregatedEngine(config, prefill_mesh, decode_mesh)
@@ -109,6 +118,11 @@ class LLM:
             params = [dataclasses.replace(p, structured_outputs=constraint) for p in params]
             sampling_params = params if isinstance(sampling_params, (list, tuple)) else params[0]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def close(self) -> None:
+        """With pd_address: tells the decode process to exit once its requests are done (else nothing)."""
+        if isinstance(self.engine, PrefillEngine):
+            self.engine.close()
 
     def cache_stats(self) -> dict:
         """LLMEngine.cache_stats: prompt_tokens, device_hit_tokens, storage_hit_tokens, hit_rate,

@@ -10,9 +10,11 @@ engine step" follows one step through the scheduler, the runner and the engine.
 Policies (DeepSeek's two phases; vLLM v0 / nano-vllm's prefill-first order): a step is a PREFILL step whenever some
 rank has prefill work that fits, else a DECODE step over all ranks.
 
-- Ranks. ``add`` gives each request a DP rank for its whole life with the decode load balancer: least KV pages in
-  use (pages held by sequences, i.e. allocator ``num_used`` minus prefix-cache pages nobody else holds, plus the
-  pages promised to the rank's waiting sequences), then fewest running + waiting requests, then lowest rank.
+- Ranks. A sequence gets its DP rank for its whole life at the first ``schedule()`` after it was added, together
+  with every sequence added since (engine/balance.py ``assign``: largest first, each on the rank it unbalances
+  least): the load balancer evens prefill tokens and attention work, and requests and KV pages over the coming
+  decode steps, weighted by the engine's ``role`` (a co-located engine: tokens, requests and pages; see
+  balance.py ``WEIGHTS`` for why not attention). Each rank queues its new sequences in arrival order.
 - Prefill (per rank, at most ``max_num_batched_tokens`` computed tokens): running sequences whose prefill is
   unfinished continue, oldest first; then waiting sequences are admitted FIFO while fewer than ``max_num_seqs``
   run. At admission the prefix cache ``match``es the full pages of the tokens but the last (always computed:
@@ -56,13 +58,13 @@ rank has prefill work that fits, else a DECODE step over all ranks.
   they take the first of the sequence's new pages, are registered in the prefix cache at once and counted as
   cached, and ride in the step's ``page_loads`` (the runner writes them into the cache before the step). Pages
   registered as computed are queued for the tier (``take_stores``; the engine has the runner copy them).
-- Hand-over (prefill/decode disaggregation, engine/disaggregated.py). A ``prefill_only`` scheduler plans prefill
-  steps only: a sequence whose prefill is done stays RUNNING, holding its pages, until its engine hands it over
-  (the engine finishes it here once its latents are gathered). A decode engine's scheduler takes such sequences
-  with ``add_prefilled``: the decode load balancer (``rank_load``, counting their pages as promised) picks the
-  rank; each rank admits them FIFO, ahead of its waiting queue, once it has the pages of their latents and room
-  to run them; admitted, a sequence is RUNNING and decoding (its KV is in place), and its latents ride in the
-  step's ``kv_transfers`` with those pages.
+- Hand-over (prefill/decode disaggregation, engine/disaggregated.py). A "prefill" scheduler plans prefill steps
+  only: a sequence whose prefill is done stays RUNNING, holding its pages, until its engine hands it over (the
+  engine finishes it here once its latents are gathered). A "decode" scheduler takes such sequences with
+  ``add_prefilled``: they get ranks as added sequences do (see "Ranks"); each rank admits them FIFO, ahead of
+  its waiting queue, once it has the pages of their latents and room to run them; admitted, a sequence is
+  RUNNING and decoding (its KV is in place), and its latents ride in the step's ``kv_transfers`` with those
+  pages.
 - Out of pages. A running sequence that cannot make progress preempts the newest running sequence (by arrival) of
   its rank, itself included: the victim frees its pages and goes to the FRONT of the rank's waiting queue with
   ``num_computed_tokens = 0``, keeping its outputs (it recomputes prompt + outputs as its next prefill; with
@@ -84,6 +86,7 @@ import bisect
 import collections
 import dataclasses
 
+from jaxinfer.engine.balance import ROLES, Demand, assign
 from jaxinfer.engine.buckets import MIN_PREFILL_T, bucket
 from jaxinfer.engine.scheduler_output import (NewRequest, RunnerOutput, ScheduledRequest, SchedulerOutput,
                                               StepKind)
@@ -213,8 +216,9 @@ class Scheduler:
       num_drafts: K, the drafts the runner proposes per sequence (speculative decoding).
       step_cost: the confidence rule's cost model (engine/speculative.py StepCost; default: the CPU's).
       storage: the KV storage tier (kv/page_store.py PageStore) or None; see "Storage tier".
-      prefill_only: a prefill engine's scheduler (prefill/decode disaggregation): no decode steps; a sequence
-        whose prefill is done waits until the engine hands it over (see "Hand-over").
+      role: the engine's role: "colocated", or a side of prefill/decode disaggregation: "prefill" (no decode
+        steps; a sequence whose prefill is done waits until the engine hands it over, see "Hand-over") or
+        "decode". It also weighs the load balancer's objectives (engine/balance.py WEIGHTS).
 
     Raises ValueError (naming the value) for invalid arguments.
     """
@@ -224,7 +228,7 @@ class Scheduler:
                  eos_token_id: int | None = None, cache_key=None, min_prefill_t: int = MIN_PREFILL_T,
                  num_scheduler_steps: int = 1, speculative: bool = False, confidence_verify: bool = False,
                  num_drafts: int = 0, step_cost: StepCost | None = None, prefill_block: int | None = None,
-                 storage: PageStore | None = None, prefill_only: bool = False):
+                 storage: PageStore | None = None, role: str = "colocated"):
         for name, value in [("num_ranks", num_ranks), ("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens), ("max_model_len", max_model_len),
                             ("page_size", page_size), ("num_scheduler_steps", num_scheduler_steps)]:
@@ -265,7 +269,12 @@ class Scheduler:
         self.storage_hit_tokens = 0            # prompt tokens read from the storage tier at admissions
         self._loads: list[list[tuple[int, object]]] = [[] for _ in range(num_ranks)]  # for the next output
         self._stores: list[tuple[int, int, int]] = []  # (rank, page, hash) registered since take_stores()
-        self.prefill_only = bool(prefill_only)
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        self.role = role
+        # Sequences added since the last schedule(), without a rank yet: (seq, latents, tokens they cover), the
+        # last None for a sequence to prefill (``add``), see "Ranks".
+        self._arrivals: list[tuple[Sequence, object, int | None]] = []
         self.step_load: list[tuple[int, int]] = []  # per rank (held pages, running requests) of the last step
         # Handed-over sequences waiting for their pages (see "Hand-over"): (seq, latents, tokens they cover).
         self._transfers: list[collections.deque[tuple[Sequence, object, int]]] = [
@@ -279,10 +288,11 @@ class Scheduler:
         return self.caches[0].allocator.capacity
 
     def has_unfinished(self) -> bool:
-        return any(self.waiting) or any(self.running) or any(self._transfers)
+        return bool(self._arrivals) or any(self.waiting) or any(self.running) or any(self._transfers)
 
     def num_unfinished(self) -> int:
-        return sum(map(len, self.waiting)) + sum(map(len, self.running)) + sum(map(len, self._transfers))
+        return (len(self._arrivals) + sum(map(len, self.waiting)) + sum(map(len, self.running))
+                + sum(map(len, self._transfers)))
 
     def stats(self, rank: int) -> RankStats:
         c = self.caches[rank]
@@ -294,15 +304,9 @@ class Scheduler:
         c = self.caches[rank]
         return c.allocator.num_used - c.num_evictable
 
-    def rank_load(self, rank: int) -> tuple[int, int, int]:
-        """The load balancer's key: (pages held by sequences + pages promised to waiting ones, requests, rank)."""
-        queued = [*self.waiting[rank], *(seq for seq, _, _ in self._transfers[rank])]
-        promised = sum(-(-s.num_tokens // self.page_size) for s in queued)
-        return self.held_pages(rank) + promised, len(self.running[rank]) + len(queued), rank
-
     # ---- requests ------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> Sequence:
-        """Queues ``seq`` on the least-loaded rank (see ``rank_load``); returns it.
+        """Queues ``seq``; the next ``schedule()`` gives it a rank (see "Ranks"). Returns it.
 
         A request that can never run (empty prompt, prompt longer than ``max_model_len``, or needing more pages
         than a rank has) is finished at once with reason "error" and a message; the caller checks
@@ -313,19 +317,18 @@ class Scheduler:
             self._set_finished(seq, "error", error)
         else:
             self._seqs[seq.seq_id] = seq
-            self.waiting[seq.rank].append(seq)
+            self._arrivals.append((seq, None, None))
         return seq
 
     def _arrive(self, seq: Sequence, n: int, what: str) -> str | None:
-        """Gives a fresh sequence its arrival and rank (the decode load balancer, ``rank_load``); returns why a
-        sequence needing ``n`` tokens' pages can never run, or None."""
+        """Gives a fresh sequence its arrival order; returns why a sequence needing ``n`` tokens' pages can never
+        run (on any rank: they have the same pages), or None."""
         if seq.status is not SequenceStatus.WAITING or seq.arrival is not None:
             raise ValueError(f"sequence {seq.seq_id} was already added ({seq.status.value})")
         if seq.seq_id in self._seqs:
             raise ValueError(f"seq_id {seq.seq_id!r} is already in use by an unfinished sequence")
         seq.arrival = self._next_arrival
         self._next_arrival += 1
-        seq.rank = min(range(self.num_ranks), key=self.rank_load)
         need = -(-n // self.page_size)
         if n == 0:
             return f"empty {what}"
@@ -335,11 +338,41 @@ class Scheduler:
             return f"{what} of {n} tokens needs {need} KV pages of {self.page_size}, a rank has {self.capacity}"
         return None
 
+    def _place_arrivals(self) -> None:
+        """Gives the sequences added since the last step their ranks, all at once (engine/balance.py ``assign``,
+        weighted by the engine's role), and queues them there in arrival order."""
+        if not self._arrivals:
+            return
+        arrivals, self._arrivals = self._arrivals, []
+        ranks = [0] * len(arrivals)
+        if self.num_ranks > 1:
+            current = [[self._demand(s) for s in (*self.running[r], *self.waiting[r])]
+                       + [self._demand(s, n) for s, _, n in self._transfers[r]] for r in range(self.num_ranks)]
+            ranks = assign(current, [self._demand(s, n) for s, _, n in arrivals], self.page_size, self.role)
+        for (seq, latents, n), rank in zip(arrivals, ranks):
+            seq.rank = rank
+            if n is None:
+                self.waiting[rank].append(seq)
+            else:
+                self._transfers[rank].append((seq, latents, n))
+
+    def _demand(self, seq: Sequence, num_kv_tokens: int | None = None) -> Demand:
+        """What ``seq`` asks of its rank (engine/balance.py): a handed-over sequence (``num_kv_tokens`` given)
+        computes no prefill; a waiting one its tokens; a running one the rest of its prefill."""
+        if num_kv_tokens is not None:
+            todo, total = 0, seq.num_tokens
+        elif seq.status is SequenceStatus.RUNNING:
+            todo, total = max(seq.num_prefill_tokens - seq.num_computed_tokens, 0), seq.num_prefill_tokens
+        else:
+            todo, total = seq.num_tokens, seq.num_tokens
+        left = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+        return Demand(todo, todo * total, seq.num_tokens, left, 1 if self.speculative else self.num_scheduler_steps)
+
     def add_prefilled(self, seq: Sequence, latents, num_kv_tokens: int) -> Sequence:
         """Queues a sequence prefilled elsewhere (a prefill engine's hand-over): ``latents`` (opaque here; the
         runner writes them into the pages this scheduler gives it) hold positions [0, num_kv_tokens) of its
-        tokens, and its outputs (at least one, all known) follow. It gets a rank by ``rank_load`` and runs as a
-        decoding sequence once its rank has the pages (see "Hand-over"). A sequence that can never fit is finished
+        tokens, and its outputs (at least one, all known) follow. The next ``schedule()`` gives it a rank, and it
+        runs as a decoding sequence once its rank has the pages (see "Hand-over"). A sequence that can never fit is finished
         with "error" (the caller checks ``seq.is_finished``).
 
         Raises ValueError for a sequence that is not fresh, a seq_id in use, no outputs, unknown outputs, or a
@@ -354,7 +387,7 @@ class Scheduler:
             self._set_finished(seq, "error", error)
         else:
             self._seqs[seq.seq_id] = seq
-            self._transfers[seq.rank].append((seq, latents, num_kv_tokens))
+            self._arrivals.append((seq, latents, num_kv_tokens))
         return seq
 
     def _admit_transfers(self, rank: int, admitted: list[Sequence]) -> None:
@@ -384,7 +417,9 @@ class Scheduler:
         if seq.is_finished or self._seqs.get(seq.seq_id) is not seq:
             raise ValueError(f"sequence {seq.seq_id} is not an unfinished sequence of this scheduler")
         rank = seq.rank
-        if seq.status is SequenceStatus.RUNNING:
+        if rank is None:  # no rank yet
+            self._arrivals = [a for a in self._arrivals if a[0] is not seq]
+        elif seq.status is SequenceStatus.RUNNING:
             self.running[rank].remove(seq)
         elif seq in self.waiting[rank]:
             self.waiting[rank].remove(seq)
@@ -434,10 +469,11 @@ class Scheduler:
         shape = (_PrefillBlocks(self.prefill_capacity, self.prefill_block) if self.prefill_block
                  else _PrefillShape(self.prefill_capacity, self.min_prefill_t))
         admitted: list[Sequence] = []
+        self._place_arrivals()
         for rank in range(self.num_ranks):
             self._admit_transfers(rank, admitted)
             self._schedule_prefill(rank, plan, shape, admitted)
-        if plan.empty() and not self.prefill_only:
+        if plan.empty() and self.role != "prefill":
             plan.kind = StepKind.DECODE
             width = self._verify_width()
             plan.speculative = self.speculative and width != 0

@@ -118,26 +118,44 @@ def test_bad_requests_finish_with_error_at_add():
     assert ok.output_token_ids == expected_outputs(ok, 100)[0]
 
 
-def test_load_balancer():
-    sched = make(num_ranks=3)
-    a = sched.add(seq(0, 10))                          # 3 pages promised
-    b = sched.add(seq(1, 2))                           # 1
-    c = sched.add(seq(2, 5))                           # 2
-    d = sched.add(seq(3, 1))                           # ranks hold 3, 1, 2 pages -> rank 1
-    e = sched.add(seq(4, 4))                           # 3, 2, 2 pages; 1, 2, 1 requests -> rank 2
-    assert [s.rank for s in (a, b, c, d)] == [0, 1, 2, 1]
-    assert e.rank == 2                                 # pages tie 2 vs 2; rank 2 has 1 request, rank 1 has 2
-    assert sched.rank_load(0) == (3, 1, 0)
-    # Pages in use count once the requests run (allocator pages instead of promises).
-    step(sched)
-    assert sched.stats(0).num_pages_used == 3 and sched.stats(0).num_running == 1
-    assert sched.rank_load(0)[0] == 3
-
-
-def test_load_balancer_counts_requests_on_page_ties():
+def test_ranks_are_chosen_at_the_next_step_for_all_arrivals_largest_first():
     sched = make(num_ranks=2)
-    a, b, c = sched.add(seq(0, 4)), sched.add(seq(1, 4)), sched.add(seq(2, 4))
-    assert [a.rank, b.rank, c.rank] == [0, 1, 0]
+    a, b, c, d = (sched.add(seq(i, n)) for i, n in enumerate([12, 4, 12, 4]))
+    assert {s.rank for s in (a, b, c, d)} == {None} and sched.num_unfinished() == 4
+    out = sched.schedule()
+    # Largest first: the two 12-token prompts split, then the 4-token ones even the ranks (a rank of 12 + 4
+    # tokens, 2 requests and 5 pages each); each rank queues its new requests in arrival order.
+    assert [s.rank for s in (a, b, c, d)] == [0, 0, 1, 1]
+    assert [r.req_id for r in out.requests[0]] == [0, 1] and [r.req_id for r in out.requests[1]] == [2, 3]
+    sched.update_from_output(out, fake_result(out))
+    e, f, g = sched.add(seq(4, 8)), sched.add(seq(5, 8)), sched.add(seq(6, 30))
+    sched.schedule()
+    # The ranks are even: 30 first, to rank 0 (the lowest of equals), then both 8s to rank 1 (16 < 30 tokens).
+    assert [e.rank, f.rank, g.rank] == [1, 1, 0]
+
+
+def test_arrivals_finished_before_they_have_a_rank():
+    sched = make(num_ranks=2)
+    a, b = sched.add(seq(0, 5)), sched.add(seq(1, 5))
+    sched.finish(a, "abort")
+    assert sched.num_unfinished() == 1 and a.finish_reason == "abort"
+    out = sched.schedule()
+    assert [r.req_id for r in out.all_requests()] == [1] and b.rank == 0
+
+
+def test_decode_role_evens_requests_and_pages_over_the_coming_steps():
+    from jaxinfer.engine.balance import Demand, assign
+
+    def handed(tokens, max_new):
+        return Demand(0, 0, tokens, max_new, 1)
+    # Rank 0 runs a request for 40 more steps, rank 1 one for 2: a long new request goes to rank 1, where it
+    # runs alone after 2 steps; a short one then to rank 0 (requests per step 2 / 1 instead of 1 / 2 later on).
+    current = [[handed(8, 40)], [handed(8, 2)]]
+    assert assign(current, [handed(8, 40)], S, "decode") == [1]
+    assert assign(current, [handed(8, 2), handed(8, 40)], S, "decode") == [0, 1]
+    # A prefill engine evens prefill tokens and attention (tokens x total): a 16-token prompt weighs 4 of 8 tokens.
+    prefill = [[Demand(16, 256, 16, 1, 1)], []]
+    assert assign(prefill, [Demand(8, 64, 8, 1, 1)] * 2, S, "prefill") == [1, 1]
 
 
 # ---- chunked prefill ----------------------------------------------------------------------------------------------
@@ -750,8 +768,8 @@ def _hand_over(prefill: Scheduler, decode: Scheduler, moved: dict) -> None:
 
 
 def test_prefill_only_scheduler_and_hand_over_give_the_fake_models_outputs():
-    prefill = make(num_ranks=2, max_num_batched_tokens=8, prefill_only=True)
-    decode = make(num_ranks=3, num_pages=12, num_scheduler_steps=3)
+    prefill = make(num_ranks=2, max_num_batched_tokens=8, role="prefill")
+    decode = make(num_ranks=3, num_pages=12, num_scheduler_steps=3, role="decode")
     seqs = [prefill.add(seq(i, n, max_tokens=m)) for i, (n, m) in enumerate([(9, 6), (3, 1), (14, 9), (5, 4),
                                                                                (21, 7), (1, 3)])]
     moved, transfers = {}, []
@@ -783,7 +801,7 @@ def test_handed_over_sequences_wait_for_pages_and_can_be_finished_while_waiting(
     decode.add_prefilled(a, "A", 9)                       # 3 pages
     decode.add_prefilled(b, "B", 9)
     decode.add_prefilled(c, "C", 9)
-    assert decode.rank_load(0) == (9, 3, 0)               # promised pages of the queued hand-overs count
+    assert decode.num_unfinished() == 3
     out = decode.schedule()
     assert [t[2] for t in out.kv_transfers] == ["A"] and chunks(out) == [(0, 9, 1)]
     assert a.finish_reason == "length"                    # its second output: finished as the step commits

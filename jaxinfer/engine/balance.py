@@ -1,0 +1,94 @@
+"""DP-rank load balancing (DeepSeek's prefill and decode load balancers; docs/architecture.md "Load balance and the
+step log"): the rank of each newly arrived request, chosen for all the requests that arrived since the last step
+at once.
+
+A request's demand on its rank has four parts, each a load the balancer evens over the ranks:
+
+- tokens: the prompt tokens its prefill computes (the prefill balancer's first objective: tokens per step);
+- attention: its prefill's core-attention work, new x total tokens (the prefill balancer's second objective);
+- requests: 1 on every decode step it will run, a profile over the coming decode steps (the decode balancer's);
+- pages: its KV pages on each of those steps (the decode balancer's first objective), as its tokens grow.
+
+The profiles look ``HORIZON`` decode steps ahead: a request that may generate m more tokens, k per step
+(multi-step decode), runs ceil(m / k) steps (an upper bound: a stop token may end it earlier).
+
+Each part is measured in its mean per rank (per decode step for the profiles, then averaged over the steps any
+request runs), and a rank's cost is the sum of squares of its parts so measured, weighted by the engine's role
+(``WEIGHTS``). Requests are placed largest first (LPT, longest processing time first: the last, small ones even
+out what the large ones left), each on the rank whose cost grows least; each rank then queues its new requests in
+arrival order (FIFO). Pure numpy, no JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+# Decode steps the request and page profiles look ahead (a request running longer counts on all of them).
+HORIZON = 64
+
+# Weights of (tokens, attention, requests, pages) by engine role. Co-located: a request's rank is fixed for its
+# life, and decode steps outnumber prefill steps (a 128-token answer is 16 multi-step decode steps, a prompt 1-2
+# prefill steps), so it evens prefill tokens and the decode objectives and leaves attention out: attention grows
+# with the square of the prompt, one long prompt can exceed a rank's mean on its own, and evening it would leave
+# the ranks' requests and pages uneven for the whole decode phase. A prefill engine (prefill/decode
+# disaggregation) keeps a request for its prefill only: tokens and attention. A decode engine: requests and pages.
+WEIGHTS = {"colocated": (1.0, 0.0, 1.0, 1.0), "prefill": (1.0, 1.0, 0.0, 0.0), "decode": (0.0, 0.0, 1.0, 1.0)}
+ROLES = tuple(WEIGHTS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Demand:
+    """What one request asks of a rank (see the module doc): prefill tokens and attention work still to compute,
+    the tokens it holds, the tokens it may still generate and how many it computes per decode step."""
+
+    prefill_tokens: int
+    prefill_attention: float
+    num_tokens: int
+    max_new_tokens: int
+    tokens_per_step: int
+
+
+def parts(demands: list[Demand], page_size: int) -> list[np.ndarray]:
+    """The four parts of each demand: tokens [n], attention [n], requests [n, HORIZON], pages [n, HORIZON]."""
+    if not demands:
+        return [np.zeros(0), np.zeros(0), np.zeros((0, HORIZON)), np.zeros((0, HORIZON))]
+    field = lambda name: np.array([getattr(d, name) for d in demands], np.float64)  # noqa: E731
+    per_step = field("tokens_per_step")[:, None]                                   # [n, 1]
+    steps = np.arange(HORIZON)[None, :]                                             # [1, H]
+    alive = steps < np.ceil(np.maximum(field("max_new_tokens"), 0)[:, None] / per_step)  # [n, H]
+    pages = np.ceil((field("num_tokens")[:, None] + per_step * steps) / page_size)  # [n, H]
+    return [field("prefill_tokens"), field("prefill_attention"), alive.astype(np.float64), np.where(alive, pages, 0)]
+
+
+def assign(current: list[list[Demand]], arrivals: list[Demand], page_size: int, role: str = "colocated"
+           ) -> list[int]:
+    """The rank of each of ``arrivals`` (in arrival order) given each rank's ``current`` demands (its waiting and
+    running requests). See the module doc."""
+    weights = WEIGHTS[role]
+    num_ranks = len(current)
+    loads = [np.stack([p.sum(axis=0) for p in part]) for part in
+             zip(*(parts(rank, page_size) for rank in current))]                   # per part: [R] or [R, H]
+    new = parts(arrivals, page_size)
+    units, spans = [], []
+    for load, x in zip(loads, new):
+        total = load.sum(axis=0) + x.sum(axis=0)       # [] or [H]
+        units.append(np.where(total > 0, total / num_ranks, 1.0))
+        spans.append(max(1, int(np.count_nonzero(total))) if load.ndim == 2 else 1)
+
+    def cost(part: int, value) -> np.ndarray:
+        """Per rank (or for one rank's row): the weighted sum of squares of a part's load in its unit."""
+        v = (value / units[part]) ** 2
+        return weights[part] * (v.sum(axis=-1) if loads[part].ndim == 2 else v) / spans[part]
+
+    sizes = sum(weights[p] * (new[p] / units[p]).reshape(len(arrivals), -1).sum(axis=1) / spans[p]
+                for p in range(4)) if arrivals else np.zeros(0)
+    ranks = [0] * len(arrivals)
+    for i in sorted(range(len(arrivals)), key=lambda i: (-sizes[i], i)):
+        growth = sum(cost(p, loads[p] + new[p][i]) - cost(p, loads[p]) for p in range(4) if weights[p])
+        r = int(np.argmin(growth))
+        ranks[i] = r
+        for p in range(4):
+            loads[p][r] += new[p][i]
+    return ranks
