@@ -372,8 +372,8 @@ class Scheduler:
         """Queues a sequence prefilled elsewhere (a prefill engine's hand-over): ``latents`` (opaque here; the
         runner writes them into the pages this scheduler gives it) hold positions [0, num_kv_tokens) of its
         tokens, and its outputs (at least one, all known) follow. The next ``schedule()`` gives it a rank, and it
-        runs as a decoding sequence once its rank has the pages (see "Hand-over"). A sequence that can never fit is finished
-        with "error" (the caller checks ``seq.is_finished``).
+        runs as a decoding sequence once its rank has the pages (see "Hand-over"). A sequence that can never fit
+        is finished with "error" (the caller checks ``seq.is_finished``).
 
         Raises ValueError for a sequence that is not fresh, a seq_id in use, no outputs, unknown outputs, or a
         num_kv_tokens that is not in [1, num_tokens)."""
