@@ -10,8 +10,8 @@ Workload: 64 prompts of random tokens, lengths log-uniform in [8, 1500] (seeded)
 (engine/step_log.py: sum over steps of the max over ranks / sum over steps of the mean) of prefill tokens and
 attention over the prefill steps and of KV pages and running requests over the decode steps, per engine; the mean
 running requests per rank over the decode steps (the requests goal is 1 + 1 / that mean: whole requests cannot
-split); step counts, and the wall time, TTFT and TPOT medians of a second run of the workload (the first
-compiles every step shape). --simulate runs the engine's Scheduler alone with a fake
+split); step counts, and the wall time, TTFT and TPOT medians of a second run of the workload (the first, of
+other tokens of the same lengths, compiles every step shape). --simulate runs the engine's Scheduler alone with a fake
 model (every sampled token 11; the ranks, steps and step records are the engine's), seconds instead of minutes.
 On the 2-core machine the simulated devices share the cores: times show overheads, not speed-ups.
 """
@@ -80,13 +80,14 @@ def simulate(prompts, limits, mode: str) -> list[dict]:
     return log
 
 
-def run_engine(prompts, limits, mode: str, dtype: str) -> tuple[list[dict], dict]:
+def run_engine(prompts, limits, mode: str, dtype: str, vocab: int) -> tuple[list[dict], dict]:
     from jaxinfer import LLM, SamplingParams
 
     meshes = dict(mesh="1x8") if mode == "colocated" else dict(prefill_mesh="1x4", decode_mesh="1x4")
     llm = LLM(dtype=dtype, **meshes)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in limits]
-    llm.generate(prompts, params, use_tqdm=False)  # warm-up: every step shape of the run compiles here
+    # Warm-up: every step shape of the run compiles here; other tokens, so the timed run has no prefix-cache hits.
+    llm.generate([[10 + (t - 9) % (vocab - 10) for t in p] for p in prompts], params, use_tqdm=False)
     llm.wait_for_compilations()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -137,7 +138,7 @@ def main() -> None:
                 if args.simulate:
                     report(label, simulate(prompts, limits, mode), None)
                 else:
-                    report(label, *run_engine(prompts, limits, mode, args.dtype))
+                    report(label, *run_engine(prompts, limits, mode, args.dtype, vocab))
 
 
 if __name__ == "__main__":

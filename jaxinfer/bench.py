@@ -26,6 +26,9 @@ records them.
 works through): a later run of the same prompts (the same ``--seed``) reads their pages; the last result gets
 ``LLM.cache_stats()``'s keys, counted since its engine was built (untimed runs included).
 
+``--prefill-mesh P --decode-mesh D`` runs prefill/decode disaggregation in one process (engine/disaggregated.py):
+the prefill engine on P, the decode engine on D (devices in order, prefill first); results name the mesh "P:D".
+
 ``--speculative-tokens K`` (0 = off, the default) runs MTP speculative decoding (``speculative_config`` {"method":
 "mtp", "num_speculative_tokens": K, "verify": ``--speculative-verify``}); ``jaxinfer generate`` takes the same
 flags. Every result has ``SPECULATIVE_KEYS``: the settings and the timed run's counts in vLLM's spec-decode
@@ -50,14 +53,18 @@ MODES = ("one-batch", "throughput")
 SPECULATIVE_KEYS = ("speculative_tokens", "speculative_verify", "num_drafts", "num_draft_tokens",
                     "num_accepted_tokens", "draft_acceptance_rate", "mean_acceptance_length",
                     "accepted_per_position")
-ONE_BATCH_KEYS = ("mode", "mesh", "devices", "data", "expert", "platform", "dtype", "batch_size", "input_len",
-                  "output_len", "prefill_latency_s", "prefill_throughput_tok_s", "median_decode_latency_s",
-                  "median_decode_throughput_tok_s", "total_latency_s", "overall_throughput_tok_s", "ttft_s",
-                  "tpot_s") + SPECULATIVE_KEYS
-THROUGHPUT_KEYS = ("mode", "mesh", "devices", "data", "expert", "platform", "dtype", "num_prompts",
-                   "random_range_ratio", "total_input_tokens", "total_output_tokens", "elapsed_s", "requests_per_s",
-                   "input_tok_s", "output_tok_s", "total_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
-                   "tpot_p99_s") + SPECULATIVE_KEYS
+# Where it ran: prefill_devices / decode_devices are the two engines' with --prefill-mesh / --decode-mesh (mesh
+# "P:D"; data and expert the decode mesh's), both all devices when co-located; kv_transfer_bytes, the latents
+# the timed run handed from prefill to decode (0 co-located).
+MESH_KEYS = ("mode", "mesh", "devices", "data", "expert", "prefill_devices", "decode_devices", "platform", "dtype")
+ONE_BATCH_KEYS = MESH_KEYS + (
+    "batch_size", "input_len", "output_len", "prefill_latency_s", "prefill_throughput_tok_s",
+    "median_decode_latency_s", "median_decode_throughput_tok_s", "total_latency_s", "overall_throughput_tok_s",
+    "ttft_s", "tpot_s", "kv_transfer_bytes") + SPECULATIVE_KEYS
+THROUGHPUT_KEYS = MESH_KEYS + (
+    "num_prompts", "random_range_ratio", "total_input_tokens", "total_output_tokens", "elapsed_s",
+    "requests_per_s", "input_tok_s", "output_tok_s", "total_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
+    "tpot_p99_s", "kv_transfer_bytes") + SPECULATIVE_KEYS
 DISPATCH_KEYS = ("dispatch_bytes_per_token", "dispatch_bytes_per_token_fp8")
 
 
@@ -84,6 +91,10 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object per result on stdout")
     add_speculative_flags(p)
     add_kv_cache_flags(p)
+    pd = p.add_argument_group("prefill/decode disaggregation in one process (engine/disaggregated.py)")
+    pd.add_argument("--prefill-mesh", metavar="SPEC", default=None,
+                    help="the prefill engine's mesh ('DxE' or a mesh file; devices in order, prefill first)")
+    pd.add_argument("--decode-mesh", metavar="SPEC", default=None, help="the decode engine's mesh (after it)")
 
 
 def add_speculative_flags(p: argparse.ArgumentParser) -> None:
@@ -192,6 +203,10 @@ def _check(args) -> list[int]:
                          f"got {args.output_len}")
     if not 0 <= args.random_range_ratio < 1:
         raise ValueError(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
+    if (args.prefill_mesh is None) != (args.decode_mesh is None):
+        raise ValueError("--prefill-mesh and --decode-mesh go together")
+    if args.prefill_mesh is not None and args.mesh is not None:
+        raise ValueError("--mesh with --prefill-mesh / --decode-mesh: each engine has its own mesh")
     return batch_sizes
 
 
@@ -220,14 +235,24 @@ def _prompts(rng: np.random.Generator, vocab: int, lengths) -> list[list[int]]:
     return [rng.integers(0, vocab, int(n)).tolist() for n in lengths]
 
 
-def mesh_info(llm, mesh_spec) -> dict:
-    """mesh (the mesh file's name, or "DxE"), devices, data, expert, platform."""
+def mesh_info(llm, mesh_spec, prefill_spec=None) -> dict:
+    """mesh (the mesh file's name, or "DxE"; "P:D" for prefill/decode disaggregation, ``prefill_spec`` given:
+    data and expert are then the decode mesh's), devices, data, expert, platform, prefill_devices and
+    decode_devices (the engines' devices; both all of them when co-located)."""
     from jaxinfer.parallel.mesh import read_mesh_file
+
+    def name(spec, mesh):
+        return read_mesh_file(spec).name if str(spec).endswith(".toml") else "{}x{}".format(*mesh.devices.shape)
 
     mesh = llm.model.mesh
     d, e = mesh.shape["data"], mesh.shape["expert"]
-    name = read_mesh_file(mesh_spec).name if str(mesh_spec).endswith(".toml") else f"{d}x{e}"
-    return dict(mesh=name, devices=d * e, data=d, expert=e, platform=mesh.devices.flat[0].platform)
+    if prefill_spec is None:
+        return dict(mesh=name(mesh_spec, mesh), devices=d * e, data=d, expert=e, prefill_devices=d * e,
+                    decode_devices=d * e, platform=mesh.devices.flat[0].platform)
+    prefill = llm.engine.prefill.model.mesh
+    return dict(mesh=f"{name(prefill_spec, prefill)}:{name(mesh_spec, mesh)}", devices=prefill.size + mesh.size,
+                data=d, expert=e, prefill_devices=prefill.size, decode_devices=mesh.size,
+                platform=mesh.devices.flat[0].platform)
 
 
 def one_batch(llm, batch_size: int, input_len: int, output_len: int, *, seed: int = 0, warmup: bool = True) -> dict:
@@ -247,7 +272,7 @@ def one_batch(llm, batch_size: int, input_len: int, output_len: int, *, seed: in
                 prefill_throughput_tok_s=batch_size * input_len / prefill, median_decode_latency_s=decode,
                 median_decode_throughput_tok_s=batch_size / decode, total_latency_s=total,
                 overall_throughput_tok_s=batch_size * (input_len + output_len) / total,
-                ttft_s=float(np.median(ttft)), tpot_s=decode, **spec)
+                ttft_s=float(np.median(ttft)), tpot_s=decode, kv_transfer_bytes=llm.stats.kv_transfer_bytes, **spec)
 
 
 def throughput(llm, num_prompts: int, input_len: int, output_len: int, *, random_range_ratio: float = 0.0,
@@ -272,7 +297,8 @@ def throughput(llm, num_prompts: int, input_len: int, output_len: int, *, random
                 output_tok_s=n_out / elapsed, total_tok_s=(n_in + n_out) / elapsed,
                 ttft_p50_s=float(np.percentile(ttft, 50)), ttft_p99_s=float(np.percentile(ttft, 99)),
                 tpot_p50_s=float(np.percentile(tpot, 50)), tpot_p99_s=float(np.percentile(tpot, 99)),
-                steps=llm.stats.steps, preemptions=llm.stats.preemptions, **spec)
+                steps=llm.stats.steps, preemptions=llm.stats.preemptions,
+                kv_transfer_bytes=llm.stats.kv_transfer_bytes, **spec)
 
 
 def dispatch_bytes(model, rows: int, input_len: int, seed: int = 0) -> dict:
@@ -298,10 +324,12 @@ def _llm(args, mesh, max_model_len: int, **options):
     import jaxinfer
 
     kv = kv_cache_options(args)
+    meshes = (dict(mesh=mesh) if args.prefill_mesh is None
+              else dict(prefill_mesh=args.prefill_mesh, decode_mesh=args.decode_mesh))
     # compilation_cache="off": the CLI has configured JAX's cache from --compilation-cache (cli._start_jax).
-    llm = jaxinfer.LLM(args.model, mesh=mesh, dtype=args.dtype, enable_prefix_caching="kv_cache_dir" in kv,
+    llm = jaxinfer.LLM(args.model, dtype=args.dtype, enable_prefix_caching="kv_cache_dir" in kv,
                        max_model_len=max_model_len, compilation_cache="off",
-                       speculative_config=speculative_config(args), **kv, **options)
+                       speculative_config=speculative_config(args), **meshes, **kv, **options)
     if llm.max_model_len < max_model_len:
         raise ValueError(f"requests of up to {max_model_len} tokens (input + output) exceed the model's "
                          f"max_position_embeddings={llm.max_model_len}")
@@ -309,14 +337,20 @@ def _llm(args, mesh, max_model_len: int, **options):
 
 
 def run(args) -> None:
+    from jaxinfer.engine.disaggregated import split_meshes
     from jaxinfer.parallel import multihost
     from jaxinfer.parallel.mesh import make_mesh
 
     batch_sizes = _check(args)
     if args.model is not None and not pathlib.Path(args.model).is_dir():
         raise ValueError(f"--model {args.model} is not a directory")
-    mesh = make_mesh(args.mesh)
-    dp = mesh.size
+    if args.prefill_mesh is None:
+        mesh = make_mesh(args.mesh)
+        dp = mesh.size
+    else:  # sized so that both engines take the whole batch at once
+        mesh = None
+        dp = min(m.size for m in split_meshes(None, args.prefill_mesh, args.decode_mesh))
+    where = (args.decode_mesh, args.prefill_mesh) if args.prefill_mesh is not None else (args.mesh, None)
     results, llm = [], None
     if args.mode == "one-batch":
         sized_for = None  # requests per DP rank of the current engine
@@ -328,7 +362,7 @@ def run(args) -> None:
                 # Sized for the batch: every request runs at once and the whole batch is prefilled in one step.
                 llm = _llm(args, mesh, max_num_seqs=per_rank, max_model_len=args.input_len + args.output_len,
                            max_num_batched_tokens=per_rank * max(PREFILL_BLOCK, 1 << (args.input_len - 1).bit_length()))
-            results.append(dict(mode=args.mode, **mesh_info(llm, args.mesh), dtype=args.dtype,
+            results.append(dict(mode=args.mode, **mesh_info(llm, *where), dtype=args.dtype,
                                 **one_batch(llm, b, args.input_len, args.output_len, seed=args.seed,
                                             warmup=args.warmup)))
     else:
@@ -337,7 +371,7 @@ def run(args) -> None:
         max_len = int(args.input_len * (1 + args.random_range_ratio)) + int(args.output_len *
                                                                             (1 + args.random_range_ratio))
         llm = _llm(args, mesh, max_model_len=max_len, **options)
-        results.append(dict(mode=args.mode, **mesh_info(llm, args.mesh), dtype=args.dtype,
+        results.append(dict(mode=args.mode, **mesh_info(llm, *where), dtype=args.dtype,
                             **throughput(llm, args.num_prompts, args.input_len, args.output_len,
                                          random_range_ratio=args.random_range_ratio, seed=args.seed,
                                          warmup=args.warmup)))

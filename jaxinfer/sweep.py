@@ -11,9 +11,13 @@ ignore). Multi-process meshes: on CPU the sweep starts the mesh's ``num_processe
 jax.distributed on 127.0.0.1; across GPU hosts run the same sweep on every host with ``--coordinator HOST:PORT
 --num-processes N --process-id I`` (mesh k of the list uses port PORT + k; process 0 writes the results).
 
-Results in ``--out DIR``: ``sweep.csv`` (``CSV_COLUMNS``: prefill / decode throughput from SGLang's one-batch
-figures, decode tok/s per device, median TTFT and TPOT in seconds, dispatch payload bytes per token over all MoE
-layers as run and in DeepEP's FP8 format), ``throughput.png`` (prefill and decode tok/s vs mesh, one line per
+``--pd-meshes P.toml:D.toml ...`` adds prefill/decode disaggregation pairs (``bench --prefill-mesh P --decode-mesh
+D``, one process simulating both meshes' CPU devices): rows named "P:D" with each engine's devices and the
+latent bytes handed over.
+
+Results in ``--out DIR``: ``sweep.csv`` (``CSV_COLUMNS``: the engines' devices, prefill / decode throughput from
+SGLang's one-batch figures, decode tok/s per device, median TTFT and TPOT in seconds, the KV bytes handed from
+prefill to decode, dispatch payload bytes per token over all MoE layers as run and in DeepEP's FP8 format), ``throughput.png`` (prefill and decode tok/s vs mesh, one line per
 batch size) and ``throughput_per_device.png``; the table goes to stdout, progress to stderr.
 """
 
@@ -33,15 +37,18 @@ import time
 from jaxinfer.bench import positive_ints
 from jaxinfer.parallel.mesh import MeshFile, read_mesh_file
 
-CSV_COLUMNS = ("mesh", "devices", "data", "expert", "batch", "prefill_tok_s", "decode_tok_s",
-               "decode_tok_s_per_device", "ttft_s", "tpot_s", "dispatch_bytes_per_token",
-               "dispatch_bytes_per_token_fp8")
+CSV_COLUMNS = ("mesh", "devices", "data", "expert", "prefill_devices", "decode_devices", "batch", "prefill_tok_s",
+               "decode_tok_s", "decode_tok_s_per_device", "ttft_s", "tpot_s", "kv_transfer_bytes",
+               "dispatch_bytes_per_token", "dispatch_bytes_per_token_fp8")
 PLOTS = ("throughput.png", "throughput_per_device.png")
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("sweep", help="one-batch benchmarks over meshes x batch sizes -> CSV + plots")
-    p.add_argument("--meshes", nargs="+", required=True, metavar="FILE.toml", help="mesh files (meshes/*.toml)")
+    p.add_argument("--meshes", nargs="+", default=[], metavar="FILE.toml", help="mesh files (meshes/*.toml)")
+    p.add_argument("--pd-meshes", nargs="+", default=[], metavar="P.toml:D.toml",
+                   help="prefill/decode disaggregation pairs: the prefill engine on P, the decode engine on D (one "
+                        "process, devices in order, prefill first; single-process CPU or GPU mesh files)")
     p.add_argument("--batch-sizes", default="1,8,32", help="comma-separated, e.g. 1,8,32")
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=32)
@@ -74,14 +81,28 @@ def child_env(mesh: MeshFile) -> dict:
     return env
 
 
+def pd_pair(spec: str) -> tuple[str, str]:
+    """"P.toml:D.toml" -> (P, D); ValueError for anything else."""
+    prefill, sep, decode = str(spec).rpartition(":")
+    if not sep or not prefill.endswith(".toml") or not decode.endswith(".toml"):
+        raise ValueError(f"--pd-meshes takes PREFILL.toml:DECODE.toml pairs, got {spec!r}")
+    return prefill, decode
+
+
 def bench_commands(path, mesh: MeshFile, batch_sizes: list[int], input_len: int, output_len: int, *,
                    model=None, dtype: str = "bfloat16", index: int = 0, multi_host: tuple | None = None
                    ) -> list[list[str]]:
     """The ``bench`` command line of each process this host starts for one mesh (several for a multi-process
-    CPU mesh). multi_host: (coordinator "HOST:PORT", num_processes, process_id) of a sweep across hosts."""
+    CPU mesh). multi_host: (coordinator "HOST:PORT", num_processes, process_id) of a sweep across hosts.
+    path: a mesh file, or a "P.toml:D.toml" pair (``mesh``: both files' devices as one single-process mesh)."""
+    if ":" in str(path):
+        prefill, decode = (str(pathlib.Path(p).resolve()) for p in pd_pair(path))
+        where = ["--prefill-mesh", prefill, "--decode-mesh", decode]
+    else:
+        where = ["--mesh", str(pathlib.Path(path).resolve())]
     cmd = [sys.executable, "-m", "jaxinfer.cli", "bench", "--mode", "one-batch", "--json", "--dispatch-bytes",
-           "--mesh", str(pathlib.Path(path).resolve()), "--batch-size", *map(str, batch_sizes),
-           "--input-len", str(input_len), "--output-len", str(output_len), "--dtype", dtype]
+           *where, "--batch-size", *map(str, batch_sizes), "--input-len", str(input_len), "--output-len",
+           str(output_len), "--dtype", dtype]
     if model is not None:
         cmd += ["--model", str(model)]
     procs = mesh.num_processes
@@ -101,9 +122,10 @@ def bench_commands(path, mesh: MeshFile, batch_sizes: list[int], input_len: int,
 def run_mesh(path, batch_sizes: list[int], input_len: int, output_len: int, *, model=None,
              dtype: str = "bfloat16", index: int = 0, multi_host: tuple | None = None,
              timeout_s: float | None = None) -> list[dict]:
-    """Runs ``bench`` for one mesh in fresh process(es); returns its JSON results (one per batch size; [] in a
-    multi-host process other than 0). RuntimeError with the failing process's last error line."""
-    mesh = read_mesh_file(path)
+    """Runs ``bench`` for one mesh (or a "P.toml:D.toml" pair) in fresh process(es); returns its JSON results (one
+    per batch size; [] in a multi-host process other than 0). RuntimeError with the failing process's last error
+    line."""
+    mesh = read_mesh(path)
     env = child_env(mesh)
     cmds = bench_commands(path, mesh, batch_sizes, input_len, output_len, model=model, dtype=dtype, index=index,
                           multi_host=multi_host)
@@ -134,13 +156,31 @@ def run_mesh(path, batch_sizes: list[int], input_len: int, output_len: int, *, m
     return [json.loads(line) for line in results.splitlines() if line.startswith("{")]
 
 
+def read_mesh(path) -> MeshFile:
+    """A mesh file, or for a "P.toml:D.toml" pair one MeshFile of both meshes' devices (name "P:D"; its shape
+    1 x devices: what the bench process must simulate). ValueError for a pair of multi-process or different
+    platforms' meshes."""
+    if ":" not in str(path):
+        return read_mesh_file(path)
+    prefill, decode = (read_mesh_file(p) for p in pd_pair(path))
+    if prefill.num_processes != 1 or decode.num_processes != 1:
+        raise ValueError(f"--pd-meshes {path}: both meshes must be single-process (both engines run in one)")
+    if prefill.platform != decode.platform:
+        raise ValueError(f"--pd-meshes {path}: the meshes are for different platforms ({prefill.platform}, "
+                         f"{decode.platform})")
+    return MeshFile(name=f"{prefill.name}:{decode.name}", data=1, expert=prefill.data * prefill.expert
+                    + decode.data * decode.expert, platform=prefill.platform)
+
+
 def to_row(result: dict) -> dict:
     """A bench one-batch JSON result -> a sweep.csv row."""
     r = result
-    return dict(mesh=r["mesh"], devices=r["devices"], data=r["data"], expert=r["expert"], batch=r["batch_size"],
+    return dict(mesh=r["mesh"], devices=r["devices"], data=r["data"], expert=r["expert"],
+                prefill_devices=r["prefill_devices"], decode_devices=r["decode_devices"], batch=r["batch_size"],
                 prefill_tok_s=r["prefill_throughput_tok_s"], decode_tok_s=r["median_decode_throughput_tok_s"],
                 decode_tok_s_per_device=r["median_decode_throughput_tok_s"] / r["devices"], ttft_s=r["ttft_s"],
-                tpot_s=r["tpot_s"], dispatch_bytes_per_token=r["dispatch_bytes_per_token"],
+                tpot_s=r["tpot_s"], kv_transfer_bytes=r["kv_transfer_bytes"],
+                dispatch_bytes_per_token=r["dispatch_bytes_per_token"],
                 dispatch_bytes_per_token_fp8=r["dispatch_bytes_per_token_fp8"])
 
 
@@ -149,8 +189,8 @@ def check_args(meshes, batch_sizes, input_len: int, output_len: int, model=None,
     """Validates everything before any mesh runs; returns (mesh files, batch sizes). ValueError naming the
     problem."""
     if not meshes:
-        raise ValueError("--meshes needs at least one mesh file")
-    mesh_files = [read_mesh_file(m) for m in meshes]
+        raise ValueError("--meshes or --pd-meshes needs at least one mesh file")
+    mesh_files = [read_mesh(m) for m in meshes]
     sizes = positive_ints(batch_sizes, "--batch-sizes")
     if input_len < 1:
         raise ValueError(f"--input-len must be >= 1, got {input_len}")
@@ -176,8 +216,9 @@ def run_sweep(meshes, batch_sizes, input_len: int, output_len: int, out_dir, *, 
               log=sys.stderr) -> list[dict]:
     """Runs every mesh (in order) and writes ``out_dir``/sweep.csv and the plots; returns the rows.
 
-    meshes: mesh file paths; batch_sizes: "1,8,32" or a list of ints. multi_host: (coordinator, num_processes,
-    process_id) when the same sweep runs on every host; only process 0 writes (others return [])."""
+    meshes: mesh file paths, or "P.toml:D.toml" prefill/decode pairs; batch_sizes: "1,8,32" or a list of ints.
+    multi_host: (coordinator, num_processes, process_id) when the same sweep runs on every host; only process 0
+    writes (others return [])."""
     mesh_files, sizes = check_args(meshes, batch_sizes, input_len, output_len, model, multi_host)
     out = pathlib.Path(out_dir)
     if out.exists() and not out.is_dir():
@@ -275,8 +316,10 @@ def run(args) -> None:
 
         multihost.check_coordinator(multi[0])
         multihost.check_process_layout(multi[1], multi[2])
-    rows = run_sweep(args.meshes, args.batch_sizes, args.input_len, args.output_len, args.out, model=args.model,
-                     dtype=args.dtype, multi_host=multi if multi[0] is not None else None)
+    for pair in args.pd_meshes:
+        pd_pair(pair)  # a pair, not one mesh file
+    rows = run_sweep(args.meshes + args.pd_meshes, args.batch_sizes, args.input_len, args.output_len, args.out,
+                     model=args.model, dtype=args.dtype, multi_host=multi if multi[0] is not None else None)
     if rows:
         print(format_table(rows))
         written = [pathlib.Path(args.out) / name for name in ("sweep.csv", *PLOTS)]

@@ -22,6 +22,8 @@ pd_address=...)`` uses it), ``DecodeServer`` the decode side (``jaxinfer generat
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import pickle
 import queue
@@ -90,18 +92,25 @@ class Channel:
             return
         self._ready.set()
         next_beat = 0.0
+        pending: collections.deque[bytes] = collections.deque()  # not sent yet: no peer, or its queue is full
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
                 if now >= next_beat:
-                    sock.send(pickle.dumps(("heartbeat", None)), zmq.NOBLOCK) if sock.poll(0, zmq.POLLOUT) else None
+                    with contextlib.suppress(zmq.Again):  # no peer to hear it: nothing to tell
+                        sock.send(pickle.dumps(("heartbeat", None)), zmq.NOBLOCK)
                     next_beat = now + HEARTBEAT_S
                 while True:
                     try:
-                        message = self._out.get_nowait()
+                        pending.append(self._out.get_nowait())
                     except queue.Empty:
                         break
-                    sock.send(message)
+                while pending:  # never blocks: a DEALER without a peer would block a send until one connects
+                    try:
+                        sock.send(pending[0], zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    pending.popleft()
                 if sock.poll(20, zmq.POLLIN):
                     while sock.poll(0, zmq.POLLIN):
                         kind, payload = pickle.loads(sock.recv())
@@ -170,7 +179,8 @@ class PrefillEngine:
     """The prefill process's side: LLMEngine's interface (add_request, step, abort_request,
     has_unfinished_requests, stats) over a prefill engine here and a decode engine in the process serving
     ``address`` (``DecodeServer``). Requests that reach the decode process come back from it; if it stays silent
-    for ``timeout`` seconds every request it holds finishes with "error"."""
+    for ``timeout`` seconds every request it holds finishes with "error". ``stats`` are the prefill engine's, plus
+    the finished requests' tokens and the latent bytes the decode process pulled (its steps are logged there)."""
 
     def __init__(self, config: EngineConfig, address: str, timeout: float = DEFAULT_TIMEOUT_S):
         if not timeout > 0:
@@ -206,6 +216,7 @@ class PrefillEngine:
         remote = [rid for rid in ids if self._remote.pop(rid, None) is not None]
         if remote:
             self.channel.send("abort", remote)
+            self._offered = {u: o for u, o in self._offered.items() if o[0] not in remote}
 
     def has_unfinished_requests(self) -> bool:
         return self.prefill.has_unfinished_requests() or bool(self._remote)
@@ -220,7 +231,10 @@ class PrefillEngine:
             if kind == "outputs":
                 sent_at, outs = payload
                 for out in outs:
-                    if out.finished and self._remote.pop(out.request_id, None) is not None:
+                    if out.request_id not in self._remote:
+                        continue  # aborted, or failed here already
+                    if out.finished:
+                        del self._remote[out.request_id]
                         self.stats.finished_output_tokens += out.metrics["num_output_tokens"]
                         self.stats.finished_input_tokens += out.metrics["num_prompt_tokens"] * len(out.outputs)
                     outputs.append(out)
@@ -289,8 +303,9 @@ class DecodeServer:
                 for kind, payload in channel.receive(0.0 if engine.has_unfinished_requests() or pulls else 0.05):
                     if kind == "handover":
                         pulls.append(self._pull(*payload))
-                    elif kind == "abort":
+                    elif kind == "abort":  # pulls under way are dropped (their threads end on their own)
                         engine.abort_request(payload)
+                        pulls = [p for p in pulls if p[0].request_id not in payload]
                     elif kind == "shutdown":
                         shutdown = True
                 pulls = _finish_pulls(pulls, engine, channel, self.timeout)

@@ -32,8 +32,9 @@ THROUGHPUT_KEYS_POSITIVE = ("total_input_tokens", "total_output_tokens", "elapse
                             "input_tok_s", "output_tok_s", "total_tok_s", "ttft_p50_s", "tpot_p50_s")
 
 
-def test_sweep_on_two_cpu_meshes(tmp_path, capsys, monkeypatch):
-    """The sweep end to end; its bench processes' JSON (`jaxinfer bench --mode one-batch --json`) is checked too."""
+def test_sweep_on_a_cpu_mesh_and_a_prefill_decode_pair(tmp_path, capsys, monkeypatch):
+    """The sweep end to end (a 1x8 mesh, and prefill/decode disaggregation on 1x1 + 1x1); its bench processes' JSON
+    (`jaxinfer bench --mode one-batch --json`) is checked too."""
     bench_results, run_mesh = [], sweep.run_mesh
 
     def recording_run_mesh(*args, **kwargs):
@@ -43,8 +44,8 @@ def test_sweep_on_two_cpu_meshes(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(sweep, "run_mesh", recording_run_mesh)
     out = tmp_path / "sweep"
-    assert main(["sweep", "--meshes", CPU_1X1, CPU_1X8, "--batch-sizes", "1,2", "--input-len", "8",
-                 "--output-len", "4", "--out", str(out)]) == 0
+    assert main(["sweep", "--meshes", CPU_1X8, "--pd-meshes", f"{CPU_1X1}:{CPU_1X1}", "--batch-sizes", "1,2",
+                 "--input-len", "8", "--output-len", "4", "--out", str(out)]) == 0
     table = capsys.readouterr().out.strip().splitlines()
     assert table[0].split() == list(sweep.CSV_COLUMNS) and len(table) == 5
 
@@ -52,19 +53,23 @@ def test_sweep_on_two_cpu_meshes(tmp_path, capsys, monkeypatch):
         reader = csv.DictReader(f)
         assert tuple(reader.fieldnames) == sweep.CSV_COLUMNS
         rows = list(reader)
-    assert [(r["mesh"], r["batch"]) for r in rows] == [("cpu-1x1", "1"), ("cpu-1x1", "2"), ("cpu-1x8", "1"),
-                                                       ("cpu-1x8", "2")]
+    pd = "cpu-1x1:cpu-1x1"
+    assert [(r["mesh"], r["batch"]) for r in rows] == [("cpu-1x8", "1"), ("cpu-1x8", "2"), (pd, "1"), (pd, "2")]
     config = jaxinfer.ModelConfig.from_hf_config(default_model.path())
     h = config.hidden_size
+    # A bfloat16 page of latents: layers x 64 tokens x (kv_lora_rank + qk_rope_head_dim) x 2 bytes.
+    page_bytes = config.num_hidden_layers * 64 * (config.kv_lora_rank + config.qk_rope_head_dim) * 2
     for r in rows:
-        devices = {"cpu-1x1": (1, 1, 1), "cpu-1x8": (8, 1, 8)}[r["mesh"]]
-        assert (int(r["devices"]), int(r["data"]), int(r["expert"])) == devices
+        # devices, data, expert (the decode mesh's), prefill_devices, decode_devices; latents handed over
+        devices = {pd: (2, 1, 1, 1, 1), "cpu-1x8": (8, 1, 8, 8, 8)}[r["mesh"]]
+        assert tuple(int(r[c]) for c in ("devices", "data", "expert", "prefill_devices", "decode_devices")) == devices
+        assert int(r["kv_transfer_bytes"]) == (int(r["batch"]) * page_bytes if r["mesh"] == pd else 0)
         for column in ("prefill_tok_s", "decode_tok_s", "decode_tok_s_per_device", "ttft_s", "tpot_s"):
             assert float(r[column]) > 0, (r["mesh"], r["batch"], column)
         assert float(r["decode_tok_s_per_device"]) * devices[0] == pytest.approx(float(r["decode_tok_s"]))
         bf16, fp8 = float(r["dispatch_bytes_per_token"]), float(r["dispatch_bytes_per_token_fp8"])
-        if r["mesh"] == "cpu-1x1":
-            assert bf16 == fp8 == 0  # every expert is on the one device: nothing is sent
+        if r["mesh"] == pd:
+            assert bf16 == fp8 == 0  # every expert is on the decode engine's one device: nothing is sent
         else:
             # at most min(top-k, other ranks) sends of 2H bytes per token and MoE layer (DeepEP: once per rank)
             assert 0 < bf16 <= config.num_moe_layers * min(config.num_experts_per_tok, 7) * 2 * h
@@ -126,6 +131,15 @@ def test_bench_throughput_json():
     (["bench", "--mesh", "1x1", "--mode", "throughput", "--num-prompts", "0"], "--num-prompts must be >= 1"),
     (["bench", "--mesh", "meshes/nope.toml"], "does not exist"),
     (["bench", "--mesh", "3x3"], "needs 9 devices"),
+    (["sweep"], "--meshes or --pd-meshes needs at least one mesh file"),
+    (["sweep", "--pd-meshes", CPU_1X1], "--pd-meshes takes PREFILL.toml:DECODE.toml pairs"),
+    (["sweep", "--pd-meshes", f"{CPU_1X1}:{MESHES / 'cpu-2proc-2x4.toml'}"], "must be single-process"),
+    (["bench", "--prefill-mesh", "1x1"], "--prefill-mesh and --decode-mesh go together"),
+    (["bench", "--mesh", "1x1", "--prefill-mesh", "1x1", "--decode-mesh", "1x1"], "each engine has its own mesh"),
+    (["bench", "--prefill-mesh", "1x4", "--decode-mesh", "1x8"], "need 12 devices"),
+    (["generate", "--role", "decode"], "--role and --pd-address go together"),
+    (["generate", "--role", "decode", "--pd-address", "127.0.0.1:1", "a prompt"], "takes no prompts"),
+    (["generate", "--role", "prefill", "--pd-address", "no-port", "a prompt"], "pd_address must be HOST:PORT"),
 ])
 def test_bad_arguments_print_one_line(argv, message, capsys, tmp_path):
     if argv[0] == "sweep":

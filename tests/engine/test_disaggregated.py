@@ -5,6 +5,8 @@ bytes handed over are the prompts' latents rounded up to pages, counted from the
 are keyed on the engine's sequence ids, which the decode engine takes from the prefill engine; comparing them
 would need two engines with the same request history.)"""
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -99,6 +101,46 @@ def test_streamed_deltas_continue_across_the_hand_over(case, pd):
             if out.finished:
                 finished.add(out.request_id)
     assert finished == {"s1", "s4"} and tokens == {"s1": refs[1], "s4": refs[4]}
+
+
+def test_abort_on_either_engine_frees_everything(case, pd):
+    _, prompts, refs = case
+    engine = pd.engine
+    for i in (0, 2, 4):
+        engine.add_request(f"a{i}", prompts[i], GREEDY, output_kind="final_only")
+    engine.abort_request("a4")                           # still on the prefill engine
+    while "a0" not in engine.decode.unfinished_request_ids():
+        engine.step()
+    engine.abort_request("a0")                           # on the decode engine
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert [(o.request_id, o.outputs[0].token_ids) for o in outs] == [("a2", refs[2])]
+    for sched in (engine.prefill.scheduler, engine.decode.scheduler):
+        assert not sched.has_unfinished() and all(sched.held_pages(r) == 0 for r in range(sched.num_ranks))
+
+
+def test_speculative_and_constrained_requests_across_the_hand_over():
+    """The embedded model (it has an MTP module and a tokenizer): with MTP speculative decoding the MTP module's
+    pages travel too (a fifth layer) and greedy tokens equal a co-located engine's without speculation; a
+    regex-constrained request's first token is masked by the prefill engine, the rest by the decode engine."""
+    from jaxinfer.engine.structured_output import StructuredOutputsParams
+
+    prompts = ["def fib(n):", "The capital of France is"]
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=16, structured_outputs=StructuredOutputsParams(
+                  regex=r"[0-9]{3}-[a-z]{4}"))]
+    want = LLM(mesh="1x1", dtype="float32").generate(prompts, params, use_tqdm=False)
+    pd = LLM(dtype="float32", prefill_mesh="1x1", decode_mesh="1x2",
+             speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    got = pd.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{4}", got[1].outputs[0].text) and got[1].outputs[0].finish_reason == "stop"
+    assert pd.stats.num_draft_tokens > 0
+    cfg = pd.model.config  # (layers + the MTP module) x 64 tokens x (kv_lora_rank + qk_rope_head_dim) float32
+    page_bytes = (cfg.num_hidden_layers + 1) * 64 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
+    assert pd.stats.kv_transfer_bytes == sum(-(-len(p) // 64) for p in (pd.tokenizer.encode(t) for t in prompts)
+                                             ) * page_bytes
 
 
 def test_step_log_of_a_colocated_engine(case):
