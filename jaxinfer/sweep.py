@@ -17,8 +17,9 @@ latent bytes handed over.
 
 Results in ``--out DIR``: ``sweep.csv`` (``CSV_COLUMNS``: the engines' devices, prefill / decode throughput from
 SGLang's one-batch figures, decode tok/s per device, median TTFT and TPOT in seconds, the KV bytes handed from
-prefill to decode, dispatch payload bytes per token over all MoE layers as run and in DeepEP's FP8 format), ``throughput.png`` (prefill and decode tok/s vs mesh, one line per
-batch size) and ``throughput_per_device.png``; the table goes to stdout, progress to stderr.
+prefill to decode, dispatch payload bytes per token over all MoE layers as run and in DeepEP's FP8 format),
+``throughput.png`` (prefill and decode tok/s vs mesh, one line per batch size) and ``throughput_per_device.png``;
+the table goes to stdout, progress to stderr.
 """
 
 from __future__ import annotations
