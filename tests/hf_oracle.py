@@ -114,6 +114,14 @@ def reference_logits(model, ids: np.ndarray) -> np.ndarray:
     return out.logits.float().numpy()
 
 
+def greedy_tokens(model, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy generate of exactly n tokens after ``prompt`` (its own cache; no EOS stop)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
 @torch.no_grad()
 def routing_stats(model, ids: np.ndarray) -> dict[str, float]:
     """Oracle sanity: for V3 routers, the fraction of (token, layer) whose chosen expert SET changes when the

@@ -46,6 +46,12 @@ HEARTBEAT_S = 0.5   # a heartbeat this often, from each side's channel thread
 DEFAULT_TIMEOUT_S = 30.0
 
 
+def _seconds(timeout) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"pd_timeout must be a number of seconds > 0, got {timeout!r}")
+    return float(timeout)
+
+
 def _host_port(address: str) -> tuple[str, int]:
     host, sep, port = str(address).rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -183,9 +189,7 @@ class PrefillEngine:
     the finished requests' tokens and the latent bytes the decode process pulled (its steps are logged there)."""
 
     def __init__(self, config: EngineConfig, address: str, timeout: float = DEFAULT_TIMEOUT_S):
-        if not timeout > 0:
-            raise ValueError(f"pd_timeout must be > 0 seconds, got {timeout!r}")
-        self.timeout = float(timeout)
+        self.timeout = _seconds(timeout)
         self.channel = Channel(address, bind=False)
         self.prefill = LLMEngine.from_config(config, role="prefill")
         self._transfer = _transfer_server(self.prefill.model.mesh, self.channel.address.rpartition(":")[0])
@@ -283,9 +287,7 @@ class DecodeServer:
     the prefill process's hand-overs, pulls their latents, decodes and sends the outputs back."""
 
     def __init__(self, config: EngineConfig, address: str, timeout: float = DEFAULT_TIMEOUT_S):
-        if not timeout > 0:
-            raise ValueError(f"pd_timeout must be > 0 seconds, got {timeout!r}")
-        self.timeout = float(timeout)
+        self.timeout = _seconds(timeout)
         self.channel = Channel(address, bind=True)
         self.engine = LLMEngine.from_config(config, role="decode")
         mesh = self.engine.model.mesh

@@ -9,8 +9,8 @@ import re
 
 import jax
 import numpy as np
+import hf_oracle
 import pytest
-import torch
 from jax.sharding import Mesh
 
 from jaxinfer.engine.disaggregated import split_meshes
@@ -28,13 +28,7 @@ OPTIONS = dict(dtype="float32", num_kv_pages=16, max_num_batched_tokens=96)  # t
 def case(v3_case):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, v3_case.cfg["vocab_size"], n).tolist() for n in LENGTHS]
-    refs = []
-    for p in prompts:
-        with torch.no_grad():
-            out = v3_case.model.generate(torch.tensor([p]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
-                                         eos_token_id=None)
-        refs.append(out[0, len(p):].tolist())
-    return v3_case, prompts, refs
+    return v3_case, prompts, [hf_oracle.greedy_tokens(v3_case.model, p, GREEDY.max_tokens) for p in prompts]
 
 
 @pytest.fixture(scope="module")
