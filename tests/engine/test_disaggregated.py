@@ -1,5 +1,6 @@
 """Prefill/decode disaggregation in one process (engine/disaggregated.py) and the step log (engine/step_log.py):
-a prefill engine on a 1x2 mesh hands requests to a decode engine on a 2x2 mesh. Greedy tokens equal transformers'
+a prefill engine on a 1x1 mesh hands requests to a decode engine on a 2x2 mesh (expert parallelism 1 and 2; the
+prefill engine's programs are the co-located 1x1 engine's, compiled once). Greedy tokens equal transformers'
 generate; seeded samples (n > 1, logprobs, stops at and after the first token) equal a co-located 1x1 engine's; the
 bytes handed over are the prompts' latents rounded up to pages, counted from the model's shape. (Unseeded samples
 are keyed on the engine's sequence ids, which the decode engine takes from the prefill engine; comparing them
@@ -11,6 +12,7 @@ import jax
 import numpy as np
 import hf_oracle
 import pytest
+import torch
 from jax.sharding import Mesh
 
 from jaxinfer.engine.disaggregated import split_meshes
@@ -33,34 +35,28 @@ def case(v3_case):
 
 @pytest.fixture(scope="module")
 def pd(case):
-    return LLM(case[0].path, prefill_mesh="1x2", decode_mesh="2x2", **OPTIONS)
+    return LLM(case[0].path, prefill_mesh="1x1", decode_mesh="2x2", **OPTIONS)
 
 
-def test_greedy_matches_transformers_and_the_latents_handed_over(case, pd):
+@pytest.fixture(scope="module")
+def colocated(case):
+    return LLM(case[0].path, mesh="1x1", **OPTIONS)
+
+
+def test_tokens_equal_transformers_and_a_colocated_engine(case, pd, colocated):
+    """One batch: greedy requests (= transformers' generate) and sampled ones (= the co-located engine's: seeded,
+    n > 1, logprobs, ending at the first or the third token)."""
     model_case, prompts, refs = case
-    outs = pd.generate(prompts, GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == refs
-    cfg = model_case.cfg  # a page: layers x 64 tokens x (kv_lora_rank + qk_rope_head_dim) float32 values
-    page_bytes = cfg["num_hidden_layers"] * 64 * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
-    assert pd.stats.kv_transfer_bytes == sum(-(-n // 64) for n in LENGTHS) * page_bytes
-    log = pd.stats.step_log
-    assert {(r["kind"], r["engine"]) for r in log} == {("prefill", "prefill"), ("decode", "decode")}
-    assert [len(r["rank_tokens"]) for r in log] == [2 if r["engine"] == "prefill" else 4 for r in log]
-    prefill_tokens = sum(sum(r["rank_tokens"]) for r in log if r["kind"] == "prefill")
-    assert prefill_tokens == sum(LENGTHS)   # every prompt computed once, by the prefill engine
-    assert [r["t_dispatch"] for r in log] == sorted(r["t_dispatch"] for r in log)
-
-
-def test_sampling_equals_a_colocated_engine(case, pd):
-    model_case, prompts, refs = case
-    params = [SamplingParams(temperature=1.0, seed=11, max_tokens=7, ignore_eos=True),
-              SamplingParams(temperature=0.7, top_k=5, max_tokens=6, n=2, logprobs=2, seed=5, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=1),                              # ends at its first token
-              SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[refs[3][2]]),  # stops at its third
-              SamplingParams(temperature=0.9, top_p=0.8, max_tokens=9, n=3, seed=2, ignore_eos=True)]
-    colocated = LLM(model_case.path, mesh="1x1", **OPTIONS)
-    want = colocated.generate(prompts, params, use_tqdm=False)
-    got = pd.generate(prompts, params, use_tqdm=False)
+    sampled = [SamplingParams(temperature=1.0, seed=11, max_tokens=7, ignore_eos=True),
+               SamplingParams(temperature=0.7, top_k=5, max_tokens=6, n=2, logprobs=2, seed=5, ignore_eos=True),
+               SamplingParams(temperature=0, max_tokens=1),                              # ends at its first token
+               SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[refs[3][2]]),  # stops at its third
+               SamplingParams(temperature=1.0, max_tokens=9, n=3, seed=2, ignore_eos=True)]
+    params = [GREEDY] * len(prompts) + sampled
+    got = pd.generate(prompts + prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got[:len(prompts)]] == refs
+    assert got[len(prompts) + 3].outputs[0].token_ids == refs[3][:3]
+    want = colocated.generate(prompts + prompts, params, use_tqdm=False)
     for w, g in zip(want, got):
         assert [(c.token_ids, c.finish_reason) for c in g.outputs] == [(c.token_ids, c.finish_reason)
                                                                          for c in w.outputs]
@@ -70,16 +66,17 @@ def test_sampling_equals_a_colocated_engine(case, pd):
                 np.testing.assert_allclose([v for e in cg.logprobs for v in e.values()],
                                            [v for e in cw.logprobs for v in e.values()], rtol=1e-5, atol=1e-5)
         assert g.metrics["ttft_s"] is not None and g.metrics["num_output_tokens"] == w.metrics["num_output_tokens"]
-    assert got[3].outputs[0].token_ids == refs[3][:3]
-    # The request that ended at its first token never reached the decode engine.
-    handed = sum(p.n * -(-n // 64) for p, n in zip(params, LENGTHS) if p.max_tokens > 1)
+    # Handed over: every sample's prompt pages, but the request that ended at its first token (it never left the
+    # prefill engine). A page: layers x 64 tokens x (kv_lora_rank + qk_rope_head_dim) float32 values.
     cfg = model_case.cfg
-    assert pd.stats.kv_transfer_bytes == handed * cfg["num_hidden_layers"] * 64 * (cfg["kv_lora_rank"]
-                                                                                    + cfg["qk_rope_head_dim"]) * 4
-    # The co-located engine logs its steps too: prefill steps compute every prompt token once per sample
-    # admitted (n > 1 samples share the prompt's cached pages: at least the prompt, at most n of them).
-    log = colocated.stats.step_log
-    assert {r["engine"] for r in log} == {"colocated"} and {r["kind"] for r in log} == {"prefill", "decode"}
+    page_bytes = cfg["num_hidden_layers"] * 64 * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
+    handed = sum(p.n * -(-n // 64) for p, n in zip(params, LENGTHS + LENGTHS) if p.max_tokens > 1)
+    assert pd.stats.kv_transfer_bytes == handed * page_bytes
+    log = pd.stats.step_log
+    assert {(r["kind"], r["engine"]) for r in log} == {("prefill", "prefill"), ("decode", "decode")}
+    assert [len(r["rank_tokens"]) for r in log] == [1 if r["engine"] == "prefill" else 4 for r in log]
+    assert [r["t_dispatch"] for r in log] == sorted(r["t_dispatch"] for r in log)
+    assert {r["engine"] for r in colocated.stats.step_log} == {"colocated"}
 
 
 def test_streamed_deltas_continue_across_the_hand_over(case, pd):
@@ -116,38 +113,43 @@ def test_abort_on_either_engine_frees_everything(case, pd):
 
 def test_speculative_and_constrained_requests_across_the_hand_over():
     """The embedded model (it has an MTP module and a tokenizer): with MTP speculative decoding the MTP module's
-    pages travel too (a fifth layer) and greedy tokens equal a co-located engine's without speculation; a
-    regex-constrained request's first token is masked by the prefill engine, the rest by the decode engine."""
+    pages travel too (a fifth layer) and greedy tokens equal transformers'; a regex-constrained request's first
+    token is masked by the prefill engine, the rest by the decode engine."""
+    import transformers
+
+    from jaxinfer.default_model import path as default_model_path
     from jaxinfer.engine.structured_output import StructuredOutputsParams
 
-    prompts = ["def fib(n):", "The capital of France is"]
-    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=16, structured_outputs=StructuredOutputsParams(
-                  regex=r"[0-9]{3}-[a-z]{4}"))]
-    want = LLM(mesh="1x1", dtype="float32").generate(prompts, params, use_tqdm=False)
-    pd = LLM(dtype="float32", prefill_mesh="1x1", decode_mesh="1x2",
+    pd = LLM(dtype="float32", prefill_mesh="1x1", decode_mesh="1x2", num_kv_pages=16,
              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
-    got = pd.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    prompt, n = pd.tokenizer.encode("def fib(n):"), 12
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=n, structured_outputs=StructuredOutputsParams(
+                  regex=r"[0-9]{3}-[a-z]{4}"))]
+    got = pd.generate([prompt, prompt], params, use_tqdm=False)
+    hf = hf_oracle.cached("default_model:hf", lambda: transformers.AutoModelForCausalLM.from_pretrained(
+        str(default_model_path()), dtype=torch.float32, attn_implementation="eager",
+        experts_implementation="eager").eval())  # test_llm_engine.py's
+    assert got[0].outputs[0].token_ids == hf_oracle.greedy_tokens(hf, prompt, n)
     assert re.fullmatch(r"[0-9]{3}-[a-z]{4}", got[1].outputs[0].text) and got[1].outputs[0].finish_reason == "stop"
     assert pd.stats.num_draft_tokens > 0
     cfg = pd.model.config  # (layers + the MTP module) x 64 tokens x (kv_lora_rank + qk_rope_head_dim) float32
     page_bytes = (cfg.num_hidden_layers + 1) * 64 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
-    assert pd.stats.kv_transfer_bytes == sum(-(-len(p) // 64) for p in (pd.tokenizer.encode(t) for t in prompts)
-                                             ) * page_bytes
+    assert pd.stats.kv_transfer_bytes == 2 * -(-len(prompt) // 64) * page_bytes
 
 
-def test_step_log_of_a_colocated_engine(case):
-    llm = LLM(case[0].path, mesh="1x1", dtype="float32", num_kv_pages=8, num_scheduler_steps=8)
-    prompt = list(range(3, 103))  # 100 tokens: one prefill chunk, 2 pages
+def test_step_log_of_a_colocated_engine(colocated):
+    llm = colocated
+    assert llm.config.num_scheduler_steps == 8   # the CPU's multi-step decode
+    prompt = list(range(3, 93))  # 90 tokens: one prefill chunk (max_num_batched_tokens 96), 2 pages
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True), use_tqdm=False)
     prefill, decode = llm.stats.step_log
-    assert (prefill["kind"], prefill["rank_tokens"], prefill["rank_attention"]) == ("prefill", [100], [100 * 100])
+    assert (prefill["kind"], prefill["rank_tokens"], prefill["rank_attention"]) == ("prefill", [90], [90 * 90])
     assert (prefill["rank_kv_pages"], prefill["rank_requests"]) == ([2], [1])
-    # One multi-step decode step: 8 tokens from position 100 on, 8 new over 108 keys; 108 tokens fill 2 pages.
-    assert (decode["kind"], decode["rank_tokens"], decode["rank_attention"]) == ("decode", [8], [8 * 108])
+    # One multi-step decode step: 8 tokens from position 90 on, 8 new over 98 keys; 98 tokens fill 2 pages.
+    assert (decode["kind"], decode["rank_tokens"], decode["rank_attention"]) == ("decode", [8], [8 * 98])
     assert (decode["rank_kv_pages"], decode["rank_requests"]) == ([2], [1])
-    llm.generate([prompt[:5]], SamplingParams(max_tokens=1), use_tqdm=False)
+    llm.generate([prompt[:5]], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     assert len(llm.stats.step_log) == 1   # each generate call logs its own steps
 
 
