@@ -196,7 +196,6 @@ class PrefillEngine:
         self._device = SingleDeviceSharding(self.prefill.model.mesh.devices.flat[0])
         self._offered: dict[int, tuple[str, jax.Array]] = {}   # uuid -> (request id, latents until acknowledged)
         self._remote: dict[str, tuple[int, float]] = {}       # request id -> (samples, time sent), at the decode
-        self._dead: str | None = None
         self.stats = self.prefill.stats
 
     model = property(lambda self: self.prefill.model)
