@@ -136,15 +136,15 @@ class EngineStats:
     def since(self, before: EngineStats) -> EngineStats:
         """The counts accumulated after ``before`` (a ``snapshot`` of an earlier state); the step records logged
         after it."""
-        def diff(now, then):
-            if now is self.step_log:
+        def diff(name, now, then):
+            if name == "step_log":
                 return now[len(then):] if len(now) >= len(then) else list(now)  # (halved since: all it holds)
             if isinstance(now, list):
                 then = then or [0] * len(now)
                 return [a - b for a, b in zip(now, then)]
             return now - then
 
-        return EngineStats(**{f.name: diff(getattr(self, f.name), getattr(before, f.name))
+        return EngineStats(**{f.name: diff(f.name, getattr(self, f.name), getattr(before, f.name))
                               for f in dataclasses.fields(self)})
 
 

@@ -10,7 +10,8 @@ process and a decode process, on one machine or two.
 - KV: the prefill process offers each hand-over's latents with ``jax.experimental.transfer`` (``await_pull`` under
   a fresh id) and the decode process pulls them onto its mesh; a pull is single-use and the decode process
   acknowledges it, after which the prefill process drops its copy. A pull that does not complete within
-  ``timeout`` fails its request (DESIGN.md's platform facts: a pull of an unknown id hangs rather than failing).
+  ``timeout`` fails its request (on jax 0.10.2, a pull of an id that was never offered, or was already pulled,
+  hangs rather than failing: docs/architecture.md "Platform facts").
 - Requests (engine/handover.py's Handover, the latents replaced by their transfer ids) go to the decode process,
   its outputs (RequestOutput, as its LLMEngine returns them) come back and the prefill side returns them as its
   own. Perf-counter times are moved into the receiving process's clock on arrival.

@@ -312,17 +312,21 @@ class Scheduler:
         than a rank has) is finished at once with reason "error" and a message; the caller checks
         ``seq.is_finished``. Raises ValueError for a sequence that is not fresh or a seq_id already in use.
         """
-        error = self._arrive(seq, seq.num_prompt_tokens, "prompt")
+        return self._arrive(seq, seq.num_prompt_tokens, "prompt")
+
+    def _arrive(self, seq: Sequence, n: int, what: str, latents=None, num_kv_tokens: int | None = None
+                ) -> Sequence:
+        """Gives a fresh sequence its arrival order and queues it for a rank (``_arrivals``), or finishes it with
+        "error" when needing ``n`` tokens' pages it can never run (on any rank: they have the same pages)."""
+        error = self._arrival_error(seq, n, what)
         if error is not None:
             self._set_finished(seq, "error", error)
         else:
             self._seqs[seq.seq_id] = seq
-            self._arrivals.append((seq, None, None))
+            self._arrivals.append((seq, latents, num_kv_tokens))
         return seq
 
-    def _arrive(self, seq: Sequence, n: int, what: str) -> str | None:
-        """Gives a fresh sequence its arrival order; returns why a sequence needing ``n`` tokens' pages can never
-        run (on any rank: they have the same pages), or None."""
+    def _arrival_error(self, seq: Sequence, n: int, what: str) -> str | None:
         if seq.status is not SequenceStatus.WAITING or seq.arrival is not None:
             raise ValueError(f"sequence {seq.seq_id} was already added ({seq.status.value})")
         if seq.seq_id in self._seqs:
@@ -382,13 +386,7 @@ class Scheduler:
                              f"{seq.output_token_ids}")
         if not 1 <= num_kv_tokens < seq.num_tokens:
             raise ValueError(f"{num_kv_tokens=} must be in [1, {seq.num_tokens}) for seq {seq.seq_id}")
-        error = self._arrive(seq, num_kv_tokens, "prefilled sequence")
-        if error is not None:
-            self._set_finished(seq, "error", error)
-        else:
-            self._seqs[seq.seq_id] = seq
-            self._arrivals.append((seq, latents, num_kv_tokens))
-        return seq
+        return self._arrive(seq, num_kv_tokens, "prefilled sequence", latents, num_kv_tokens)
 
     def _admit_transfers(self, rank: int, admitted: list[Sequence]) -> None:
         """Admits the rank's handed-over sequences, FIFO, while it has their pages and room to run them."""
