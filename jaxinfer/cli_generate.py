@@ -56,6 +56,8 @@ def add_parser(sub) -> None:
     pd.add_argument("--pd-address", metavar="HOST:PORT", help="the decode process's address (it binds it)")
     pd.add_argument("--pd-timeout", type=float, default=30.0, metavar="S",
                     help="a peer silent this long is dead: its requests finish with an error (default 30)")
+    pd.add_argument("--pd-connect-timeout", type=float, default=300.0, metavar="S",
+                    help="how long to wait for the other process to first answer (default 300)")
 
 
 def structured_outputs(args):
@@ -154,7 +156,7 @@ def serve(args) -> int:
 
     config = EngineConfig(model=args.model, mesh=args.mesh, dtype=args.dtype, compilation_cache="off",
                           compile_ahead=False, speculative_config=bench.speculative_config(args))
-    server = DecodeServer(config, args.pd_address, args.pd_timeout)
+    server = DecodeServer(config, args.pd_address, args.pd_timeout, args.pd_connect_timeout)
     print(f"[jaxinfer] decode process serving {args.pd_address}", file=sys.stderr, flush=True)
     return server.run()
 
@@ -170,7 +172,8 @@ def run(args) -> int | None:
     constraint = structured_outputs(args)
     # compilation_cache="off": the CLI has configured JAX's cache from --compilation-cache (cli._start_jax).
     # compile_ahead off: one generate call, then the process exits; other prefill block counts are not needed.
-    pd = dict(pd_address=args.pd_address, pd_timeout=args.pd_timeout) if args.role == "prefill" else {}
+    pd = dict(pd_address=args.pd_address, pd_timeout=args.pd_timeout, pd_connect_timeout=args.pd_connect_timeout)
+    pd = pd if args.role == "prefill" else {}
     llm = jaxinfer.LLM(args.model, mesh=args.mesh, dtype=args.dtype, compilation_cache="off", compile_ahead=False,
                        speculative_config=bench.speculative_config(args), **bench.kv_cache_options(args), **pd)
     defaults = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,

@@ -18,7 +18,7 @@ from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.disaggregated import DisaggregatedEngine
 from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.engine.outputs import RequestOutput, RequestOutputKind
-from jaxinfer.engine.pd_remote import DEFAULT_TIMEOUT_S, PrefillEngine
+from jaxinfer.engine.pd_remote import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_TIMEOUT_S, PrefillEngine
 from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.engine.structured_output import from_response_format
 
@@ -33,16 +33,17 @@ class LLM:
     order, prefill first; engine/disaggregated.py); ``llm.engine`` is then a DisaggregatedEngine. Across processes:
     ``LLM(..., pd_address="HOST:PORT", pd_timeout=30.0)`` is the prefill process of a pair whose decode process
     serves that address (engine/pd_remote.py ``DecodeServer``; ``jaxinfer generate --role decode``); requests
-    the decode process holds when it goes silent for pd_timeout seconds finish with "error". ``llm.close()``
-    tells it to exit once done."""
+    the decode process holds when it goes silent for pd_timeout seconds, or does not answer within
+    pd_connect_timeout (300 s) of the start, finish with "error". ``llm.close()`` tells it to exit once done."""
 
     def __init__(self, model=None, mesh=None, dtype: str | None = None, *, prefill_mesh=None, decode_mesh=None,
-                 pd_address: str | None = None, pd_timeout: float = DEFAULT_TIMEOUT_S, **engine_options):
+                 pd_address: str | None = None, pd_timeout: float = DEFAULT_TIMEOUT_S,
+                 pd_connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S, **engine_options):
         config = EngineConfig(model=model, mesh=mesh, dtype=dtype, **engine_options)
         if pd_address is not None:  # the prefill process of a pair (engine/pd_remote.py)
             if prefill_mesh is not None or decode_mesh is not None:
                 raise ValueError("pd_address (a decode process elsewhere) excludes prefill_mesh / decode_mesh")
-            self.engine = PrefillEngine(config, pd_address, pd_timeout)
+            self.engine = PrefillEngine(config, pd_address, pd_timeout, pd_connect_timeout)
         elif prefill_mesh is None and decode_mesh is None:
             self.engine = LLMEngine.from_config(config)
         else:  # prefill/decode disaggregation (engine/disaggregated.py)

@@ -17,7 +17,9 @@ process and a decode process, on one machine or two.
   own. Perf-counter times are moved into the receiving process's clock on arrival.
 
 A peer that dies or stalls gives every request it holds an "error" with a message within ``timeout`` seconds; the
-other side's requests go on. ``PrefillEngine`` is the prefill side (LLMEngine's interface; ``LLM(...,
+other side's requests go on. A peer not heard from yet is given ``connect_timeout`` (default 300 s) to start: the
+two processes start in either order, each importing JAX and loading the model first, and hand-overs wait for the
+decode process meanwhile. ``PrefillEngine`` is the prefill side (LLMEngine's interface; ``LLM(...,
 pd_address=...)`` uses it), ``DecodeServer`` the decode side (``jaxinfer generate --role decode``).
 """
 
@@ -45,12 +47,15 @@ from jaxinfer.engine.outputs import CompletionOutput, RequestOutput
 
 HEARTBEAT_S = 0.5   # a heartbeat this often, from each side's channel thread
 DEFAULT_TIMEOUT_S = 30.0
+# For the first contact: SGLang's disaggregation waits 300 s by default for its peer's bootstrap
+# (SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT); a process starting on a loaded machine takes seconds to import JAX alone.
+DEFAULT_CONNECT_TIMEOUT_S = 300.0
 
 
-def _seconds(timeout) -> float:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"pd_timeout must be a number of seconds > 0, got {timeout!r}")
-    return float(timeout)
+def _seconds(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+    return float(value)
 
 
 def _host_port(address: str) -> tuple[str, int]:
@@ -141,9 +146,18 @@ class Channel:
             pass
         return messages
 
-    def peer_silent_for(self) -> float:
-        """Seconds since the peer was last heard from (since the channel started, if never)."""
-        return time.monotonic() - (self.last_heard if self.last_heard is not None else self.started)
+    def peer_lost(self, peer: str, timeout: float, connect_timeout: float) -> str | None:
+        """Why the peer (named ``peer`` in the message) counts as gone, or None: heard from once, then silent for
+        ``timeout`` seconds; or never heard from in ``connect_timeout`` seconds since this channel started."""
+        now = time.monotonic()
+        if self.last_heard is None:
+            if now - self.started <= connect_timeout:
+                return None
+            return (f"no {peer} answered at {self.address} within {connect_timeout:g} s (is it running, with this "
+                    "--pd-address?)")
+        if now - self.last_heard <= timeout:
+            return None
+        return f"the {peer} at {self.address} sent nothing for {timeout:g} s (dead or stalled)"
 
     def close(self, drain_s: float = 0.5) -> None:
         """Sends what is queued (for up to ``drain_s``), then stops the thread."""
@@ -189,8 +203,10 @@ class PrefillEngine:
     for ``timeout`` seconds every request it holds finishes with "error". ``stats`` are the prefill engine's, plus
     the finished requests' tokens and the latent bytes the decode process pulled (its steps are logged there)."""
 
-    def __init__(self, config: EngineConfig, address: str, timeout: float = DEFAULT_TIMEOUT_S):
-        self.timeout = _seconds(timeout)
+    def __init__(self, config: EngineConfig, address: str, timeout: float = DEFAULT_TIMEOUT_S,
+                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S):
+        self.timeout = _seconds(timeout, "pd_timeout")
+        self.connect_timeout = _seconds(connect_timeout, "pd_connect_timeout")
         self.channel = Channel(address, bind=False)
         self.prefill = LLMEngine.from_config(config, role="prefill")
         self._transfer = _transfer_server(self.prefill.model.mesh, self.channel.address.rpartition(":")[0])
@@ -247,9 +263,9 @@ class PrefillEngine:
                     self._offered.pop(uuid, None)
             elif kind == "transfer_bytes":
                 self.stats.kv_transfer_bytes += payload
-        if self._remote and self.channel.peer_silent_for() > self.timeout:
-            error = (f"the decode process at {self.channel.address} sent nothing for {self.timeout:g} s "
-                     "(dead or stalled): its requests are lost")
+        lost = self._remote and self.channel.peer_lost("decode process", self.timeout, self.connect_timeout)
+        if lost:
+            error = f"{lost}: its requests are lost"
             outputs += [_failed(rid, n, error) for rid, (n, _) in self._remote.items()]
             self._remote.clear()
             self._offered.clear()
@@ -286,8 +302,10 @@ class DecodeServer:
     """The decode process's side: a decode engine (``.engine``) serving ``address`` (bound here). ``run()`` takes
     the prefill process's hand-overs, pulls their latents, decodes and sends the outputs back."""
 
-    def __init__(self, config: EngineConfig, address: str, timeout: float = DEFAULT_TIMEOUT_S):
-        self.timeout = _seconds(timeout)
+    def __init__(self, config: EngineConfig, address: str, timeout: float = DEFAULT_TIMEOUT_S,
+                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S):
+        self.timeout = _seconds(timeout, "pd_timeout")
+        self.connect_timeout = _seconds(connect_timeout, "pd_connect_timeout")
         self.channel = Channel(address, bind=True)
         self.engine = LLMEngine.from_config(config, role="decode")
         mesh = self.engine.model.mesh
@@ -295,8 +313,9 @@ class DecodeServer:
         self._server, self._connections = None, {}  # the transfer server, once the prefill side's host is known
 
     def run(self, log=sys.stderr) -> int:
-        """Serves until the prefill process says "shutdown" and nothing is left (returns 0), or it has been silent
-        for ``timeout`` seconds: its requests are aborted and listed on ``log`` (returns 1)."""
+        """Serves until the prefill process says "shutdown" and nothing is left (returns 0), or it is lost (silent
+        for ``timeout`` seconds, or never heard from in ``connect_timeout``): its requests are aborted and listed on
+        ``log`` (returns 1)."""
         engine, channel = self.engine, self.channel
         pulls: list = []
         shutdown = False
@@ -317,11 +336,11 @@ class DecodeServer:
                         channel.send("outputs", (time.perf_counter(), outs))
                 elif shutdown and not pulls:
                     return 0
-                if channel.peer_silent_for() > self.timeout:
+                why = channel.peer_lost("prefill process", self.timeout, self.connect_timeout)
+                if why:
                     lost = engine.unfinished_request_ids()
                     engine.abort_request(lost)
-                    print(f"[jaxinfer] the prefill process at {channel.address} sent nothing for {self.timeout:g} s "
-                          f"(dead or stalled): aborted {len(lost)} request(s) {lost}", file=log)
+                    print(f"[jaxinfer] {why}: aborted {len(lost)} request(s) {lost}", file=log)
                     return 1
         finally:
             channel.close()

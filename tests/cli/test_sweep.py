@@ -140,6 +140,8 @@ def test_bench_throughput_json():
     (["generate", "--role", "decode"], "--role and --pd-address go together"),
     (["generate", "--role", "decode", "--pd-address", "127.0.0.1:1", "a prompt"], "takes no prompts"),
     (["generate", "--role", "prefill", "--pd-address", "no-port", "a prompt"], "pd_address must be HOST:PORT"),
+    (["generate", "--role", "prefill", "--pd-address", "127.0.0.1:1", "--pd-connect-timeout", "0", "a prompt"],
+     "pd_connect_timeout must be a number of seconds > 0, got 0.0"),
 ])
 def test_bad_arguments_print_one_line(argv, message, capsys, tmp_path):
     if argv[0] == "sweep":

@@ -1,8 +1,10 @@
 """Prefill/decode disaggregation across processes on 127.0.0.1 (engine/pd_remote.py): the test process prefills,
 a `jaxinfer generate --role decode` process decodes. Greedy tokens equal transformers' generate and seeded samples
-a co-located engine's; the bytes handed over are the prompts' latents rounded up to pages. Faults: the decode
-process killed mid-run gives the requests it held an "error" within the timeout and the prefill side goes on; a
-killed prefill process makes the decode side abort its requests and exit within the timeout."""
+a co-located engine's; the bytes handed over are the prompts' latents rounded up to pages. The decode process
+starts after the prefill side has waited longer than pd_timeout (a peer not heard from yet gets pd_connect_timeout).
+Faults: the decode process killed mid-run gives the requests it held an "error" within the timeout and the prefill
+side goes on; a killed prefill process makes the decode side abort its requests and exit within the timeout; a
+peer that never answers fails within pd_connect_timeout."""
 
 import io
 import os
@@ -41,12 +43,14 @@ def _cli(*args: str, stderr) -> subprocess.Popen:
 
 @pytest.fixture(scope="module")
 def pair(v3_case, tmp_path_factory):
-    """(a decode process serving an address, the prefill LLM of this process connected to it)."""
+    """(a decode process serving an address, the prefill LLM of this process connected to it). The decode process
+    starts once the prefill side has waited for it longer than pd_timeout: only a peer heard from can time out."""
     address = _free_address()
     log = open(tmp_path_factory.mktemp("pd") / "decode.log", "w+")
+    llm = LLM(v3_case.path, mesh="1x1", pd_address=address, pd_timeout=TIMEOUT_S, **OPTIONS)
+    time.sleep(max(0.0, llm.engine.channel.started + TIMEOUT_S + 0.5 - time.monotonic()))
     decode = _cli("--role", "decode", "--pd-address", address, "--pd-timeout", str(TIMEOUT_S), "--model",
                   str(v3_case.path), "--mesh", "1x2", "--dtype", "float32", stderr=log)
-    llm = LLM(v3_case.path, mesh="1x1", pd_address=address, pd_timeout=TIMEOUT_S, **OPTIONS)
     yield decode, llm
     if decode.poll() is None:
         decode.kill()
@@ -129,3 +133,20 @@ def test_a_killed_prefill_process_makes_the_decode_side_abort_and_exit(v3_case, 
     assert not thread.is_alive() and time.monotonic() - killed < TIMEOUT_S + 10
     assert status == [1] and "aborted 1 request(s) ['0']" in log.getvalue()
     assert not server.engine.has_unfinished_requests()
+
+
+def test_a_peer_that_never_answers_fails_within_the_connect_timeout(v3_case, tmp_path):
+    address = _free_address()  # nobody serves it
+    llm = LLM(v3_case.path, mesh="1x1", pd_address=address, pd_timeout=TIMEOUT_S, pd_connect_timeout=1.0, **OPTIONS)
+    try:
+        (out,) = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    finally:
+        llm.close()
+    assert out.outputs[0].finish_reason == "error"
+    assert f"no decode process answered at {address} within 1 s" in out.outputs[0].error
+    mesh = Mesh(np.array(jax.devices()[7:8]).reshape(1, 1), AXES)
+    server = DecodeServer(EngineConfig(model=v3_case.path, mesh=mesh, **OPTIONS), _free_address(),
+                          timeout=TIMEOUT_S, connect_timeout=1.0)
+    log, started = io.StringIO(), time.monotonic()
+    assert server.run(log) == 1 and time.monotonic() - started < 1.0 + 10
+    assert "no prefill process answered at" in log.getvalue() and "aborted 0 request(s)" in log.getvalue()
