@@ -19,7 +19,9 @@ from jaxinfer.engine.sequence import Sequence, SequenceStatus
 class ChildHandover:
     """One sample of the request. finish_reason: set when it ended on the prefill engine (its first token was a
     stop, ...); then latents is None. latents: [pages, layers, page_size, width] of positions [0, num_kv_tokens)
-    (ModelRunner.gather_pages), on the prefill engine's devices until the hand-over moves them."""
+    (ModelRunner.gather_pages), on the prefill rank's device until the decode engine admits the request.
+    draft_token_ids, draft_probs: the MTP drafts the prefill step proposed after the first token (speculative
+    decoding), which the decode engine's first round verifies, as a co-located engine's would."""
 
     seq_id: int
     output_token_ids: tuple[int, ...]
@@ -32,6 +34,8 @@ class ChildHandover:
     latents: Any
     sent_tokens: int
     sent_text: int
+    draft_token_ids: tuple[int, ...]
+    draft_probs: tuple[float, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +67,7 @@ def handover(request: RequestState, latents: dict[int, Any]) -> Handover:
             seq.seq_id, tuple(seq.output_token_ids), None if c.logprobs is None else tuple(c.logprobs),
             seq.finish_reason if ends else None, seq.error if ends else None, seq.num_cached_tokens,
             seq.num_storage_cached_tokens, 0 if ends else seq.num_computed_tokens, latents.get(seq.seq_id),
-            c.sent_tokens, c.sent_text))
+            c.sent_tokens, c.sent_text, () if ends else seq.draft_token_ids, () if ends else seq.draft_probs))
     return Handover(request.request_id, request.prompt, tuple(request.prompt_token_ids), request.params,
                     request.output_kind, request.arrival, request.first_token, request.last_token, tuple(children))
 
@@ -76,6 +80,7 @@ def restore(h: Handover, tokenizer) -> RequestState:
         seq = Sequence(ch.seq_id, h.prompt_token_ids, h.params, child_index=child)
         seq.output_token_ids = list(ch.output_token_ids)
         seq.num_cached_tokens, seq.num_storage_cached_tokens = ch.num_cached_tokens, ch.num_storage_cached_tokens
+        seq.draft_token_ids, seq.draft_probs = ch.draft_token_ids, ch.draft_probs
         seqs.append(seq)
     request = RequestState(h.request_id, h.prompt, list(h.prompt_token_ids), h.params, seqs, tokenizer, h.arrival,
                            h.output_kind)

@@ -113,15 +113,16 @@ def test_abort_on_either_engine_frees_everything(case, pd):
 
 def test_speculative_and_constrained_requests_across_the_hand_over():
     """The embedded model (it has an MTP module and a tokenizer): with MTP speculative decoding the MTP module's
-    pages travel too (a fifth layer) and greedy tokens equal transformers'; a regex-constrained request's first
-    token is masked by the prefill engine, the rest by the decode engine."""
+    pages travel too (a fifth layer) and greedy tokens equal transformers'; the prefill step's drafts travel with
+    them, so the decode engine verifies and accepts exactly what a co-located engine does; a regex-constrained
+    request's first token is masked by the prefill engine, the rest by the decode engine."""
     import transformers
 
     from jaxinfer.default_model import path as default_model_path
     from jaxinfer.engine.structured_output import StructuredOutputsParams
 
-    pd = LLM(dtype="float32", prefill_mesh="1x1", decode_mesh="1x2", num_kv_pages=16,
-             speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    options = dict(dtype="float32", num_kv_pages=16, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    pd = LLM(prefill_mesh="1x1", decode_mesh="1x2", **options)
     prompt, n = pd.tokenizer.encode("def fib(n):"), 12
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=n, structured_outputs=StructuredOutputsParams(
@@ -132,7 +133,11 @@ def test_speculative_and_constrained_requests_across_the_hand_over():
         experts_implementation="eager").eval())  # test_llm_engine.py's
     assert got[0].outputs[0].token_ids == hf_oracle.greedy_tokens(hf, prompt, n)
     assert re.fullmatch(r"[0-9]{3}-[a-z]{4}", got[1].outputs[0].text) and got[1].outputs[0].finish_reason == "stop"
-    assert pd.stats.num_draft_tokens > 0
+    colocated = LLM(mesh="1x1", **options)
+    assert [o.outputs[0].token_ids for o in colocated.generate([prompt, prompt], params, use_tqdm=False)] == [
+        o.outputs[0].token_ids for o in got]
+    drafts = lambda s: (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, s.accepted_per_position)  # noqa
+    assert drafts(pd.stats) == drafts(colocated.stats) and pd.stats.num_draft_tokens > 0
     cfg = pd.model.config  # (layers + the MTP module) x 64 tokens x (kv_lora_rank + qk_rope_head_dim) float32
     page_bytes = (cfg.num_hidden_layers + 1) * 64 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
     assert pd.stats.kv_transfer_bytes == 2 * -(-len(prompt) // 64) * page_bytes
