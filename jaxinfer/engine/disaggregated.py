@@ -3,9 +3,10 @@ disaggregation"): two LLMEngines on disjoint devices, each its own ('data', 'exp
 
 The prefill engine (role "prefill") runs prefill steps only; once a request's prompt is computed and its first
 token known, it hands the request over (engine/handover.py) with its prompt's latents, gathered on its devices by
-a program dispatched right after the step. ``step()`` moves the latents to the decode engine's devices
-(``jax.device_put``, replicated over its mesh: the decode scheduler picks the rank) and the decode engine (role
-"decode") writes them into its own pages before its next step and continues the request. Each engine keeps one step
+a program dispatched right after the step. ``step()`` passes the request to the decode engine (role "decode"),
+whose scheduler picks its rank; the latents stay on the prefill device until the decode step that admits the
+request copies them to that rank's device alone and writes them into its pages (engine/page_io.py
+``put_on_rank``), and the decode engine continues the request. Each engine keeps one step
 in flight and the host drives both from one loop: the prefill engine's step and the decode engine's step run on
 their devices at the same time, and the decode engine never waits for a host round trip per step (a hand-over
 happens when the host applies a prefill step, which it does anyway to see the first token).
@@ -20,13 +21,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
-import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import LLMEngine
-from jaxinfer.engine.handover import Handover
 from jaxinfer.engine.outputs import EngineStats, RequestOutput
 from jaxinfer.parallel.mesh import make_mesh, mesh_shape, ordered_devices
 
@@ -71,7 +70,6 @@ class DisaggregatedEngine:
                 dataclasses.replace(config, mesh=decode, kv_cache_dir=None, kv_cache_max_bytes=None), role="decode")
         except ValueError as e:
             raise ValueError(f"decode_mesh {decode_mesh!r}: {e}") from None
-        self._latents = NamedSharding(self.decode.model.mesh, P())  # the decode scheduler picks the rank
 
     # What LLM shows of its engine: the decode engine's (the prefill engine's through .prefill).
     model = property(lambda self: self.decode.model)
@@ -109,14 +107,8 @@ class DisaggregatedEngine:
         decode engine's. Returns both engines' outputs."""
         outputs = self.prefill.step()
         for h in self.prefill.take_handovers():
-            self.decode.add_prefilled(self._move(h))
+            self.decode.add_prefilled(h)
         return outputs + self.decode.step()
-
-    def _move(self, h: Handover) -> Handover:
-        children = tuple(c if c.latents is None else dataclasses.replace(c, latents=jax.device_put(c.latents,
-                                                                                                   self._latents))
-                         for c in h.children)
-        return dataclasses.replace(h, children=children)
 
     def wait_for_compilations(self) -> None:
         self.prefill.wait_for_compilations()

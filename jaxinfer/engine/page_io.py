@@ -9,7 +9,9 @@ reference is held). A background thread brings the copy to the host and writes t
 
 Both programs (``put_pages``, ``take_pages``; prefill/decode disaggregation's hand-over uses them too) take the
 cache (every layer, the MTP module's included) donated and return it, so a step dispatched after them never waits
-on them; the tier's page counts are padded to powers of two (a few programs).
+on them; the tier's page counts are padded to powers of two (a few programs). ``take_from_rank`` and
+``put_on_rank`` (prefill/decode disaggregation's hand-over) read and write one DP rank's pages on that rank's
+device alone.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ import threading
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxinfer.engine.buckets import bucket
 from jaxinfer.kv.page_store import PageStore
+from jaxinfer.kv.paged_cache import cache_sharding
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -37,6 +41,61 @@ def put_pages(layers, idx, data):
 def take_pages(layers, idx):
     """(the layers unchanged, [n, L, S, W]: the pages ``idx`` of every layer)."""
     return layers, jnp.stack([a[idx, :, 0, :] for a in layers], axis=1)
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnums=2)
+def _take_per_rank(layers, idx, mesh: Mesh):
+    """take_pages on every device at once (shard_map). idx [R * n] rank-local page ids, split over the DP ranks as
+    the cache is; returns (layers, [R * n, L, S, W] split likewise)."""
+    spec = cache_sharding(mesh).spec
+    return jax.shard_map(take_pages, mesh=mesh, in_specs=((spec,) * len(layers), spec),
+                         out_specs=((spec,) * len(layers), spec))(layers, idx)
+
+
+def _rank_shard(sharding, shape, rank: int, n: int) -> jax.Device:
+    """The device holding rows [rank * n, (rank + 1) * n) of an array of ``shape`` split like the cache."""
+    return next(d for d, index in sharding.addressable_devices_indices_map(shape).items()
+                if index[0].indices(shape[0])[0] == rank * n)  # slice(None) on a one-device mesh
+
+
+def take_from_rank(layers: tuple, mesh: Mesh, pages_per_rank: int, rank: int, pages) -> tuple[tuple, jax.Array]:
+    """(``layers`` (donated and returned), [n, L, S, W]: rank-local ``pages`` of DP rank ``rank``, every layer, on
+    that rank's device alone). The other devices gather their null page (work of n pages each, kept there): a
+    gather over the whole split cache would combine every device's part into a copy on each device."""
+    n = len(pages)
+    idx = np.zeros(mesh.size * n, np.int32)  # [R * n]: the null page on every rank but ``rank``
+    idx[rank * n:(rank + 1) * n] = pages
+    sharding = cache_sharding(mesh)
+    layers, data = _take_per_rank(tuple(layers), jax.device_put(idx, sharding), mesh)
+    device = _rank_shard(sharding, data.shape, rank, n)
+    return layers, next(s.data for s in data.addressable_shards if s.device == device)
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnums=3)
+def _put_per_rank(layers, idx, data, mesh: Mesh):
+    """put_pages on every device at once (shard_map: nothing moves between devices). layers: per layer [G, S, 1,
+    W], idx [R * n] rank-local page ids (the rank's page count: padding, dropped), data [R * n, L, S, W]; all split
+    over the DP ranks as the cache is (kv/paged_cache.py cache_sharding)."""
+    spec = cache_sharding(mesh).spec
+    return jax.shard_map(put_pages, mesh=mesh, in_specs=((spec,) * len(layers), spec, spec),
+                         out_specs=(spec,) * len(layers))(layers, idx, data)
+
+
+def put_on_rank(layers: tuple, mesh: Mesh, pages_per_rank: int, rank: int, pages, latents: jax.Array) -> tuple:
+    """``layers`` (the cache, donated) with rank-local ``pages`` of DP rank ``rank`` set to ``latents`` ([n, L, S,
+    W] on any single device: a prefill engine's). Only that rank's device receives a copy of the latents; the other
+    devices' parts of the write are zeros allocated in place and dropped, so a hand-over costs one copy of its
+    latents however many ranks the mesh has (a replicated copy would cost one per device)."""
+    n = len(pages)
+    idx = np.full(mesh.size * n, pages_per_rank, np.int32)  # [R * n]: out of bounds on every rank but ``rank``
+    idx[rank * n:(rank + 1) * n] = pages
+    sharding = cache_sharding(mesh)
+    shape = (mesh.size * n, *latents.shape[1:])
+    target = _rank_shard(sharding, shape, rank, n)
+    shards = [jax.device_put(latents, d) if d == target else jnp.zeros(latents.shape, latents.dtype, device=d)
+              for d in sharding.addressable_devices]
+    data = jax.make_array_from_single_device_arrays(shape, sharding, shards)
+    return _put_per_rank(tuple(layers), jax.device_put(idx, sharding), data, mesh)
 
 
 class PageIO:

@@ -38,7 +38,7 @@ from collections.abc import Iterable
 
 import jax
 from jax.experimental import transfer
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import SingleDeviceSharding
 
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import LLMEngine
@@ -210,7 +210,6 @@ class PrefillEngine:
         self.channel = Channel(address, bind=False)
         self.prefill = LLMEngine.from_config(config, role="prefill")
         self._transfer = _transfer_server(self.prefill.model.mesh, self.channel.address.rpartition(":")[0])
-        self._device = SingleDeviceSharding(self.prefill.model.mesh.devices.flat[0])
         self._offered: dict[int, tuple[str, jax.Array]] = {}   # uuid -> (request id, latents until acknowledged)
         self._remote: dict[str, tuple[int, float]] = {}       # request id -> (samples, time sent), at the decode
         self.stats = self.prefill.stats
@@ -276,10 +275,10 @@ class PrefillEngine:
         for c in h.children:
             if c.latents is not None:
                 uuid = secrets.randbits(63)
-                # One buffer, as the decode process pulls it (a pull names the offer's buffers by index).
-                latents = jax.device_put(c.latents, self._device)
-                self._transfer.await_pull(uuid, [latents])
-                self._offered[uuid] = (h.request_id, latents)
+                # One buffer (on the prefill rank's device), as the decode process pulls it: a pull names the
+                # offer's buffers by index.
+                self._transfer.await_pull(uuid, [c.latents])
+                self._offered[uuid] = (h.request_id, c.latents)
                 c = dataclasses.replace(c, latents=_Remote(uuid, tuple(c.latents.shape), str(c.latents.dtype)))
             children.append(c)
         self._remote[h.request_id] = (len(h.children), time.perf_counter())
@@ -309,7 +308,7 @@ class DecodeServer:
         self.channel = Channel(address, bind=True)
         self.engine = LLMEngine.from_config(config, role="decode")
         mesh = self.engine.model.mesh
-        self._sharding = SingleDeviceSharding(mesh.devices.flat[0]), NamedSharding(mesh, P())  # pulled; placed
+        self._sharding = SingleDeviceSharding(mesh.devices.flat[0])  # pulled there; the runner places them
         self._server, self._connections = None, {}  # the transfer server, once the prefill side's host is known
 
     def run(self, log=sys.stderr) -> int:
@@ -354,9 +353,9 @@ class DecodeServer:
 
 
 def _start_pull(conn, h: Handover, sharding: tuple, clock_shift: float):
-    """Pulls a hand-over's latents in a thread onto ``sharding[0]`` (one device, as offered), then copies them to
-    ``sharding[1]`` (the decode mesh, replicated: the scheduler picks the rank); a pull of an id the peer never
-    offers would hang: the caller gives up after the timeout. Times move into this process's clock."""
+    """Pulls a hand-over's latents in a thread onto ``sharding`` (one device, as offered; the decode step that
+    admits the request copies them to its rank's device, engine/page_io.py ``put_on_rank``); a pull of an id the
+    peer never offers would hang: the caller gives up after the timeout. Times move into this process's clock."""
     shift = lambda t: None if t is None else t + clock_shift  # noqa: E731
     h = dataclasses.replace(h, arrival=shift(h.arrival), first_token=shift(h.first_token),
                             last_token=shift(h.last_token))
@@ -366,9 +365,9 @@ def _start_pull(conn, h: Handover, sharding: tuple, clock_shift: float):
         try:
             for c in h.children:
                 if c.latents is not None:
-                    spec = jax.ShapeDtypeStruct(c.latents.shape, c.latents.dtype, sharding=sharding[0])
+                    spec = jax.ShapeDtypeStruct(c.latents.shape, c.latents.dtype, sharding=sharding)
                     (array,) = conn.pull(c.latents.uuid, [spec])
-                    result[c.latents.uuid] = jax.block_until_ready(jax.device_put(array, sharding[1]))
+                    result[c.latents.uuid] = jax.block_until_ready(array)
         except Exception as e:  # a dead peer: "Connection closed"
             result["error"] = e
 

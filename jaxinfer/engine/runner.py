@@ -21,7 +21,7 @@ from jaxinfer.engine import packing
 from jaxinfer.engine.compile_ahead import CompiledFamily
 from jaxinfer.engine.expert_load import ExpertLoadWindow
 from jaxinfer.engine.inputs import InputBatch
-from jaxinfer.engine.page_io import PageIO, put_pages, take_pages
+from jaxinfer.engine.page_io import PageIO, put_on_rank, take_from_rank
 from jaxinfer.engine.drafter import Drafts
 from jaxinfer.engine.rejection_sampler import VerifyOutput
 from jaxinfer.engine.sampler import SampleOutput
@@ -139,7 +139,8 @@ class ModelRunner:
         if out.page_loads:  # pages read from the storage tier: in the cache before the step reads them
             self._set_cache(self.page_io.place(self.layers + self.mtp_layers, out.page_loads))
         for rank, pages, latents in out.kv_transfers:  # handed over by a prefill engine, likewise
-            self._set_cache(put_pages(self.layers + self.mtp_layers, self._global_pages(rank, pages), latents))
+            self._set_cache(put_on_rank(self.layers + self.mtp_layers, self.model.mesh, self.num_pages_per_rank, rank,
+                                        pages, latents))
         self.inputs.update_states(out)
         step = self.inputs.build(out, allowed)
         packed, layout = packing.pack((*step.arrays, step.tensors))  # one transfer: packing.py says why
@@ -151,14 +152,13 @@ class ModelRunner:
 
     def gather_pages(self, rank: int, pages: list[int]) -> jax.Array:
         """The latents of rank-local ``pages`` of ``rank``, every layer (the MTP module's last):
-        [len(pages), layers, page_size, width] in the cache's dtype (a prefill engine's hand-over). The gather is
-        dispatched now, after the steps that wrote the pages and before any later step could reuse them."""
-        layers, latents = take_pages(self.layers + self.mtp_layers, self._global_pages(rank, pages))
+        [len(pages), layers, page_size, width] in the cache's dtype, on the rank's device (a prefill engine's
+        hand-over; page_io.take_from_rank). The gather is dispatched now, after the steps that wrote the pages and
+        before any later step could reuse them."""
+        layers, latents = take_from_rank(self.layers + self.mtp_layers, self.model.mesh, self.num_pages_per_rank,
+                                         rank, pages)
         self._set_cache(layers)
         return latents
-
-    def _global_pages(self, rank: int, pages) -> np.ndarray:
-        return np.asarray(pages, np.int32) + rank * self.num_pages_per_rank
 
     def store_pages(self, stores: list[tuple[int, int, bytes]]) -> None:
         """Copies the pages ``stores`` ((rank, rank-local page, storage key): Scheduler.take_stores) to the storage
