@@ -7,7 +7,10 @@ summary in vLLM/SGLang vocabulary to stderr. ``--json-schema FILE | --regex RE |
 FILE.lark`` constrain every output (a JSONL line's own ``"structured_outputs"`` wins). ``--speculative-tokens K``
 (bench.add_speculative_flags) decodes with MTP speculative decoding and adds a line of its counts in vLLM's
 spec-decode vocabulary (bench.format_speculative). ``--kv-cache-dir DIR`` keeps prompt pages in DIR for later
-runs (the KV storage tier) and adds a line of the prefix cache's counts (bench.format_cache_stats).
+runs (the KV storage tier) and adds a line of the prefix cache's counts (bench.format_cache_stats). Chat requests
+(``--chat`` or ``messages``) take ``--tools FILE.json`` and ``--tool-choice`` (a JSONL line's ``"tools"`` /
+``"tool_choice"`` win) and their lines carry ``"tool_calls"`` and ``"reasoning_content"`` when the replies hold
+them (engine/chat.py).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import time
 
 from jaxinfer import bench
 
+CHAT_FIELDS = ("tools", "tool_choice")  # chat requests' fields of a JSONL line (LLM.chat's)
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop", "stop_token_ids",
                    "ignore_eos", "n", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
                    "structured_outputs")
@@ -32,6 +36,10 @@ def add_parser(sub) -> None:
                      help="HF checkpoint directory or jaxinfer orbax directory (default: the embedded model)")
     gen.add_argument("--prompts", dest="prompt_file", help="a text file (one prompt per line) or .jsonl")
     gen.add_argument("--chat", action="store_true", help="wrap plain prompts in the tokenizer's chat template")
+    gen.add_argument("--tools", metavar="FILE.json", help="chat requests get these tools (a JSON list of OpenAI "
+                     "function definitions; a JSONL line's 'tools' overrides); completions carry 'tool_calls'")
+    gen.add_argument("--tool-choice", default="auto", metavar="auto|none|required|NAME",
+                     help="chat requests' tool_choice (a JSONL line's 'tool_choice' overrides; default auto)")
     gen.add_argument("--max-tokens", type=int, default=16)
     gen.add_argument("--temperature", type=float, default=1.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -91,6 +99,16 @@ def sampling_params(item: dict, defaults: dict):
     return jaxinfer.SamplingParams(**{**defaults, **{k: item[k] for k in SAMPLING_FIELDS if k in item}})
 
 
+def read_tools(path) -> list | None:
+    """--tools FILE.json: the JSON list it holds (checked by the chat requests), or None without the flag."""
+    if path is None:
+        return None
+    try:
+        return json.loads(pathlib.Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--tools {path}: cannot read a JSON list of tools ({e})") from None
+
+
 def read_requests(args) -> list[dict]:
     """[{"prompt": str} | {"messages": [...]}, plus sampling overrides], from arguments and --prompts."""
     requests = [{"prompt": p} for p in args.prompt]
@@ -112,7 +130,7 @@ def read_requests(args) -> list[dict]:
                 raise ValueError(f"{path}:{number}: not valid JSON ({e.msg})") from None
             if not isinstance(item, dict) or ("prompt" in item) == ("messages" in item):
                 raise ValueError(f"{path}:{number}: expected an object with exactly one of 'prompt' or 'messages'")
-            unknown = set(item) - {"prompt", "messages", *SAMPLING_FIELDS}
+            unknown = set(item) - {"prompt", "messages", *CHAT_FIELDS, *SAMPLING_FIELDS}
             if unknown:
                 raise ValueError(f"{path}:{number}: unknown field(s) {sorted(unknown)}")
             requests.append(item)
@@ -163,6 +181,7 @@ def serve(args) -> int:
 
 def run(args) -> int | None:
     import jaxinfer
+    from jaxinfer.engine.chat import chat_requests
     from jaxinfer.parallel import multihost
 
     _check_pd(args)
@@ -178,25 +197,33 @@ def run(args) -> int | None:
                        speculative_config=bench.speculative_config(args), **bench.kv_cache_options(args), **pd)
     defaults = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
                     seed=args.seed, structured_outputs=constraint)
-    prompts, params = [], []
+    tools, tool_choice = read_tools(args.tools), args.tool_choice
+    if tool_choice not in ("auto", "none", "required"):
+        tool_choice = {"type": "function", "function": {"name": tool_choice}}
+    prompts, params, chats = [], [], []
     for number, item in enumerate(requests, 1):
+        chat = None
+        if ("messages" in item or args.chat) and llm.tokenizer is None:
+            raise ValueError("--chat and 'messages' need tokenizer.json beside the checkpoint")
         try:
-            params.append(sampling_params(item, defaults))
+            request_params = sampling_params(item, defaults)
+            if "messages" in item or args.chat:
+                messages = item.get("messages") or [{"role": "user", "content": item["prompt"]}]
+                (chat,) = chat_requests(llm.tokenizer, [messages], item.get("tools", tools),
+                                        item.get("tool_choice", tool_choice))
+                request_params = chat.params(request_params)
         except (TypeError, ValueError) as e:
             raise ValueError(f"request {number}: {e}") from None
-        if "messages" in item or args.chat:
-            if llm.tokenizer is None:
-                raise ValueError("--chat and 'messages' need tokenizer.json beside the checkpoint")
-            messages = item.get("messages") or [{"role": "user", "content": item["prompt"]}]
-            prompts.append(llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-        else:
-            prompts.append(item["prompt"])
+        params.append(request_params)
+        chats.append(chat)
+        prompts.append(item["prompt"] if chat is None else chat.prompt_token_ids)
     start = time.perf_counter()
     try:
         outputs = llm.generate(prompts, params, use_tqdm=True)
     finally:
         llm.close()  # --role prefill: the decode process exits once done
     duration = time.perf_counter() - start
+    outputs = [out if chat is None else chat.parse(out, llm.tokenizer) for chat, out in zip(chats, outputs)]
     lines = []
     for item, out in zip(requests, outputs):
         for completion in out.outputs:
@@ -205,6 +232,9 @@ def run(args) -> int | None:
                     "metrics": out.metrics}
             if completion.error:
                 line["error"] = completion.error
+            for key in ("tool_calls", "reasoning_content"):  # chat requests' parsed replies
+                if getattr(completion, key) is not None:
+                    line[key] = getattr(completion, key)
             lines.append(json.dumps(line))
     if multihost.is_primary():  # all processes compute, process 0 writes
         print("\n".join(lines))

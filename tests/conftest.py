@@ -38,7 +38,8 @@ SLOWEST_FILES = ("engine/test_engine.py", "kernels/mla/test_mla_decode.py", "ker
                  "engine/test_speculative.py", "engine/test_structured_output.py", "test_notebooks.py",
                  "test_rebalance.py", "models/test_screened_head.py", "cli/test_sweep.py", "engine/test_llm.py",
                  "models/test_paged_forward.py", "parallel/test_multihost.py", "engine/test_llm_engine.py",
-                 "engine/test_kv_storage.py", "engine/test_disaggregated.py", "engine/test_pd_processes.py",
+                 "engine/test_kv_storage.py", "engine/test_chat_protocol.py", "engine/test_disaggregated.py",
+                 "engine/test_pd_processes.py",
                  "cli/test_cli_generate.py", "cli/test_cli_speculative.py", "parallel/test_expert_parallel.py",
                  "test_default_model.py", "engine/test_speculative_sampling.py", "test_orbax_model.py")
 

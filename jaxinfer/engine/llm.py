@@ -8,19 +8,18 @@ Scheduler.update_from_output (tokens, stop checks, pages) -> RequestState (text,
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence as _Seq
 
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxinfer.engine.chat import chat_requests
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.disaggregated import DisaggregatedEngine
 from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.engine.outputs import RequestOutput, RequestOutputKind
 from jaxinfer.engine.pd_remote import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_TIMEOUT_S, PrefillEngine
 from jaxinfer.engine.sampling_params import SamplingParams
-from jaxinfer.engine.structured_output import from_response_format
 
 
 class LLM:
@@ -100,25 +99,29 @@ class LLM:
             self.stats = engine.stats.since(before)
         return [results[rid] for rid in ids]
 
-    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, *,
-             response_format=None) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"} dicts) or a list of them, through the tokenizer's chat
-        template (user text never becomes special tokens). response_format: OpenAI's {"type": "json_schema",
-        "json_schema": {"schema": ...}} or {"type": "json_object"}: the replies are constrained to it
-        (engine/structured_output.py); ValueError when sampling_params carry structured_outputs too."""
-        if self.tokenizer is None:
-            raise ValueError("chat needs tokenizer.json and a chat template beside the checkpoint")
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, *, tools=None, tool_choice="auto",
+             chat_template_kwargs=None, response_format=None) -> list[RequestOutput]:
+        """One conversation or a list of them in OpenAI's shapes (engine/chat_protocol.py: text or text-part
+        content, assistant tool_calls, tool messages), through the tokenizer's chat template with ``tools`` (OpenAI
+        function definitions) and ``chat_template_kwargs``; user text never becomes special tokens.
+
+        Replies (engine/chat_output.py): ``reasoning_content`` and ``tool_calls`` parsed out of each completion in
+        the model family's format (chosen from the tokenizer's tokens), ``text`` the rest. tool_choice: "auto";
+        "none" (tools not rendered, nothing parsed as calls); "required" (one or more calls) or {"type":
+        "function", "function": {"name": ...}} (one call of it): the output is constrained to calls whose
+        arguments follow the function's schema. response_format: OpenAI's {"type": "json_schema", "json_schema":
+        {"schema": ...}} or {"type": "json_object"}: the replies are constrained to it (engine/structured_output.py).
+        ValueError naming the message or field for bad input, and for two constraints at once (response_format,
+        a forced tool_choice, SamplingParams.structured_outputs)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
-        constraint = from_response_format(response_format)
-        if constraint is not None:
-            params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params]
-            params = [SamplingParams() if p is None else p for p in params]
-            if any(p.structured_outputs is not None for p in params):
-                raise ValueError("pass response_format or SamplingParams(structured_outputs=...), not both")
-            params = [dataclasses.replace(p, structured_outputs=constraint) for p in params]
-            sampling_params = params if isinstance(sampling_params, (list, tuple)) else params[0]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        requests = chat_requests(self.tokenizer, conversations, tools, tool_choice, chat_template_kwargs,
+                                 response_format)
+        many = isinstance(sampling_params, (list, tuple))
+        if many and len(sampling_params) != len(requests):
+            raise ValueError(f"{len(sampling_params)} sampling_params for {len(requests)} conversations")
+        params = [r.params(sampling_params[i] if many else sampling_params) for i, r in enumerate(requests)]
+        outs = self.generate([r.prompt_token_ids for r in requests], params, use_tqdm)
+        return [r.parse(out, self.tokenizer) for r, out in zip(requests, outs)]
 
     def close(self) -> None:
         """With pd_address: tells the decode process to exit once its requests are done (else nothing)."""

@@ -32,7 +32,10 @@ class RequestOutputKind(str, enum.Enum):
 class CompletionOutput:
     """One of a request's n samples. token_ids: its generated tokens; text: their detokenized text (cut before a
     stop string); finish_reason: None while running, then "stop" | "length" | "error" | "abort"; error: the
-    message of an "error"; logprobs: per token {token: logprob} (the sampled one included), or None."""
+    message of an "error"; logprobs: per token {token: logprob} (the sampled one included), or None.
+    From ``LLM.chat`` (engine/chat_output.py): tool_calls, the calls the model made in OpenAI's shape ({"id",
+    "type": "function", "function": {"name", "arguments": JSON text}}) or None; reasoning_content, the text inside
+    the model's reasoning markers or None; text is then the rest."""
 
     index: int
     token_ids: list[int]
@@ -40,6 +43,8 @@ class CompletionOutput:
     finish_reason: str | None
     error: str | None = None
     logprobs: list[dict[int, float]] | None = None
+    tool_calls: list[dict] | None = None
+    reasoning_content: str | None = None
 
 
 @dataclasses.dataclass

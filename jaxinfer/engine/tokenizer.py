@@ -36,7 +36,7 @@ import jinja2.sandbox
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import processors
 
-ROLES = ("system", "user", "assistant", "tool")
+from jaxinfer.engine.chat_protocol import normalize_messages
 
 # Escape scheme for user strings rendered by the chat template (see `Tokenizer.apply_chat_template`):
 # escapable string k (k = 0 is the marker itself, k >= 1 the special tokens) becomes _MARK + chr(_CODE0 + k).
@@ -87,25 +87,6 @@ def _jinja_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     return env
-
-
-def validate_messages(messages) -> list[dict]:
-    """Check a chat: a non-empty list of dicts, each with `role` in ROLES and a string `content`.
-
-    Raises ValueError naming the index and field at fault. Returns the messages as a list.
-    """
-    if not isinstance(messages, (list, tuple)) or not messages:
-        raise ValueError(f"messages must be a non-empty list of dicts, got {messages!r:.80}")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
-        if m.get("role") not in ROLES:
-            raise ValueError(f"messages[{i}]['role'] must be one of {ROLES}, got {m.get('role')!r}")
-        if not isinstance(m.get("content"), str):
-            raise ValueError(
-                f"messages[{i}]['content'] must be a string, got {type(m.get('content')).__name__}"
-            )
-    return list(messages)
 
 
 class Tokenizer:
@@ -188,6 +169,10 @@ class Tokenizer:
             raise TypeError(f"text must be a str, got {type(text).__name__}")
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def token_id(self, text: str) -> int | None:
+        """The id of the token that is exactly ``text`` (added tokens included), or None."""
+        return self._tok.token_to_id(text)
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
@@ -201,11 +186,12 @@ class Tokenizer:
     # ---- chat template ----
 
     def _escape(self, obj):
-        """User strings (recursively through dicts and lists) with each special token and the marker escaped."""
+        """User strings (recursively through dicts and lists, keys too) with each special token and the marker
+        escaped."""
         if isinstance(obj, str):
             return self._escape_re.sub(lambda m: self._escape_code[m.group(0)], obj)
         if isinstance(obj, dict):
-            return {k: (v if k == "role" else self._escape(v)) for k, v in obj.items()}
+            return {self._escape(k): (v if k == "role" else self._escape(v)) for k, v in obj.items()}
         if isinstance(obj, (list, tuple)):
             return [self._escape(v) for v in obj]
         return obj
@@ -217,11 +203,18 @@ class Tokenizer:
 
         return _UNESCAPE_RE.sub(sub, text)
 
-    def render_chat(self, messages, add_generation_prompt: bool = True) -> str:
-        """The chat template's text for `messages` (what transformers' apply_chat_template(tokenize=False) gives)."""
-        return self._unescape(self._render_escaped(validate_messages(messages), add_generation_prompt))
+    def render_chat(self, messages, add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> str:
+        """The chat template's text for `messages` (what transformers' apply_chat_template(tokenize=False) gives;
+        arguments as `apply_chat_template`'s)."""
+        return self._unescape(self._render_escaped(messages, add_generation_prompt, tools, template_kwargs))
 
-    def _render_escaped(self, messages: list[dict], add_generation_prompt: bool) -> str:
+    def _render_escaped(self, messages, add_generation_prompt: bool, tools, template_kwargs) -> str:
+        messages = normalize_messages(messages)
+        template_kwargs = dict(template_kwargs or {})
+        reserved = {"messages", "tools", "documents", "add_generation_prompt"} & set(template_kwargs)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {sorted(reserved)} (arguments of their own)")
         if self.chat_template is None:
             raise ValueError(
                 "this tokenizer has no chat template (no 'chat_template' in tokenizer_config.json and no "
@@ -236,16 +229,19 @@ class Tokenizer:
             return self._compiled.render(
                 messages=self._escape(messages),
                 add_generation_prompt=add_generation_prompt,
-                tools=None,
+                tools=self._escape(tools),
                 documents=None,
-                **self._template_tokens,
+                **{**self._template_tokens, **self._escape(template_kwargs)},
             )
         except jinja2.TemplateError as e:  # raise_exception(...) in the template, or a render error
             raise ValueError(f"chat template rejected the messages: {e}") from e
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of the chat template rendered for `messages`; the template's special tokens are special
-        token ids, text inside the messages never is.
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                            template_kwargs: dict | None = None) -> list[int]:
+        """Token ids of the chat template rendered for `messages` (one conversation in OpenAI's shapes:
+        engine/chat_protocol.py ``normalize_messages``), `tools` (function definitions, given to the template as
+        transformers gives them) and `template_kwargs` (more template variables, e.g. a thinking switch); the
+        template's special tokens are special token ids, text inside the messages, tools and kwargs never is.
 
         Approach (escape, render, split, encode):
         1. Every string in the messages (except `role`) is escaped: each special-token string, and the escape
@@ -264,7 +260,7 @@ class Tokenizer:
         BPE, as DeepSeek's; not Metaspace with prepend_scheme "first"). The decode of the ids (special tokens
         kept) is always the rendered text.
         """
-        rendered = self._render_escaped(validate_messages(messages), add_generation_prompt)
+        rendered = self._render_escaped(messages, add_generation_prompt, tools, template_kwargs)
         pieces = self._special_re.split(rendered) if self._special_re is not None else [rendered]
         # pieces: [text, special, text, special, ..., text]
         texts = pieces[0::2]

@@ -204,7 +204,7 @@ def test_chat_response_format(llm, monkeypatch):
     ramble, so no outputs here); "text" is no constraint; response_format with structured_outputs as well, or an
     unknown format -> ValueError."""
     calls = []
-    monkeypatch.setattr(llm, "generate", lambda prompts, params, use_tqdm: calls.append((prompts, params)))
+    monkeypatch.setattr(llm, "generate", lambda prompts, params, use_tqdm: calls.append((prompts, params)) or [])
     conversation = [{"role": "user", "content": "Describe a person."}]
     seeded = SamplingParams(temperature=1.0, seed=5)
     llm.chat([conversation] * 2, [seeded, None], use_tqdm=False,
@@ -216,8 +216,8 @@ def test_chat_response_format(llm, monkeypatch):
     person = StructuredOutputsParams(json=PERSON)
     assert params == [SamplingParams(temperature=1.0, seed=5, structured_outputs=person),
                       SamplingParams(structured_outputs=person)]
-    assert one == SamplingParams(temperature=1.0, seed=5, structured_outputs={"json_object": True})
-    assert text == seeded
+    assert one == [SamplingParams(temperature=1.0, seed=5, structured_outputs={"json_object": True})]
+    assert text == [seeded]
     with pytest.raises(ValueError, match="not both"):
         llm.chat(conversation, SamplingParams(structured_outputs={"regex": "a"}), use_tqdm=False,
                  response_format={"type": "json_object"})

@@ -85,8 +85,9 @@ CHATS = {
         {"role": "system", "content": "First system."},
         {"role": "system", "content": "Second system."},
         {"role": "user", "content": "weather?"},
-        {"role": "assistant", "content": "calling the tool"},
-        {"role": "tool", "content": '{"temp": 21}'},
+        {"role": "assistant", "content": "calling the tool", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
         {"role": "assistant", "content": "It is 21 degrees."},
     ],
 }
@@ -319,9 +320,10 @@ def test_template_raise_exception_is_value_error(tmp_path, dirs):
         ([{"role": "user", "content": "a"}, "b"], r"messages\[1\] must be a dict"),
         ([{"content": "a"}], r"messages\[0\]\['role'\]"),
         ([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}], r"messages\[1\]\['role'\].*robot"),
-        ([{"role": "user"}], r"messages\[0\]\['content'\] must be a string"),
-        ([{"role": "user", "content": None}], r"messages\[0\]\['content'\] must be a string, got NoneType"),
-        ([{"role": "user", "content": [{"type": "text", "text": "a"}]}], r"messages\[0\]\['content'\].*list"),
+        ([{"role": "user"}], r"messages\[0\]\['content'\] is missing"),
+        ([{"role": "user", "content": None}], r"messages\[0\]\['content'\] must be a string or text parts"),
+        ([{"role": "user", "content": 3}], r"messages\[0\]\['content'\] must be a string, a list of text parts"),
+        # more shapes of the chat protocol: tests/engine/test_chat_protocol.py
     ],
 )
 def test_malformed_messages(ours, messages, match):
