@@ -65,7 +65,7 @@ JSON_LAYOUT = {"whitespace_flexible": False, "key_separator": ": ", "item_separa
 
 def _find(formats, tokenizer):
     for fmt in formats:
-        if all(tokenizer.token_id(m) is not None for m in fmt.markers):
+        if all(tokenizer.token_to_id(m) is not None for m in fmt.markers):
             return fmt
     return None
 
@@ -83,7 +83,7 @@ def reasoning_format(tokenizer) -> ReasoningFormat | None:
 def _split_reasoning(ids: list[int], prompt_ids, tokenizer, fmt: ReasoningFormat) -> tuple[list[int] | None,
                                                                                             list[int]]:
     """(the reasoning's tokens or None, the answer's tokens)."""
-    start, end = tokenizer.token_id(fmt.start), tokenizer.token_id(fmt.end)
+    start, end = tokenizer.token_to_id(fmt.start), tokenizer.token_to_id(fmt.end)
     last = lambda seq, t: max((i for i, x in enumerate(seq) if x == t), default=-1)  # noqa: E731
     if last(prompt_ids, start) > last(prompt_ids, end):  # the prompt opened it
         before, body = [], ids
@@ -139,7 +139,7 @@ def parse_completion(c: CompletionOutput, prompt_ids, tokenizer, tool_fmt: ToolC
                          else (None, ids))
     calls = None
     if tool_fmt is not None:
-        begin = tokenizer.token_id(tool_fmt.calls_begin)
+        begin = tokenizer.token_to_id(tool_fmt.calls_begin)
         if begin in answer:
             k = answer.index(begin)
             calls = _parse_calls(tokenizer.decode(answer[k:], skip_special_tokens=False), tool_fmt)
@@ -156,7 +156,7 @@ def tool_call_grammar(fmt: ToolCallFormat, tools: list[dict], name: str | None, 
     calls (``tojson``: json.dumps' ", " and ": " separators, no other whitespace; llguidance's ``x-guidance``
     options), which also keeps an untuned model from padding them with whitespace. Markers are written as token ids
     (``<[id]>``), so only the marker tokens match them, never text spelling them."""
-    mark = lambda s: f"<[{tokenizer.token_id(s)}]>"  # noqa: E731
+    mark = lambda s: f"<[{tokenizer.token_to_id(s)}]>"  # noqa: E731
     lit = lambda s: json.dumps(s)  # noqa: E731  (a Lark string: JSON's escapes)
     chosen = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
     rules = [f"start: {mark(fmt.calls_begin)} call" + ("" if name else f" ({lit(fmt.call_sep)} call)*")

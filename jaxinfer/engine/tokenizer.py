@@ -169,10 +169,6 @@ class Tokenizer:
             raise TypeError(f"text must be a str, got {type(text).__name__}")
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def token_id(self, text: str) -> int | None:
-        """The id of the token that is exactly ``text`` (added tokens included), or None."""
-        return self._tok.token_to_id(text)
-
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 

@@ -113,7 +113,7 @@ def test_conversations_with_tools_render_as_transformers(ours, hf, name):
 
 def test_special_token_strings_in_messages_and_tools_stay_text(ours):
     """Text holding the markers renders to the same special ids (those the template writes) as text without."""
-    specials = {ours.token_id(t) for t in chat_tokenizer.TOOL_TOKENS + [chat_tokenizer.EOS]}
+    specials = {ours.token_to_id(t) for t in chat_tokenizer.TOOL_TOKENS + [chat_tokenizer.EOS]}
 
     def rendered(marker):
         tools = [{"type": "function", "function": {**TOOLS[0]["function"], "description": f"see {marker}"}}]
@@ -189,7 +189,7 @@ def _history_turn(ours, content, calls):
     user = [{"role": "user", "content": "Weather?"}]
     full = ours.apply_chat_template(user + [{"role": "assistant", "content": content, "tool_calls": calls}],
                                     add_generation_prompt=False, tools=TOOLS)
-    k = len(full) - full[::-1].index(ours.token_id(chat_tokenizer.ASSISTANT))
+    k = len(full) - full[::-1].index(ours.token_to_id(chat_tokenizer.ASSISTANT))
     ids = full[k:full.index(ours.eos_token_id, k) + 1]
     while ours.decode(ids[:1]).isspace():
         ids = ids[1:]
@@ -215,7 +215,7 @@ def test_malformed_calls_stay_text(ours):
     prompt, ids = _history_turn(ours, None, [_call(1, "get_weather", {"city": "Paris"})])
     cut = _completion(ours, ids[:-3])  # before <｜tool▁calls▁end｜>: max_tokens ran out
     assert parse_completion(cut, prompt, ours, fmt, None) == cut
-    mark = ours.token_id
+    mark = ours.token_to_id
     bad = ([mark("<｜tool▁calls▁begin｜>"), mark("<｜tool▁call▁begin｜>")] + ours.encode("function")
            + [mark("<｜tool▁sep｜>")] + ours.encode('now\n```json\n{"a": \n```')
            + [mark("<｜tool▁call▁end｜>"), mark("<｜tool▁calls▁end｜>")])
