@@ -18,6 +18,12 @@ pieces of a freed one (hidden 1024, batch-32 prefill: peak 2.82 -> 3.21 GB, resi
 threads share one arena's lock, which a process of a few threads does not feel. vLLM's CPU backend asks for
 TCMalloc (LD_PRELOAD) for the same kind of reason; a preload cannot be set from inside the process.
 
+Threads that already have an arena keep it, which ``tokenizers`` needs: its batch encoding runs on a thread pool
+(Rayon) whose threads allocate at every token, and on one arena they queue on its lock (a long text's 21 pieces
+encoded in parallel: 81 ms with their own arenas, 236 ms on one, slower than encoding it whole, 180 ms;
+docs/benchmarks.md "Tokenization"). So the pool is started, and its threads allocate, before the arenas are
+limited (``start_tokenizer_threads``); XLA's threads start later and share the main arena as above.
+
 Not applied: off Linux/glibc, when ``JAXINFER_MALLOC=default``, or when the environment already configures glibc's
 malloc (``MALLOC_ARENA_MAX``, ``MALLOC_MMAP_MAX_``, ``MALLOC_TRIM_THRESHOLD_``, ``GLIBC_TUNABLES``): those are the
 user's. No library sets these (they are process-wide allocator knobs), hence this module.
@@ -45,6 +51,17 @@ def tune_malloc(environ=os.environ) -> bool:
         return False
     if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
         return False
+    start_tokenizer_threads()
     mallopt = ctypes.CDLL(None).mallopt
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     return all(mallopt(option, value) == 1 for option, value in SETTINGS)
+
+
+def start_tokenizer_threads() -> None:
+    """Starts ``tokenizers``' thread pool with work for every thread (a word-level batch, microseconds), so each
+    thread has allocated, hence has its own arena, before ``tune_malloc`` limits them."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({"x": 0}, unk_token="x"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.encode_batch(["x x x x"] * (16 * (os.cpu_count() or 1)))

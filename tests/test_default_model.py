@@ -181,7 +181,9 @@ def test_llm_default_generates_what_transformers_generates():
     prompts = ["The with statement is used to", "Return a new dictionary"]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     for prompt, out in zip(prompts, outs):
-        ids = out.prompt_token_ids
+        ids = out.prompt_token_ids  # encoded in one batch (Tokenizer.encode_batch)
+        hf_tok = O.cached("default_model:hf_tok", lambda: transformers.AutoTokenizer.from_pretrained(str(PATH)))
+        assert out.prompt == prompt and ids == hf_tok(prompt)["input_ids"]
         with torch.no_grad():
             ref = _hf_model().generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
                                        eos_token_id=None)

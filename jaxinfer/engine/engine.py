@@ -161,10 +161,13 @@ class LLMEngine:
         return out
 
     # ---- requests ----------------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
-                    *, output_kind: RequestOutputKind | str = RequestOutputKind.CUMULATIVE) -> None:
-        """Queues a request. prompt: text (needs the checkpoint's tokenizer) or token ids. output_kind: what
-        ``step()`` returns of it (outputs.RequestOutputKind: "cumulative", "delta" or "final_only").
+    def add_request(self, request_id: str, prompt: str | list[int] | dict,
+                    sampling_params: SamplingParams | None = None, *,
+                    output_kind: RequestOutputKind | str = RequestOutputKind.CUMULATIVE) -> None:
+        """Queues a request. prompt: text (needs the checkpoint's tokenizer), token ids, or {"prompt_token_ids": ids,
+        "prompt": the text they encode (optional)} (vLLM's TokensPrompt; LLM.generate encodes a call's texts in
+        one batch and passes them so). output_kind: what ``step()`` returns of it (outputs.RequestOutputKind:
+        "cumulative", "delta" or "final_only").
 
         Raises ValueError for a non-str request_id, the id of an unfinished request (one whose finished output
         was not returned yet), a prompt of the wrong type or sampling_params that are not SamplingParams. A
@@ -242,6 +245,14 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("text prompts need tokenizer.json beside the checkpoint; pass token ids")
             return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):  # vLLM's TokensPrompt: ids, and the text they encode if known
+            if "prompt_token_ids" not in prompt or set(prompt) - {"prompt", "prompt_token_ids"}:
+                raise ValueError(f"a dict prompt has 'prompt_token_ids' and optionally 'prompt', got keys "
+                                 f"{sorted(prompt)}")
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise ValueError(f"prompt['prompt'] must be a str, got {type(text).__name__}")
+            return text, self._prompt_ids(prompt["prompt_token_ids"])[1]
         ids = np.asarray(prompt if prompt is not None else [])
         if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
             raise ValueError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")

@@ -74,6 +74,11 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
         params = [p or SamplingParams() for p in params]
+        texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
+        if texts and self.tokenizer is not None:  # one batch, encoded in parallel (Tokenizer.encode_batch)
+            prompts = list(prompts)
+            for i, ids in zip(texts, self.tokenizer.encode_batch([prompts[i] for i in texts])):
+                prompts[i] = {"prompt": prompts[i], "prompt_token_ids": ids}
         engine = self.engine
         engine.clear_step_log()  # the records of this call (step_log.py)
         before = engine.stats.snapshot()

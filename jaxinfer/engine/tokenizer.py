@@ -37,6 +37,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import processors
 
 from jaxinfer.engine.chat_protocol import normalize_messages
+from jaxinfer.engine.text_chunks import CHUNK_CHARS, can_cut, safe_cuts
 
 # Escape scheme for user strings rendered by the chat template (see `Tokenizer.apply_chat_template`):
 # escapable string k (k = 0 is the marker itself, k >= 1 the special tokens) becomes _MARK + chr(_CODE0 + k).
@@ -122,6 +123,16 @@ class Tokenizer:
 
         added = self._tok.get_added_tokens_decoder()  # {id: AddedToken}
         self._special = {tok.content: (i, tok) for i, tok in added.items() if tok.special}
+        # Long texts encode in parallel pieces where that changes nothing (engine/text_chunks.py); the added tokens
+        # matched in text (not the special ones: encode_special_tokens) must not be cut.
+        self.chunk_chars = CHUNK_CHARS  # texts over twice this are cut into pieces of about this many characters
+        self._cuttable = can_cut(json.loads(self._tok.to_str()))
+        x, with_specials = self._tok.encode("x", add_special_tokens=False).ids, self._tok.encode("x").ids
+        k = next((k for k in range(len(with_specials)) if with_specials[k:k + len(x)] == x), None)
+        # what the post-processor puts around a text's ids (BOS, EOS), added to the pieces' ids
+        self._affixes = (with_specials[:k], with_specials[k + len(x):]) if k is not None else ([], [])
+        self._cuttable = self._cuttable and k is not None
+        self._added_texts = [tok.content for tok in added.values() if not tok.special]
         self.special_token_ids = frozenset(i for i, _ in self._special.values())
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
@@ -164,10 +175,31 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; special-token strings in it are plain text. BOS/EOS per the post-processor
-        (tokenizer_config's add_bos_token / add_eos_token when given) if `add_special_tokens`."""
+        (tokenizer_config's add_bos_token / add_eos_token when given) if `add_special_tokens`. A long text is cut
+        where its tokenization does not change (engine/text_chunks.py) and its pieces encoded in parallel."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        cuts = (safe_cuts(text, self._tok.pre_tokenizer.pre_tokenize_str, self._added_texts, self.chunk_chars)
+                if self._cuttable and len(text) > 2 * self.chunk_chars else [])
+        if not cuts:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        bounds = [0, *cuts, len(text)]
+        pieces = self._tok.encode_batch([text[a:b] for a, b in zip(bounds, bounds[1:])], add_special_tokens=False)
+        ids = [i for piece in pieces for i in piece.ids]
+        if not add_special_tokens:
+            return ids
+        prefix, suffix = self._affixes
+        return prefix + ids + suffix
+
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """``encode`` of each text, the batch encoded in parallel (``tokenizers``' encode_batch on all cores)."""
+        for i, text in enumerate(texts):
+            if not isinstance(text, str):
+                raise TypeError(f"texts[{i}] must be a str, got {type(text).__name__}")
+        long = {i for i, text in enumerate(texts) if self._cuttable and len(text) > 2 * self.chunk_chars}
+        short = [t for i, t in enumerate(texts) if i not in long]
+        encoded = iter(e.ids for e in self._tok.encode_batch(short, add_special_tokens=add_special_tokens))
+        return [self.encode(t, add_special_tokens) if i in long else next(encoded) for i, t in enumerate(texts)]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)

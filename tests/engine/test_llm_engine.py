@@ -157,6 +157,11 @@ def test_request_errors(engine):
         engine.add_request("p", [1, 2], output_kind="streaming")
     with pytest.raises(ValueError, match="prompt must be a str or a list of token ids"):
         engine.add_request("p", [[1, 2]])
+    for bad in ({"prompt": "text only"}, {"prompt_token_ids": [1], "extra": 1}):
+        with pytest.raises(ValueError, match="a dict prompt has 'prompt_token_ids' and optionally 'prompt'"):
+            engine.add_request("p", bad)
+    with pytest.raises(ValueError, match=r"prompt\['prompt'\] must be a str"):
+        engine.add_request("p", {"prompt_token_ids": [1], "prompt": 3})
     vocab = engine.model.config.vocab_size
     engine.add_request("ok", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3))
     with pytest.raises(ValueError, match="unfinished request"):
