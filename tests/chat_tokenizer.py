@@ -2,8 +2,8 @@
 
 A small byte-level BPE trained here (no network) on Python's `pydoc_data.topics` text, as tests/engine/
 test_tokenizer.py trains its own; special tokens: DeepSeek-V3's BOS, EOS, `<｜User｜>`, `<｜Assistant｜>` and its nine
-tool-call tokens; `<think>` / `</think>` as non-special added tokens (as in DeepSeek-R1). The chat template is
-vLLM's DeepSeek-V3 tool template (tests/data/README.md).
+tool-call tokens; `<think>` / `</think>` (as in DeepSeek-R1) and Hermes / Qwen's `<tool_call>` / `</tool_call>` as
+non-special added tokens. The chat template is vLLM's DeepSeek-V3 tool template (tests/data/README.md).
 """
 
 import json
@@ -30,7 +30,7 @@ def save(directory: pathlib.Path) -> pathlib.Path:
     trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=[BOS, EOS, USER, ASSISTANT, *TOOL_TOKENS],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(lines[:3000], trainer=trainer)
-    tok.add_tokens(["<think>", "</think>"])
+    tok.add_tokens(["<think>", "</think>", "<tool_call>", "</tool_call>"])
     directory.mkdir(parents=True, exist_ok=True)
     tok.save(str(directory / "tokenizer.json"))
     config = {"add_bos_token": True, "add_eos_token": False, "bos_token": BOS, "eos_token": EOS,

@@ -8,12 +8,11 @@ it holds whether the checkpoint marks the markers special or not.
 - Reasoning (DeepSeek-R1: ``<think>...</think>``): a completion reasons when its prompt leaves a ``<think>`` open
   (R1's template ends the generation prompt with it) or the completion opens one; the tokens up to ``</think>``
   are ``reasoning_content`` (all of them when it never closes: cut by max_tokens), the rest the answer.
-- Tool calls (DeepSeek-V3/R1; the chat template's own format, as vLLM's examples/tool_chat_template_deepseekv3.jinja
-  writes history calls): ``<｜tool▁calls▁begin｜>`` then calls ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json
-  \\nARGUMENTS\\n```<｜tool▁call▁end｜>`` separated by "\\n" (or any whitespace: templates indent), then
-  ``<｜tool▁calls▁end｜>``. Parsed into OpenAI's shape (``{"id", "type": "function", "function": {"name",
-  "arguments": JSON text}}``, ids generated); the text before the block is the content. Anything malformed (a
-  call cut short, arguments that are not a JSON object) leaves the completion as it was, with tool_calls None.
+- Tool calls (``TOOL_FORMATS``: DeepSeek-V3/R1's, then Hermes / Qwen2.5 / Qwen3's ``<tool_call>``; each class
+  documents its syntax, the one its chat template writes history calls in): parsed into OpenAI's shape (``{"id",
+  "type": "function", "function": {"name", "arguments": JSON text}}``, ids generated) from the first marker on;
+  the text before it is the content. Anything malformed (a call cut short, arguments that are not a JSON object)
+  leaves the completion as it was, with tool_calls None.
 """
 
 from __future__ import annotations
@@ -26,23 +25,100 @@ import secrets
 from jaxinfer.engine.outputs import CompletionOutput
 
 
+def _call(name: str, arguments: str) -> dict:
+    return {"id": f"call_{secrets.token_hex(12)}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def _json_object(text: str) -> dict | None:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _schema(function: dict) -> dict:
+    """A function's argument schema (any JSON object without one), laid out as templates write arguments."""
+    return {**(function.get("parameters") or {"type": "object"}), "x-guidance": JSON_LAYOUT}
+
+
 @dataclasses.dataclass(frozen=True)
-class ToolCallFormat:
-    """A model family's tool-call markers (each one token) and the text between a call's parts."""
+class DeepSeekToolCalls:
+    """DeepSeek-V3/R1: ``<｜tool▁calls▁begin｜>`` then calls ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json
+    \nARGUMENTS\n```<｜tool▁call▁end｜>`` separated by "\n" (or any whitespace: templates indent), then
+    ``<｜tool▁calls▁end｜>`` (how its chat template writes history calls; vLLM's
+    examples/tool_chat_template_deepseekv3.jinja)."""
 
-    name: str
-    calls_begin: str
-    call_begin: str
-    sep: str
-    call_end: str
-    calls_end: str
-    args_open: str = "\n```json\n"   # between the function name and its arguments
-    args_close: str = "\n```"        # between the arguments and call_end
-    call_sep: str = "\n"             # between two calls
+    name: str = "deepseek_v3"
+    markers: tuple[str, ...] = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>",
+                                "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>")
 
-    @property
-    def markers(self) -> tuple[str, ...]:
-        return self.calls_begin, self.call_begin, self.sep, self.call_end, self.calls_end
+    def parse(self, text: str) -> list[dict] | None:
+        """The calls of a reply's text from ``markers[0]`` on, or None if it is malformed."""
+        begins, call_begin, sep, call_end, ends = self.markers
+        if not text.startswith(begins) or not text.endswith(ends):
+            return None
+        body = text[len(begins):-len(ends)]
+        call = re.compile(re.escape(call_begin) + r"function" + re.escape(sep) + r"(?P<name>[^\n]+?)\n```json\n"
+                          r"(?P<args>.*?)\n```" + re.escape(call_end), re.DOTALL)
+        calls, pos = [], _SPACE.match(body).end()
+        while pos < len(body):
+            m = call.match(body, pos)
+            if m is None or _json_object(m["args"]) is None:
+                return None
+            calls.append(_call(m["name"], m["args"].strip()))
+            pos = _SPACE.match(body, m.end()).end()
+        return calls or None
+
+    def grammar(self, functions: list[dict], many: bool, mark, lit) -> list[str]:
+        """Lark rules of replies that are calls of ``functions`` (one, or one or more if ``many``)."""
+        begins, call_begin, sep, call_end, ends = map(mark, self.markers)
+        rules = [f"start: {begins} call" + (f" ({lit(chr(10))} call)*" if many else "") + f" {ends}",
+                 f"call: {call_begin} {lit('function')} {sep} (" + " | ".join(f"fn_{i}" for i in
+                                                                           range(len(functions))) + ")"]
+        for i, function in enumerate(functions):
+            rules += [f"fn_{i}: {lit(function['name'] + chr(10) + '```json' + chr(10))} args_{i} "
+                      f"{lit(chr(10) + '```')} {call_end}", f"args_{i}: %json {json.dumps(_schema(function))}"]
+        return rules
+
+
+@dataclasses.dataclass(frozen=True)
+class HermesToolCalls:
+    """Hermes 2 Pro, Qwen2.5 and Qwen3: calls ``<tool_call>\n{"name": NAME, "arguments": {...}}\n</tool_call>``
+    separated by "\n" (how their chat templates write history calls)."""
+
+    name: str = "hermes"
+    markers: tuple[str, ...] = ("<tool_call>", "</tool_call>")
+
+    def parse(self, text: str) -> list[dict] | None:
+        open_, close = self.markers
+        call = re.compile(re.escape(open_) + r"\s*(?P<json>.*?)\s*" + re.escape(close), re.DOTALL)
+        calls, pos = [], 0
+        while pos < len(text):
+            m = call.match(text, pos)
+            value = None if m is None else _json_object(m["json"])
+            if value is None or not isinstance(value.get("name"), str) or not isinstance(value.get("arguments"),
+                                                                                        dict):
+                return None
+            calls.append(_call(value["name"], json.dumps(value["arguments"], ensure_ascii=False)))
+            pos = _SPACE.match(text, m.end()).end()
+        return calls or None
+
+    def grammar(self, functions: list[dict], many: bool, mark, lit) -> list[str]:
+        open_, close = map(mark, self.markers)
+        rules = ["start: call" + (f" ({lit(chr(10))} call)*" if many else ""),
+                 f"call: {open_} {lit(chr(10))} (" + " | ".join(f"fn_{i}" for i in range(len(functions)))
+                 + f") {lit(chr(10))} {close}"]
+        for i, function in enumerate(functions):
+            schema = {"type": "object", "properties": {"name": {"const": function["name"]},
+                                                       "arguments": _schema(function)},
+                      "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": JSON_LAYOUT}
+            rules.append(f"fn_{i}: %json {json.dumps(schema)}")
+        return rules
+
+
+ToolCallFormat = DeepSeekToolCalls | HermesToolCalls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +132,7 @@ class ReasoningFormat:
         return self.start, self.end
 
 
-TOOL_FORMATS = (ToolCallFormat("deepseek_v3", "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>",
-                               "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"),)
+TOOL_FORMATS = (DeepSeekToolCalls(), HermesToolCalls())  # the first whose markers are all tokens: the tokenizer's
 REASONING_FORMATS = (ReasoningFormat("deepseek_r1", "<think>", "</think>"),)
 _SPACE = re.compile(r"\s*")
 JSON_LAYOUT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
@@ -98,34 +173,6 @@ def _split_reasoning(ids: list[int], prompt_ids, tokenizer, fmt: ReasoningFormat
     return body[:k], before + body[k + 1:]
 
 
-def _parse_calls(text: str, fmt: ToolCallFormat) -> list[dict] | None:
-    """The calls of a block's text (from calls_begin on), or None if it is malformed."""
-    if not text.startswith(fmt.calls_begin):
-        return None
-    body = text[len(fmt.calls_begin):]
-    if not body.endswith(fmt.calls_end):
-        return None
-    body = body[:-len(fmt.calls_end)]
-    call = re.compile(re.escape(fmt.call_begin) + r"(?P<type>[^\n]*?)" + re.escape(fmt.sep) + r"(?P<name>[^\n]+?)"
-                      + re.escape(fmt.args_open) + r"(?P<args>.*?)" + re.escape(fmt.args_close)
-                      + re.escape(fmt.call_end), re.DOTALL)
-    calls, pos = [], 0
-    while pos < len(body):
-        m = call.match(body, pos)
-        if m is None or m["type"] != "function":
-            return None
-        try:
-            arguments = json.loads(m["args"])
-        except json.JSONDecodeError:
-            return None
-        if not isinstance(arguments, dict):
-            return None
-        calls.append({"id": f"call_{secrets.token_hex(12)}", "type": "function",
-                      "function": {"name": m["name"], "arguments": m["args"].strip()}})
-        pos = _SPACE.match(body, m.end()).end()  # call_sep, or what templates indent with (vLLM's example's)
-    return calls or None
-
-
 def parse_completion(c: CompletionOutput, prompt_ids, tokenizer, tool_fmt: ToolCallFormat | None,
                      reasoning_fmt: ReasoningFormat | None) -> CompletionOutput:
     """``c`` with ``reasoning_content`` and ``tool_calls`` parsed out of its tokens (formats None: not parsed) and
@@ -139,10 +186,10 @@ def parse_completion(c: CompletionOutput, prompt_ids, tokenizer, tool_fmt: ToolC
                          else (None, ids))
     calls = None
     if tool_fmt is not None:
-        begin = tokenizer.token_to_id(tool_fmt.calls_begin)
+        begin = tokenizer.token_to_id(tool_fmt.markers[0])
         if begin in answer:
             k = answer.index(begin)
-            calls = _parse_calls(tokenizer.decode(answer[k:], skip_special_tokens=False), tool_fmt)
+            calls = tool_fmt.parse(tokenizer.decode(answer[k:], skip_special_tokens=False))
             if calls is not None:
                 answer = answer[:k]
     return dataclasses.replace(c, text=tokenizer.decode(answer), tool_calls=calls,
@@ -150,22 +197,13 @@ def parse_completion(c: CompletionOutput, prompt_ids, tokenizer, tool_fmt: ToolC
 
 
 def tool_call_grammar(fmt: ToolCallFormat, tools: list[dict], name: str | None, tokenizer) -> str:
-    """A Lark grammar (llguidance's syntax) for outputs that are tool calls in ``fmt``: one call of the function
+    """A Lark grammar (llguidance's syntax) for replies that are tool calls in ``fmt``: one call of the function
     ``name``, or (name None: tool_choice "required") one or more calls of any of ``tools``; each call's arguments
-    follow its function's JSON Schema (any JSON object without one), laid out as the chat template writes history
+    follow its function's JSON Schema (any JSON object without one), laid out as chat templates write history
     calls (``tojson``: json.dumps' ", " and ": " separators, no other whitespace; llguidance's ``x-guidance``
     options), which also keeps an untuned model from padding them with whitespace. Markers are written as token ids
     (``<[id]>``), so only the marker tokens match them, never text spelling them."""
     mark = lambda s: f"<[{tokenizer.token_to_id(s)}]>"  # noqa: E731
     lit = lambda s: json.dumps(s)  # noqa: E731  (a Lark string: JSON's escapes)
-    chosen = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
-    rules = [f"start: {mark(fmt.calls_begin)} call" + ("" if name else f" ({lit(fmt.call_sep)} call)*")
-             + f" {mark(fmt.calls_end)}",
-             f"call: {mark(fmt.call_begin)} {lit('function')} {mark(fmt.sep)} ("
-             + " | ".join(f"fn_{i}" for i in range(len(chosen))) + ")"]
-    for i, function in enumerate(chosen):
-        schema = {**(function.get("parameters") or {"type": "object"}), "x-guidance": JSON_LAYOUT}
-        rules.append(f"fn_{i}: {lit(function['name'] + fmt.args_open)} args_{i} {lit(fmt.args_close)} "
-                     f"{mark(fmt.call_end)}")
-        rules.append(f"args_{i}: %json {json.dumps(schema)}")
-    return "\n".join(rules) + "\n"
+    functions = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+    return "\n".join(fmt.grammar(functions, name is None, mark, lit)) + "\n"

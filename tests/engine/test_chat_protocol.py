@@ -15,7 +15,8 @@ import hf_oracle
 import jsonschema
 import pytest
 
-from jaxinfer.engine.chat_output import parse_completion, reasoning_format, tool_call_format
+from jaxinfer.engine.chat_output import (HermesToolCalls, parse_completion, reasoning_format, tool_call_format,
+                                         tool_call_grammar)
 from jaxinfer.engine.chat_protocol import normalize_messages, tool_choice_name, validate_tools
 from jaxinfer.engine.llm import LLM
 from jaxinfer.engine.outputs import CompletionOutput, RequestOutput
@@ -223,6 +224,51 @@ def test_malformed_calls_stay_text(ours):
     assert parse_completion(bad, prompt, ours, fmt, None) == bad
     plain = _completion(ours, ours.encode("No call here.") + [ours.eos_token_id])
     assert parse_completion(plain, prompt, ours, fmt, None) == dataclasses.replace(plain, tool_calls=None)
+
+
+def _hermes_reply(calls):
+    """Calls as Qwen2.5 / Qwen3's templates write history calls (tojson of {"name", "arguments"})."""
+    return "\n".join("<tool_call>\n" + json.dumps({"name": n, "arguments": a}) + "\n</tool_call>" for n, a in calls)
+
+
+def test_hermes_tool_calls_parse():
+    fmt = HermesToolCalls()
+    calls = [("get_weather", {"city": "Lima", "days": 2}), ("now", {})]
+    got = fmt.parse(_hermes_reply(calls))
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == calls
+    for bad in [_hermes_reply(calls)[:-3], "<tool_call>\n{\"name\": \"now\", \"arguments\": [1]}\n</tool_call>",
+                "<tool_call>\n{\"arguments\": {}}\n</tool_call>", _hermes_reply(calls) + " trailing"]:
+        assert fmt.parse(bad) is None
+
+
+@pytest.mark.parametrize("fmt", ["deepseek", "hermes"])
+def test_tool_call_grammars_accept_calls_of_the_tools_only(ours, fmt):
+    import llguidance
+
+    fmt_obj = tool_call_format(ours) if fmt == "deepseek" else HermesToolCalls()
+    llg = llguidance.LLTokenizer(ours.to_json(), n_vocab=ours.vocab_size, eos_token=ours.eos_token_id)
+
+    def accepts(ids, name=None):
+        grammar = tool_call_grammar(fmt_obj, TOOLS, name, ours)
+        matcher = llguidance.LLMatcher(llg, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0)
+        return all(matcher.consume_token(i) for i in ids) and matcher.is_accepting()
+
+    def reply(calls):
+        if fmt == "hermes":
+            return ours.encode(_hermes_reply(calls), add_special_tokens=False)
+        mark, text = ours.token_to_id, lambda t: ours.encode(t, add_special_tokens=False)  # noqa: E731
+        ids = [mark("<｜tool▁calls▁begin｜>")]  # the template's layout without its indentation
+        for i, (n, a) in enumerate(calls):
+            ids += (text("\n") if i else []) + [mark("<｜tool▁call▁begin｜>")] + text("function") + [
+                mark("<｜tool▁sep｜>")] + text(f"{n}\n```json\n{json.dumps(a)}\n```") + [mark("<｜tool▁call▁end｜>")]
+        return ids + [mark("<｜tool▁calls▁end｜>")]
+
+    two = [("get_weather", {"city": "Lima", "days": 2}), ("now", {})]
+    assert accepts(reply(two)) and accepts(reply(two[:1]), "get_weather")
+    assert not accepts(reply(two), "get_weather")                           # a named function: one call of it
+    assert not accepts(reply([("get_weather", {"city": "Rome"})]))          # not in the schema's enum
+    assert not accepts(reply([("get_weather", {"days": 2})]))               # "city" is required
+    assert not accepts(reply([("fly", {})]))                                # not a tool
 
 
 def test_reasoning_splits_at_r1s_markers(ours):
