@@ -3,7 +3,8 @@
 A small byte-level BPE trained here (no network) on Python's `pydoc_data.topics` text, as tests/engine/
 test_tokenizer.py trains its own; special tokens: DeepSeek-V3's BOS, EOS, `<｜User｜>`, `<｜Assistant｜>` and its nine
 tool-call tokens; `<think>` / `</think>` (as in DeepSeek-R1) and Hermes / Qwen's `<tool_call>` / `</tool_call>` as
-non-special added tokens. The chat template is vLLM's DeepSeek-V3 tool template (tests/data/README.md).
+non-special added tokens. The chat template is vLLM's DeepSeek-V3 tool template, or its V3.1 one
+(tests/data/README.md).
 """
 
 import json
@@ -15,10 +16,12 @@ TOOL_TOKENS = ["<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<�
                "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>",
                "<｜tool▁output▁end｜>"]
 TEMPLATE = (pathlib.Path(__file__).parent / "data" / "tool_chat_template_deepseekv3.jinja").read_text()
+TEMPLATE_V31 = (pathlib.Path(__file__).parent / "data" / "tool_chat_template_deepseekv31.jinja").read_text()
 
 
-def save(directory: pathlib.Path) -> pathlib.Path:
-    """Writes tokenizer.json and tokenizer_config.json into ``directory`` (created if needed); returns it."""
+def save(directory: pathlib.Path, template: str = TEMPLATE) -> pathlib.Path:
+    """Writes tokenizer.json and tokenizer_config.json (chat_template: ``template``) into ``directory`` (created if
+    needed); returns it."""
     import pydoc_data.topics
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -35,6 +38,6 @@ def save(directory: pathlib.Path) -> pathlib.Path:
     tok.save(str(directory / "tokenizer.json"))
     config = {"add_bos_token": True, "add_eos_token": False, "bos_token": BOS, "eos_token": EOS,
               "clean_up_tokenization_spaces": False, "tokenizer_class": "LlamaTokenizerFast",
-              "chat_template": TEMPLATE}
+              "chat_template": template}
     (directory / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False), encoding="utf-8")
     return directory

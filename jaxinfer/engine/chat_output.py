@@ -1,18 +1,18 @@
 """The chat protocol's output side (docs/architecture.md "Chat protocol"): reasoning and tool calls parsed out of a
 completion's tokens, and the grammar that makes an output tool calls (tool_choice "required" or a named function).
 
-Formats are chosen from the tokenizer: the first of ``TOOL_FORMATS`` / ``REASONING_FORMATS`` whose markers are all
-single tokens of its vocabulary. Parsing works on token ids (a marker is its token, never text that spells it), so
-it holds whether the checkpoint marks the markers special or not.
+Formats are chosen from the tokenizer: those whose markers are all single tokens of its vocabulary (for tool calls,
+of those the one its chat template writes: ``tool_call_format``). Parsing works on token ids (a marker is its
+token, never text that spells it), so it holds whether the checkpoint marks the markers special or not.
 
 - Reasoning (DeepSeek-R1: ``<think>...</think>``): a completion reasons when its prompt leaves a ``<think>`` open
   (R1's template ends the generation prompt with it) or the completion opens one; the tokens up to ``</think>``
   are ``reasoning_content`` (all of them when it never closes: cut by max_tokens), the rest the answer.
-- Tool calls (``TOOL_FORMATS``: DeepSeek-V3/R1's, then Hermes / Qwen2.5 / Qwen3's ``<tool_call>``; each class
-  documents its syntax, the one its chat template writes history calls in): parsed into OpenAI's shape (``{"id",
-  "type": "function", "function": {"name", "arguments": JSON text}}``, ids generated) from the first marker on;
-  the text before it is the content. Anything malformed (a call cut short, arguments that are not a JSON object)
-  leaves the completion as it was, with tool_calls None.
+- Tool calls (``TOOL_FORMATS``: DeepSeek-V3/R1's, DeepSeek-V3.1's, Hermes / Qwen2.5 / Qwen3's ``<tool_call>``;
+  each class documents its syntax, the one its chat template writes history calls in): parsed into OpenAI's shape
+  (``{"id", "type": "function", "function": {"name", "arguments": JSON text}}``, ids generated) from the first
+  marker on; the text before it is the content. Anything malformed (a call cut short, arguments that are not a
+  JSON object) leaves the completion as it was, with tool_calls None.
 """
 
 from __future__ import annotations
@@ -84,6 +84,41 @@ class DeepSeekToolCalls:
 
 
 @dataclasses.dataclass(frozen=True)
+class DeepSeekV31ToolCalls:
+    """DeepSeek-V3.1: ``<｜tool▁calls▁begin｜>`` then calls ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGUMENTS
+    <｜tool▁call▁end｜>`` chained without separators, then ``<｜tool▁calls▁end｜>`` (the same tokens as V3's, in another
+    layout; vLLM's examples/tool_chat_template_deepseekv31.jinja)."""
+
+    name: str = "deepseek_v31"
+    markers: tuple[str, ...] = DeepSeekToolCalls.markers
+
+    def parse(self, text: str) -> list[dict] | None:
+        begins, call_begin, sep, call_end, ends = self.markers
+        if not text.startswith(begins) or not text.endswith(ends):
+            return None
+        body = text[len(begins):-len(ends)]
+        call = re.compile(re.escape(call_begin) + r"(?P<name>[^\n]+?)" + re.escape(sep) + r"(?P<args>.*?)"
+                          + re.escape(call_end), re.DOTALL)
+        calls, pos = [], _SPACE.match(body).end()
+        while pos < len(body):
+            m = call.match(body, pos)
+            if m is None or _json_object(m["args"]) is None:
+                return None
+            calls.append(_call(m["name"], m["args"].strip()))
+            pos = _SPACE.match(body, m.end()).end()
+        return calls or None
+
+    def grammar(self, functions: list[dict], many: bool, mark, lit) -> list[str]:
+        begins, call_begin, sep, call_end, ends = map(mark, self.markers)
+        rules = [f"start: {begins} call" + ("+" if many else "") + f" {ends}",
+                 f"call: {call_begin} (" + " | ".join(f"fn_{i}" for i in range(len(functions))) + f") {call_end}"]
+        for i, function in enumerate(functions):
+            rules += [f"fn_{i}: {lit(function['name'])} {sep} args_{i}",
+                      f"args_{i}: %json {json.dumps(_schema(function))}"]
+        return rules
+
+
+@dataclasses.dataclass(frozen=True)
 class HermesToolCalls:
     """Hermes 2 Pro, Qwen2.5 and Qwen3: calls ``<tool_call>\n{"name": NAME, "arguments": {...}}\n</tool_call>``
     separated by "\n" (how their chat templates write history calls)."""
@@ -118,7 +153,7 @@ class HermesToolCalls:
         return rules
 
 
-ToolCallFormat = DeepSeekToolCalls | HermesToolCalls
+ToolCallFormat = DeepSeekToolCalls | DeepSeekV31ToolCalls | HermesToolCalls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +167,7 @@ class ReasoningFormat:
         return self.start, self.end
 
 
-TOOL_FORMATS = (DeepSeekToolCalls(), HermesToolCalls())  # the first whose markers are all tokens: the tokenizer's
+TOOL_FORMATS = (DeepSeekToolCalls(), DeepSeekV31ToolCalls(), HermesToolCalls())
 REASONING_FORMATS = (ReasoningFormat("deepseek_r1", "<think>", "</think>"),)
 _SPACE = re.compile(r"\s*")
 JSON_LAYOUT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
@@ -145,9 +180,26 @@ def _find(formats, tokenizer):
     return None
 
 
+_PROBE = {"id": "call_probe", "type": "function", "function": {"name": "probe", "arguments": {"probe": 1}}}
+
+
 def tool_call_format(tokenizer) -> ToolCallFormat | None:
-    """The tokenizer's tool-call format (its markers are tokens of the vocabulary), or None."""
-    return _find(TOOL_FORMATS, tokenizer)
+    """The tokenizer's tool-call format, or None: of the formats whose markers are all tokens of its vocabulary,
+    the one that parses a call back out of the chat template's own rendering of it (the template decides: V3 and
+    V3.1 share their tokens); the first of them if the template renders no call."""
+    candidates = [f for f in TOOL_FORMATS if all(tokenizer.token_to_id(m) is not None for m in f.markers)]
+    probe = [{"role": "user", "content": "?"}, {"role": "assistant", "content": None, "tool_calls": [_PROBE]}]
+    try:
+        text = tokenizer.render_chat(probe, add_generation_prompt=False) if len(candidates) > 1 else ""
+    except ValueError:  # no template, or one that renders no calls
+        text = ""
+    for fmt in candidates:
+        start, end = text.find(fmt.markers[0]), text.rfind(fmt.markers[-1])
+        calls = fmt.parse(text[start:end + len(fmt.markers[-1])]) if 0 <= start <= end else None
+        if calls and calls[0]["function"]["name"] == "probe" and json.loads(calls[0]["function"]["arguments"]) == {
+                "probe": 1}:
+            return fmt
+    return candidates[0] if candidates else None
 
 
 def reasoning_format(tokenizer) -> ReasoningFormat | None:

@@ -9,14 +9,15 @@ jsonschema as the judge of the arguments.
 
 import dataclasses
 import json
+import re
 
 import chat_tokenizer
 import hf_oracle
 import jsonschema
 import pytest
 
-from jaxinfer.engine.chat_output import (HermesToolCalls, parse_completion, reasoning_format, tool_call_format,
-                                         tool_call_grammar)
+from jaxinfer.engine.chat_output import (DeepSeekToolCalls, DeepSeekV31ToolCalls, HermesToolCalls, parse_completion,
+                                         reasoning_format, tool_call_format, tool_call_grammar)
 from jaxinfer.engine.chat_protocol import normalize_messages, tool_choice_name, validate_tools
 from jaxinfer.engine.llm import LLM
 from jaxinfer.engine.outputs import CompletionOutput, RequestOutput
@@ -97,9 +98,16 @@ def _for_hf(messages):
     return [{**m, "content": ""} if m.get("content", "") is None else m for m in messages]
 
 
-def _hf_ids(hf, messages, tools):
-    out = hf.apply_chat_template(_for_hf(messages), tools=tools, add_generation_prompt=True, tokenize=True)
+def _hf_ids(hf, messages, tools, **kwargs):
+    out = hf.apply_chat_template(_for_hf(messages), tools=tools, add_generation_prompt=True, tokenize=True, **kwargs)
     return list(out if isinstance(out, list) else out["input_ids"])
+
+
+@pytest.fixture(scope="module")
+def v31(tmp_path_factory):
+    """(ours, transformers') tokenizers with DeepSeek-V3.1's tool template."""
+    d = chat_tokenizer.save(tmp_path_factory.mktemp("chat_tokenizer_v31"), chat_tokenizer.TEMPLATE_V31)
+    return Tokenizer.from_dir(d), transformers.AutoTokenizer.from_pretrained(str(d), add_bos_token=True)
 
 
 @pytest.mark.parametrize("name", sorted(CONVERSATIONS))
@@ -110,6 +118,23 @@ def test_conversations_with_tools_render_as_transformers(ours, hf, name):
     assert ours.render_chat(messages, tools=TOOLS) == hf.apply_chat_template(
         _for_hf(as_hf), tools=TOOLS, add_generation_prompt=True, tokenize=False)
     assert normalize_messages(messages) == as_hf
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+@pytest.mark.parametrize("name", sorted(CONVERSATIONS))
+def test_v31_template_renders_as_transformers_with_its_thinking_switch(v31, name, thinking):
+    ours, hf = v31
+    messages, as_hf = CONVERSATIONS[name]
+    ids = ours.apply_chat_template(messages, tools=TOOLS, template_kwargs={"thinking": thinking})
+    assert ids == _hf_ids(hf, as_hf or messages, TOOLS, thinking=thinking)
+    if name == "system_and_tools":  # ends with the generation prompt: thinking opens the reasoning
+        text = ours.decode(ids, skip_special_tokens=False).rstrip()
+        assert text.endswith("<think>" if thinking else "</think>") and "<｜Assistant｜>" in text[-30:]
+
+
+def test_the_template_decides_the_tool_call_format(ours, v31):
+    assert isinstance(tool_call_format(ours), DeepSeekToolCalls)
+    assert isinstance(tool_call_format(v31[0]), DeepSeekV31ToolCalls)
 
 
 def test_special_token_strings_in_messages_and_tools_stay_text(ours):
@@ -185,15 +210,19 @@ def _completion(ours, ids):
 
 def _history_turn(ours, content, calls):
     """(prompt ids, completion ids): the template's rendering of a user turn then an assistant turn with ``calls``,
-    split after the last <｜Assistant｜>; the completion (what a model trained on it outputs) without the
+    split after the last <｜Assistant｜> (and V3.1's </think> after it); the completion (what a model trained on it outputs) without the
     template's indentation before it and its newline after the turn's EOS."""
     user = [{"role": "user", "content": "Weather?"}]
     full = ours.apply_chat_template(user + [{"role": "assistant", "content": content, "tool_calls": calls}],
                                     add_generation_prompt=False, tools=TOOLS)
     k = len(full) - full[::-1].index(ours.token_to_id(chat_tokenizer.ASSISTANT))
-    ids = full[k:full.index(ours.eos_token_id, k) + 1]
-    while ours.decode(ids[:1]).isspace():
-        ids = ids[1:]
+    if full[k] == ours.token_to_id("</think>"):  # V3.1's template closes the reasoning in the prompt
+        k += 1
+    turn = ours.decode(full[k:full.index(ours.eos_token_id, k) + 1], skip_special_tokens=False).lstrip()
+    markers = chat_tokenizer.TOOL_TOKENS + [chat_tokenizer.EOS]
+    pieces = re.split("(" + "|".join(map(re.escape, markers)) + ")", turn)  # text, marker, text, ...
+    ids = [i for j, piece in enumerate(pieces) for i in (
+        [ours.token_to_id(piece)] if j % 2 else ours.encode(piece, add_special_tokens=False))]
     return full[:k], ids
 
 
@@ -209,6 +238,20 @@ def test_tool_calls_parse_from_the_templates_own_format(ours, content, calls):
     ids = [c["id"] for c in got.tool_calls]
     assert all(i.startswith("call_") for i in ids) and len(set(ids)) == len(calls)
     assert got.text == (content or "") and got.reasoning_content is None
+
+
+def test_v31_tool_calls_and_reasoning_parse(v31):
+    ours = v31[0]
+    calls = [_call(1, "get_weather", {"city": "Lima", "days": 2}), _call(2, "now", {})]
+    prompt, ids = _history_turn(ours, "Checking.", calls)
+    got = parse_completion(_completion(ours, ids), prompt, ours, tool_call_format(ours), reasoning_format(ours))
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got.tool_calls] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    assert got.text == "Checking." and got.reasoning_content is None
+    thinking = ours.apply_chat_template([{"role": "user", "content": "Weather?"}], template_kwargs={"thinking": True})
+    reply = ours.encode("Lima it is.</think>", add_special_tokens=False) + ids
+    got = parse_completion(_completion(ours, reply), thinking, ours, tool_call_format(ours), reasoning_format(ours))
+    assert got.reasoning_content == "Lima it is." and got.text == "Checking." and len(got.tool_calls) == 2
 
 
 def test_malformed_calls_stay_text(ours):
@@ -241,11 +284,12 @@ def test_hermes_tool_calls_parse():
         assert fmt.parse(bad) is None
 
 
-@pytest.mark.parametrize("fmt", ["deepseek", "hermes"])
+@pytest.mark.parametrize("fmt", ["deepseek", "deepseek_v31", "hermes"])
 def test_tool_call_grammars_accept_calls_of_the_tools_only(ours, fmt):
     import llguidance
 
-    fmt_obj = tool_call_format(ours) if fmt == "deepseek" else HermesToolCalls()
+    formats = {"deepseek": DeepSeekToolCalls(), "deepseek_v31": DeepSeekV31ToolCalls(), "hermes": HermesToolCalls()}
+    fmt_obj = formats[fmt]
     llg = llguidance.LLTokenizer(ours.to_json(), n_vocab=ours.vocab_size, eos_token=ours.eos_token_id)
 
     def accepts(ids, name=None):
@@ -257,8 +301,12 @@ def test_tool_call_grammars_accept_calls_of_the_tools_only(ours, fmt):
         if fmt == "hermes":
             return ours.encode(_hermes_reply(calls), add_special_tokens=False)
         mark, text = ours.token_to_id, lambda t: ours.encode(t, add_special_tokens=False)  # noqa: E731
-        ids = [mark("<｜tool▁calls▁begin｜>")]  # the template's layout without its indentation
+        ids = [mark("<｜tool▁calls▁begin｜>")]  # the templates' layouts without vLLM's V3 example's indentation
         for i, (n, a) in enumerate(calls):
+            if fmt == "deepseek_v31":
+                ids += [mark("<｜tool▁call▁begin｜>")] + text(n) + [mark("<｜tool▁sep｜>")] + text(json.dumps(a)) + [
+                    mark("<｜tool▁call▁end｜>")]
+                continue
             ids += (text("\n") if i else []) + [mark("<｜tool▁call▁begin｜>")] + text("function") + [
                 mark("<｜tool▁sep｜>")] + text(f"{n}\n```json\n{json.dumps(a)}\n```") + [mark("<｜tool▁call▁end｜>")]
         return ids + [mark("<｜tool▁calls▁end｜>")]
