@@ -210,8 +210,8 @@ def _completion(ours, ids):
 
 def _history_turn(ours, content, calls):
     """(prompt ids, completion ids): the template's rendering of a user turn then an assistant turn with ``calls``,
-    split after the last <｜Assistant｜> (and V3.1's </think> after it); the completion (what a model trained on it outputs) without the
-    template's indentation before it and its newline after the turn's EOS."""
+    split after the last <｜Assistant｜> (and V3.1's </think> after it); the completion (what a model trained on it
+    outputs) without the template's indentation before it and its newline after the turn's EOS."""
     user = [{"role": "user", "content": "Weather?"}]
     full = ours.apply_chat_template(user + [{"role": "assistant", "content": content, "tool_calls": calls}],
                                     add_generation_prompt=False, tools=TOOLS)
