@@ -14,6 +14,9 @@ from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.engine.structured_output import StructuredOutputsParams, from_response_format
 
+TWO_CONSTRAINTS = ("pass one constraint: response_format, a forcing tool_choice ('required' or a function) or "
+                   "SamplingParams(structured_outputs=...), not both")
+
 
 @dataclasses.dataclass(frozen=True)
 class ChatRequest:
@@ -32,8 +35,7 @@ class ChatRequest:
         if self.constraint is None:
             return params
         if params.structured_outputs is not None:
-            raise ValueError("pass one constraint: response_format, a forcing tool_choice ('required' or a "
-                             "function) or SamplingParams(structured_outputs=...), not both")
+            raise ValueError(TWO_CONSTRAINTS)
         return dataclasses.replace(params, structured_outputs=self.constraint)
 
     def parse(self, out: RequestOutput, tokenizer) -> RequestOutput:
@@ -60,8 +62,7 @@ def chat_requests(tokenizer, conversations, tools=None, tool_choice="auto", chat
             raise ValueError(f"tool_choice {tool_choice!r}: this tokenizer has no known tool-call format (none of "
                              "engine/chat_output.py TOOL_FORMATS has all its markers among its tokens)")
         if constraint is not None:
-            raise ValueError("pass one constraint: response_format, a forcing tool_choice ('required' or a "
-                             "function) or SamplingParams(structured_outputs=...), not both")
+            raise ValueError(TWO_CONSTRAINTS)
         constraint = StructuredOutputsParams(grammar=tool_call_grammar(
             tool_fmt, tools, None if choice == "required" else choice, tokenizer))
     reasoning_fmt = reasoning_format(tokenizer)
