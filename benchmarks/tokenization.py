@@ -5,11 +5,11 @@ docs/benchmarks.md "Tokenization").
 
 Text: Python's own `pydoc_data.topics` (no network), cut to about --tokens tokens of the embedded model's tokenizer;
 prompts: --prompts consecutive 300-character slices of it. Sequential: `tokenizers`' encode of the whole text, and
-one encode per prompt; parallel: jaxinfer's Tokenizer.encode (the text cut where its tokenization does not change,
-engine/text_chunks.py, pieces encoded as one batch) and Tokenizer.encode_batch. Both give the same ids (checked);
-the best of --repeats runs is printed. `tokenizers` runs a batch on every core (2 on the CPU machine), in threads
-that jaxinfer starts before it limits glibc's malloc arenas (jaxinfer/host_memory.py); JAXINFER_MALLOC=default
-leaves malloc alone.
+one encode per prompt; jaxinfer's Tokenizer.encode / encode_batch with `parallel` off (the same) and on (the text
+cut where its tokenization does not change, engine/text_chunks.py, and the pieces or prompts encoded as one batch
+on every core). All give the same ids (checked); the best of --repeats runs is printed. jaxinfer limits glibc's
+malloc to one arena (jaxinfer/host_memory.py), on which the batch's threads queue, so Tokenizer.parallel is off by
+default; run with JAXINFER_MALLOC=default for malloc as glibc sets it (then parallel is on).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import time
 
 import pydoc_data.topics
 
+from jaxinfer import host_memory
 from jaxinfer.default_model import path as default_model_path
 from jaxinfer.engine.tokenizer import Tokenizer
 
@@ -43,18 +44,21 @@ def main() -> None:
     corpus = "\n".join(pydoc_data.topics.topics.values())
     text = corpus[:int(len(corpus) * args.tokens / len(tok._tok.encode(corpus).ids))]
     prompts = [corpus[i * 300:(i + 1) * 300] for i in range(args.prompts)]
-    print(f"cores {os.cpu_count()}, malloc {os.environ.get('JAXINFER_MALLOC', 'tuned')}")
-    seq, want = best_ms(lambda: tok._tok.encode(text).ids, args.repeats)
-    par, got = best_ms(lambda: tok.encode(text), args.repeats)
-    assert got == want
-    print(f"one text of {len(want)} tokens ({len(text)} characters): sequential {seq:.1f} ms, parallel {par:.1f} ms "
-          f"({seq / par:.2f}x)")
-    seq, want = best_ms(lambda: [tok._tok.encode(p).ids for p in prompts], args.repeats)
-    par, got = best_ms(lambda: tok.encode_batch(prompts), args.repeats)
-    assert got == want
-    print(f"{len(prompts)} prompts of 300 characters: sequential {seq:.1f} ms, parallel {par:.1f} ms "
-          f"({seq / par:.2f}x)")
-
+    print(f"cores {os.cpu_count()}, malloc {'one arena (jaxinfer tuned)' if host_memory.ONE_ARENA else 'default'},"
+          f" Tokenizer.parallel {tok.parallel}")
+    for name, sequential, ours in [
+            (f"one text of {len(tok._tok.encode(text).ids)} tokens ({len(text)} characters)",
+             lambda: tok._tok.encode(text).ids, lambda: tok.encode(text)),
+            (f"{len(prompts)} prompts of 300 characters",
+             lambda: [tok._tok.encode(p).ids for p in prompts], lambda: tok.encode_batch(prompts))]:
+        seq, want = best_ms(sequential, args.repeats)
+        par = {}
+        for parallel in (False, True):
+            tok.parallel = parallel
+            par[parallel], got = best_ms(ours, args.repeats)
+            assert got == want
+        print(f"{name}: sequential {seq:.1f} ms; Tokenizer parallel off {par[False]:.1f} ms, on {par[True]:.1f} ms "
+              f"({seq / par[True]:.2f}x)")
 
 if __name__ == "__main__":
     main()

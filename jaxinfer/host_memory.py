@@ -18,11 +18,11 @@ pieces of a freed one (hidden 1024, batch-32 prefill: peak 2.82 -> 3.21 GB, resi
 threads share one arena's lock, which a process of a few threads does not feel. vLLM's CPU backend asks for
 TCMalloc (LD_PRELOAD) for the same kind of reason; a preload cannot be set from inside the process.
 
-Threads that already have an arena keep it, which ``tokenizers`` needs: its batch encoding runs on a thread pool
-(Rayon) whose threads allocate at every token, and on one arena they queue on its lock (a long text's 21 pieces
-encoded in parallel: 81 ms with their own arenas, 236 ms on one, slower than encoding it whole, 180 ms;
-docs/benchmarks.md "Tokenization"). So the pool is started, and its threads allocate, before the arenas are
-limited (``start_tokenizer_threads``); XLA's threads start later and share the main arena as above.
+One arena also serializes other threads' allocations: ``tokenizers``' batch encoding (a thread pool allocating at
+every token) ran at 0.64-0.68x of encoding sequentially on it, so jaxinfer's Tokenizer encodes sequentially while
+the arenas are limited (``ONE_ARENA``; docs/benchmarks.md "Tokenization"). Starting that pool before the limit
+(its threads keep their own arenas) is not a way out: threads started after the limit are then handed the
+existing arenas in turn, XLA's among them, and a non-main arena maps a large buffer afresh every time.
 
 Not applied: off Linux/glibc, when ``JAXINFER_MALLOC=default``, or when the environment already configures glibc's
 malloc (``MALLOC_ARENA_MAX``, ``MALLOC_MMAP_MAX_``, ``MALLOC_TRIM_THRESHOLD_``, ``GLIBC_TUNABLES``): those are the
@@ -43,6 +43,7 @@ M_ARENA_MAX = -8
 
 SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 1 << 30))
 USER_VARIABLES = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
+ONE_ARENA = False  # set once tune_malloc has limited this process to one arena
 
 
 def tune_malloc(environ=os.environ) -> bool:
@@ -51,17 +52,10 @@ def tune_malloc(environ=os.environ) -> bool:
         return False
     if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
         return False
-    start_tokenizer_threads()
+    global ONE_ARENA
     mallopt = ctypes.CDLL(None).mallopt
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    return all(mallopt(option, value) == 1 for option, value in SETTINGS)
+    applied = all(mallopt(option, value) == 1 for option, value in SETTINGS)
+    ONE_ARENA = ONE_ARENA or applied
+    return applied
 
-
-def start_tokenizer_threads() -> None:
-    """Starts ``tokenizers``' thread pool with work for every thread (a word-level batch, microseconds), so each
-    thread has allocated, hence has its own arena, before ``tune_malloc`` limits them."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tokenizer = Tokenizer(models.WordLevel({"x": 0}, unk_token="x"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.encode_batch(["x x x x"] * (16 * (os.cpu_count() or 1)))

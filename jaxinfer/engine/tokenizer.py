@@ -36,6 +36,7 @@ import jinja2.sandbox
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import processors
 
+from jaxinfer import host_memory
 from jaxinfer.engine.chat_protocol import normalize_messages
 from jaxinfer.engine.text_chunks import CHUNK_CHARS, can_cut, safe_cuts
 
@@ -126,6 +127,9 @@ class Tokenizer:
         # Long texts encode in parallel pieces where that changes nothing (engine/text_chunks.py); the added tokens
         # matched in text (not the special ones: encode_special_tokens) must not be cut.
         self.chunk_chars = CHUNK_CHARS  # texts over twice this are cut into pieces of about this many characters
+        # Batches encode on tokenizers' thread pool, unless malloc is limited to one arena (host_memory.py: there
+        # the threads queue on its lock and a batch is slower than a loop).
+        self.parallel = not host_memory.ONE_ARENA
         self._cuttable = can_cut(json.loads(self._tok.to_str()))
         x, with_specials = self._tok.encode("x", add_special_tokens=False).ids, self._tok.encode("x").ids
         k = next((k for k in range(len(with_specials)) if with_specials[k:k + len(x)] == x), None)
@@ -175,12 +179,13 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; special-token strings in it are plain text. BOS/EOS per the post-processor
-        (tokenizer_config's add_bos_token / add_eos_token when given) if `add_special_tokens`. A long text is cut
-        where its tokenization does not change (engine/text_chunks.py) and its pieces encoded in parallel."""
+        (tokenizer_config's add_bos_token / add_eos_token when given) if `add_special_tokens`. With ``parallel``, a
+        long text is cut where its tokenization does not change (engine/text_chunks.py) and its pieces encoded in
+        parallel."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
         cuts = (safe_cuts(text, self._tok.pre_tokenizer.pre_tokenize_str, self._added_texts, self.chunk_chars)
-                if self._cuttable and len(text) > 2 * self.chunk_chars else [])
+                if self.parallel and self._cuttable and len(text) > 2 * self.chunk_chars else [])
         if not cuts:
             return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         bounds = [0, *cuts, len(text)]
@@ -192,10 +197,13 @@ class Tokenizer:
         return prefix + ids + suffix
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
-        """``encode`` of each text, the batch encoded in parallel (``tokenizers``' encode_batch on all cores)."""
+        """``encode`` of each text, the batch encoded in parallel (``tokenizers``' encode_batch on all cores) unless
+        ``parallel`` is off (malloc limited to one arena: jaxinfer/host_memory.py)."""
         for i, text in enumerate(texts):
             if not isinstance(text, str):
                 raise TypeError(f"texts[{i}] must be a str, got {type(text).__name__}")
+        if not self.parallel:
+            return [self._tok.encode(t, add_special_tokens=add_special_tokens).ids for t in texts]
         long = {i for i, text in enumerate(texts) if self._cuttable and len(text) > 2 * self.chunk_chars}
         short = [t for i, t in enumerate(texts) if i not in long]
         encoded = iter(e.ids for e in self._tok.encode_batch(short, add_special_tokens=add_special_tokens))

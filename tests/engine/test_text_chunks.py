@@ -22,6 +22,7 @@ def tokenizers(tmp_path_factory):
     toks = [Tokenizer.from_dir(str(default_model_path())), chat]
     for tok in toks:
         tok.chunk_chars = 48  # many cuts in short texts
+        tok.parallel = True   # also where malloc is limited to one arena (host_memory.py), as in this process
     return toks
 
 
