@@ -43,6 +43,22 @@ def _schema(function: dict) -> dict:
     return {**(function.get("parameters") or {"type": "object"}), "x-guidance": JSON_LAYOUT}
 
 
+def _block_calls(text: str, markers: tuple[str, ...], call: re.Pattern) -> list[dict] | None:
+    """The calls of a block ``markers[0]`` ... ``markers[-1]`` (the whole ``text``), each a match of ``call`` (groups
+    name and args, a JSON object), whitespace between them; None if anything else is there."""
+    if not text.startswith(markers[0]) or not text.endswith(markers[-1]):
+        return None
+    body = text[len(markers[0]):-len(markers[-1])]
+    calls, pos = [], _SPACE.match(body).end()
+    while pos < len(body):
+        m = call.match(body, pos)
+        if m is None or _json_object(m["args"]) is None:
+            return None
+        calls.append(_call(m["name"], m["args"].strip()))
+        pos = _SPACE.match(body, m.end()).end()  # a separator, or what templates indent with (vLLM's V3 example)
+    return calls or None
+
+
 @dataclasses.dataclass(frozen=True)
 class DeepSeekToolCalls:
     """DeepSeek-V3/R1: ``<｜tool▁calls▁begin｜>`` then calls ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json
@@ -56,20 +72,9 @@ class DeepSeekToolCalls:
 
     def parse(self, text: str) -> list[dict] | None:
         """The calls of a reply's text from ``markers[0]`` on, or None if it is malformed."""
-        begins, call_begin, sep, call_end, ends = self.markers
-        if not text.startswith(begins) or not text.endswith(ends):
-            return None
-        body = text[len(begins):-len(ends)]
-        call = re.compile(re.escape(call_begin) + r"function" + re.escape(sep) + r"(?P<name>[^\n]+?)\n```json\n"
-                          r"(?P<args>.*?)\n```" + re.escape(call_end), re.DOTALL)
-        calls, pos = [], _SPACE.match(body).end()
-        while pos < len(body):
-            m = call.match(body, pos)
-            if m is None or _json_object(m["args"]) is None:
-                return None
-            calls.append(_call(m["name"], m["args"].strip()))
-            pos = _SPACE.match(body, m.end()).end()
-        return calls or None
+        _, call_begin, sep, call_end, _ = map(re.escape, self.markers)
+        return _block_calls(text, self.markers, re.compile(
+            call_begin + r"function" + sep + r"(?P<name>[^\n]+?)\n```json\n(?P<args>.*?)\n```" + call_end, re.DOTALL))
 
     def grammar(self, functions: list[dict], many: bool, mark, lit) -> list[str]:
         """Lark rules of replies that are calls of ``functions`` (one, or one or more if ``many``)."""
@@ -93,20 +98,9 @@ class DeepSeekV31ToolCalls:
     markers: tuple[str, ...] = DeepSeekToolCalls.markers
 
     def parse(self, text: str) -> list[dict] | None:
-        begins, call_begin, sep, call_end, ends = self.markers
-        if not text.startswith(begins) or not text.endswith(ends):
-            return None
-        body = text[len(begins):-len(ends)]
-        call = re.compile(re.escape(call_begin) + r"(?P<name>[^\n]+?)" + re.escape(sep) + r"(?P<args>.*?)"
-                          + re.escape(call_end), re.DOTALL)
-        calls, pos = [], _SPACE.match(body).end()
-        while pos < len(body):
-            m = call.match(body, pos)
-            if m is None or _json_object(m["args"]) is None:
-                return None
-            calls.append(_call(m["name"], m["args"].strip()))
-            pos = _SPACE.match(body, m.end()).end()
-        return calls or None
+        _, call_begin, sep, call_end, _ = map(re.escape, self.markers)
+        return _block_calls(text, self.markers, re.compile(
+            call_begin + r"(?P<name>[^\n]+?)" + sep + r"(?P<args>.*?)" + call_end, re.DOTALL))
 
     def grammar(self, functions: list[dict], many: bool, mark, lit) -> list[str]:
         begins, call_begin, sep, call_end, ends = map(mark, self.markers)
