@@ -182,6 +182,7 @@ def serve(args) -> int:
 def run(args) -> int | None:
     import jaxinfer
     from jaxinfer.engine.chat import chat_requests
+    from jaxinfer.engine.chat_protocol import TOOL_CHOICES
     from jaxinfer.parallel import multihost
 
     _check_pd(args)
@@ -198,7 +199,7 @@ def run(args) -> int | None:
     defaults = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
                     seed=args.seed, structured_outputs=constraint)
     tools, tool_choice = read_tools(args.tools), args.tool_choice
-    if tool_choice not in ("auto", "none", "required"):
+    if tool_choice not in TOOL_CHOICES:
         tool_choice = {"type": "function", "function": {"name": tool_choice}}
     prompts, params, chats = [], [], []
     for number, item in enumerate(requests, 1):

@@ -58,15 +58,21 @@ def _rank_shard(sharding, shape, rank: int, n: int) -> jax.Device:
                 if index[0].indices(shape[0])[0] == rank * n)  # slice(None) on a one-device mesh
 
 
-def take_from_rank(layers: tuple, mesh: Mesh, pages_per_rank: int, rank: int, pages) -> tuple[tuple, jax.Array]:
+def _rank_idx(mesh: Mesh, rank: int, pages, other: int) -> jax.Array:
+    """[R * n] page ids split over the DP ranks as the cache is: ``pages`` on ``rank``, ``other`` on the rest."""
+    n = len(pages)
+    idx = np.full(mesh.size * n, other, np.int32)
+    idx[rank * n:(rank + 1) * n] = pages
+    return jax.device_put(idx, cache_sharding(mesh))
+
+
+def take_from_rank(layers: tuple, mesh: Mesh, rank: int, pages) -> tuple[tuple, jax.Array]:
     """(``layers`` (donated and returned), [n, L, S, W]: rank-local ``pages`` of DP rank ``rank``, every layer, on
     that rank's device alone). The other devices gather their null page (work of n pages each, kept there): a
     gather over the whole split cache would combine every device's part into a copy on each device."""
     n = len(pages)
-    idx = np.zeros(mesh.size * n, np.int32)  # [R * n]: the null page on every rank but ``rank``
-    idx[rank * n:(rank + 1) * n] = pages
     sharding = cache_sharding(mesh)
-    layers, data = _take_per_rank(tuple(layers), jax.device_put(idx, sharding), mesh)
+    layers, data = _take_per_rank(tuple(layers), _rank_idx(mesh, rank, pages, 0), mesh)
     device = _rank_shard(sharding, data.shape, rank, n)
     return layers, next(s.data for s in data.addressable_shards if s.device == device)
 
@@ -87,15 +93,14 @@ def put_on_rank(layers: tuple, mesh: Mesh, pages_per_rank: int, rank: int, pages
     devices' parts of the write are zeros allocated in place and dropped, so a hand-over costs one copy of its
     latents however many ranks the mesh has (a replicated copy would cost one per device)."""
     n = len(pages)
-    idx = np.full(mesh.size * n, pages_per_rank, np.int32)  # [R * n]: out of bounds on every rank but ``rank``
-    idx[rank * n:(rank + 1) * n] = pages
     sharding = cache_sharding(mesh)
     shape = (mesh.size * n, *latents.shape[1:])
     target = _rank_shard(sharding, shape, rank, n)
     shards = [jax.device_put(latents, d) if d == target else jnp.zeros(latents.shape, latents.dtype, device=d)
               for d in sharding.addressable_devices]
     data = jax.make_array_from_single_device_arrays(shape, sharding, shards)
-    return _put_per_rank(tuple(layers), jax.device_put(idx, sharding), data, mesh)
+    idx = _rank_idx(mesh, rank, pages, pages_per_rank)  # out of bounds on the other ranks: dropped
+    return _put_per_rank(tuple(layers), idx, data, mesh)
 
 
 class PageIO:

@@ -352,7 +352,7 @@ class DecodeServer:
         return _start_pull(self._connections[peer], h, self._sharding, time.perf_counter() - sent_at)
 
 
-def _start_pull(conn, h: Handover, sharding: tuple, clock_shift: float):
+def _start_pull(conn, h: Handover, sharding: SingleDeviceSharding, clock_shift: float):
     """Pulls a hand-over's latents in a thread onto ``sharding`` (one device, as offered; the decode step that
     admits the request copies them to its rank's device, engine/page_io.py ``put_on_rank``); a pull of an id the
     peer never offers would hang: the caller gives up after the timeout. Times move into this process's clock."""

@@ -155,8 +155,7 @@ class ModelRunner:
         [len(pages), layers, page_size, width] in the cache's dtype, on the rank's device (a prefill engine's
         hand-over; page_io.take_from_rank). The gather is dispatched now, after the steps that wrote the pages and
         before any later step could reuse them."""
-        layers, latents = take_from_rank(self.layers + self.mtp_layers, self.model.mesh, self.num_pages_per_rank,
-                                         rank, pages)
+        layers, latents = take_from_rank(self.layers + self.mtp_layers, self.model.mesh, rank, pages)
         self._set_cache(layers)
         return latents
 

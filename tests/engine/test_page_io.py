@@ -34,7 +34,7 @@ def test_pages_move_from_one_rank_to_another_and_nothing_else_changes(dtype):
     p_host, p_layers = _cache(prefill, dtype, 0)
     d_host, d_layers = _cache(decode, dtype, 1)
     src, dst = [3, 0, 5], [1, 4, 2]
-    p_layers, latents = take_from_rank(p_layers, prefill, PAGES, 1, src)
+    p_layers, latents = take_from_rank(p_layers, prefill, 1, src)
     want = np.stack([p_host[i, [PAGES + p for p in src], :, 0, :] for i in range(L)], axis=1)  # [n, L, S, W]
     assert latents.devices() == {prefill.devices.flat[1]} and latents.dtype == dtype
     np.testing.assert_array_equal(np.asarray(latents), want)
