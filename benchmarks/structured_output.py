@@ -8,8 +8,9 @@ round runs ``generate`` on the same prompts twice, in alternating order: constra
 "person", flat with short values; "order", nested, with an array and long enum values; no free whitespace) and
 unconstrained (EOS ignored, max_tokens the constrained outputs' mean length in the last warm-up run: its rows all
 run to that length, where constrained ones finish at their own lengths). Warm-up runs repeat until one compiles
-nothing (the constrained steps' shapes vary with the samples), and a round that still compiles a new shape is
-dropped (counted in the output) and another run.
+nothing (the constrained steps' shapes vary with the samples and the steps' groupings; ``warmup_compiles``: the
+compilations of each, programs shared with earlier schemas and batches not counted again), and a round that still
+compiles a new shape is dropped (counted in the output) and another run.
 Decode tok/s = output tokens / (generate time - the last first token's time); the ratio is per round, and the
 figures are medians over rounds (docs/benchmarks.md "How to read"). Host time per constrained step: llguidance's
 mask fill and the matchers' token consumption (engine/structured_output.py ``Grammars``), timed around those
@@ -125,10 +126,12 @@ def measure(llm, schema_name: str, batch: int, args) -> dict:
     max_tokens = args.max_tokens or MAX_TOKENS[schema_name]
     runs = {"json": jaxinfer.SamplingParams(temperature=1.0, max_tokens=max_tokens, structured_outputs=constraint)}
     compiles = Compiles()
+    warmup_compiles = []
     for _ in range(args.warmup):  # until a run compiles nothing
         llm.wait_for_compilations()
         before = compiles.count
         _, _, tokens = timed(llm, prompts, runs["json"])
+        warmup_compiles.append(compiles.count - before)
         if compiles.count == before:
             break
     # Unconstrained rows as long as the constrained outputs on average (attention over longer rows costs more).
@@ -161,6 +164,9 @@ def measure(llm, schema_name: str, batch: int, args) -> dict:
             values.append(x)
         ratios.append(got["json"] / got["free"])
     grammars.masks, grammars.consume = masks, consume
+    if not ratios:
+        return {"schema": schema_name, "batch": batch, "error": "every round compiled a new shape",
+                "rounds_dropped_for_compiles": dropped, "warmup_compiles": warmup_compiles}
     return {"schema": schema_name, "batch": batch, "max_tokens": {"json": max_tokens, "free": free_tokens},
             "decode_tok_s": {name: round(statistics.median(v), 1) for name, v in rates.items()},
             "ratio_json_over_free": round(statistics.median(ratios), 3),
@@ -168,7 +174,7 @@ def measure(llm, schema_name: str, batch: int, args) -> dict:
             "host_ms_per_constrained_step": round(1e3 * statistics.median(host_per_step), 3),
             "constrained_steps": statistics.median(steps_json),
             "mean_json_tokens": round(statistics.median(lengths), 1),
-            "rounds_dropped_for_compiles": dropped}
+            "rounds_dropped_for_compiles": dropped, "warmup_compiles": warmup_compiles}
 
 
 if __name__ == "__main__":

@@ -298,8 +298,8 @@ class LLMEngine:
             self.grammars.drop(seq_id)
 
     def _dispatch(self, out: SchedulerOutput) -> _Dispatched:
-        allowed = {}
-        if self.grammars:  # constrained sequences exist: their masks (per verified column)
+        allowed = None
+        if self.grammars:  # constrained sequences exist: their masks (per verified column), a step without any too
             allowed = self.grammars.masks([r.req_id for r in out.all_requests() if r.num_sampled],
                                           {r.req_id: r.draft_token_ids for r in out.all_requests()
                                            if r.draft_token_ids})

@@ -7,8 +7,8 @@ holds for every real token; padding columns write nothing (slot -1) and padding 
 
 Bounded compilation: the step compiles once per (rows, T, pages) bucket, penalties on/off and logprobs on/off.
 Decode steps: T = 1 (a multi-step decode step: slots [rows, k]), rows per rank a power of two; a decode step with
-chunks of known tokens (host-appended outputs, Scheduler.append_outputs) has T a power of two >= its longest
-chunk, laid out as a prefill step. Prefill steps in query blocks (the default; ``prefill_block`` = Q): a chunk of
+chunks of known tokens (host-appended outputs, Scheduler.append_outputs) has T = buckets.py ``known_columns``
+(one width per row count), laid out as a prefill step. Prefill steps in query blocks (the default; ``prefill_block`` = Q): a chunk of
 n tokens spans ceil(n / Q) consecutive rows of Q columns, right aligned over them (padding leads its first block),
 every block row with the chunk's block table (max_pages wide: the same for every prefill step) and its own
 seqlen (its last position + 1); ``first_block`` [rows] gives each row its chunk's first row, rank-local. Rows per
@@ -31,7 +31,7 @@ import numpy as np
 
 from jaxinfer.engine.sampler import SamplingTensors, token_counts
 from jaxinfer.engine.sampling_params import SamplingParams
-from jaxinfer.engine.buckets import bucket
+from jaxinfer.engine.buckets import bucket, known_columns
 from jaxinfer.engine.scheduler_output import ScheduledRequest, SchedulerOutput, StepKind
 
 # Stop ids a multi-step decode step checks on device per row (SamplingParams.stop_tokens: EOS first, then
@@ -91,10 +91,11 @@ def step_shape(out: SchedulerOutput, num_pages: dict[int, int], min_prefill_t: i
     pages = bucket(max((num_pages[r.req_id] for r in requests), default=1), MIN_PAGES)
     rows = bucket(max(len(rank) for rank in out.requests))
     if out.kind is StepKind.DECODE:
-        # 1 (InputBatch.shape sets a verification step's T), or a step of known tokens: its longest chunk's
-        t = 1 if out.speculative else bucket(max((r.num_input_tokens(out.kind) for r in requests), default=1))
-        if t == 1:
+        # 1 (InputBatch.shape sets a verification step's T), or a step of known tokens: one width per row count
+        longest = 1 if out.speculative else max((r.num_input_tokens(out.kind) for r in requests), default=1)
+        if longest == 1:
             return rows, 1, pages
+        t = max(bucket(longest), known_columns(rows, prefill_capacity))
     else:
         t = bucket(max((r.num_tokens for r in requests), default=1), min_prefill_t)
     if rows * t > prefill_capacity:
@@ -178,7 +179,8 @@ class InputBatch:
         token. stop_ids [rows, DEVICE_STOP_IDS]: each sampling row's stop tokens (-1: none). allowed: the allowed
         tokens of constrained requests, int32 [1 + drafts, ceil(V / 32)] bitmask words by request id (structured
         output; engine/structured_output.py ``Grammars.masks``): a verification step's rows get one mask per
-        column, other steps' rows the first.
+        column, other steps' rows the first; None: no mask at all (an engine without constrained requests), where
+        {} gives every row all tokens (one program whichever rows a constrained engine's step samples).
 
         Raises RuntimeError when a chunk's input token is unknown to the runner (neither fetched nor sampled by the
         last dispatched step), or a row with penalties has outputs not fetched yet (the caller applies the
@@ -261,7 +263,8 @@ class InputBatch:
                     next_ids[row] = (state.prompt_token_ids + state.output_token_ids)[end]
         self._feed = feed
         words = None
-        if allowed:  # [rows, T or 1, W]: a verification row's columns decide its next tokens, each with its mask
+        if allowed is not None:  # [rows, T or 1, W]: a verification row's columns decide its next tokens, each
+            # with its mask; all-allowed rows where a row has none
             words = np.full((n_rows, t if verifying else 1, -(-self.vocab_size // 32)), -1, np.int32)
             for row, req_id, _ in sampled:
                 mask = allowed.get(req_id)  # [1 + drafts, W]

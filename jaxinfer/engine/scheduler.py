@@ -45,9 +45,9 @@ rank has prefill work that fits, else a DECODE step over all ranks.
 - Known tokens. Outputs the host appends without sampling (structured output's forced tokens, ``append_outputs``)
   are computed by the sequence's next step as one chunk, which then samples the token after them (a decode
   sequence's chunk covers its last token and the appended ones; a waiting sequence computes them in its prefill).
-  A decode step with such chunks lays every row out in T columns (the chunks right aligned, as in prefill; T a power
-  of two >= the longest, at most ``MAX_KNOWN_COLUMNS`` and within ``prefill_capacity`` per rank), and every row
-  samples at most one token in it: no multi-step iterations. Not with ``speculative`` (a round verifies drafts).
+  A decode step with such chunks lays every row out in T columns (the chunks right aligned, as in prefill; T is
+  buckets.py ``known_columns``: ``MAX_KNOWN_COLUMNS`` whatever the longest run, fewer only where the rows would
+  exceed ``prefill_capacity`` per rank), and every row samples at most one token in it: no multi-step iterations. Not with ``speculative`` (a round verifies drafts).
 - Constrained sequences (structured output) sample one token per step (their mask needs the previous token) and
   are not scheduled while a step of theirs is in flight (``num_placeholders``), so the engine schedules the next
   step before applying one that carries them. Where a rank has ``SPLIT_CONSTRAINED_ROWS`` or more of them and none
@@ -87,7 +87,7 @@ import collections
 import dataclasses
 
 from jaxinfer.engine.balance import ROLES, Demand, assign
-from jaxinfer.engine.buckets import MIN_PREFILL_T, bucket
+from jaxinfer.engine.buckets import MIN_PREFILL_T, bucket, known_columns
 from jaxinfer.engine.scheduler_output import (NewRequest, RunnerOutput, ScheduledRequest, SchedulerOutput,
                                               StepKind)
 from jaxinfer.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
@@ -95,11 +95,6 @@ from jaxinfer.engine.speculative import PROBE_AFTER_PLAIN_STEPS, STEP_COSTS, Ste
 from jaxinfer.kv.page_allocator import PAGE_SIZE, PageAllocator
 from jaxinfer.kv.page_store import PageStore, page_key
 from jaxinfer.kv.prefix_cache import PrefixCache
-
-# The most columns of a decode step that computes known tokens (``Scheduler.append_outputs``): a longer run of them
-# takes more steps; a wider grid costs every row the columns of the longest (docs/benchmarks.md "Structured output
-# (CPU)").
-MAX_KNOWN_COLUMNS = 8
 
 # A rank with at least this many constrained decoding sequences, none of them in a step in flight, schedules the
 # first half of them; the other half go in the next step, scheduled while this one runs (see "Constrained
@@ -545,16 +540,14 @@ class Scheduler:
                 for running in self.running]
 
     def _known_columns(self) -> int:
-        """0 when no decoding sequence has appended tokens to compute; else the columns T of the next decode step
-        (see "Known tokens"): a power of two >= the most tokens a sequence has to compute, at most
-        ``MAX_KNOWN_COLUMNS``, and within ``prefill_capacity`` per rank (at least 1)."""
+        """0 when no decoding sequence has appended tokens to compute; else the most tokens a row computes in the
+        next decode step (see "Known tokens"), for the rows of every decoding sequence (the step may take fewer:
+        the runner's T for them is at least this)."""
         decoding = self._decoding()
         most = max((s.num_tokens - s.num_computed_tokens for rank in decoding for s in rank), default=0)
         if most <= 1:
             return 0
-        rows = bucket(max(map(len, decoding)))
-        room = 1 << max(0, (self.prefill_capacity // rows).bit_length() - 1)  # largest T: rows * T <= capacity
-        return max(1, min(bucket(most), MAX_KNOWN_COLUMNS, room))
+        return known_columns(bucket(max(map(len, decoding))), self.prefill_capacity)
 
     def _schedule_decode(self, rank: int, plan: _Plan, width: int | None = None, columns: int = 0) -> None:
         out = plan.chunks[rank]

@@ -11,9 +11,10 @@ from hypothesis import HealthCheck, given, settings
 
 from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.engine.structured_output import StructuredOutputsParams
-from jaxinfer.engine.buckets import bucket
+from jaxinfer.engine.buckets import MAX_KNOWN_COLUMNS, bucket
+from jaxinfer.engine.inputs import step_shape
 from jaxinfer.engine.speculative import PROBE_AFTER_PLAIN_STEPS, STEP_COSTS, StepCost
-from jaxinfer.engine.scheduler import MAX_KNOWN_COLUMNS, SPLIT_CONSTRAINED_ROWS, Scheduler
+from jaxinfer.engine.scheduler import SPLIT_CONSTRAINED_ROWS, Scheduler
 from jaxinfer.engine.scheduler_output import RunnerOutput
 from jaxinfer.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
@@ -324,6 +325,11 @@ def test_appended_outputs_are_computed_as_one_chunk():
     assert out.kind == "decode"
     assert [(r.req_id, r.start, r.num_tokens, r.num_sampled, r.new_token_ids) for r in out.requests[0]] == [
         (0, 5, 4, 1, (11, 12, 13)), (1, 3, 1, 1, ())]
+    # The runner lays it out in MAX_KNOWN_COLUMNS columns, not the 4 its longest chunk needs: one program per row
+    # count whatever the runs' lengths (fewer columns only where rows x columns would exceed the capacity).
+    pages = {s.seq_id: len(s.pages) for s in (a, b)}
+    assert step_shape(out, pages, 16, sched.prefill_capacity)[:2] == (2, MAX_KNOWN_COLUMNS)
+    assert step_shape(out, pages, 16, 8)[:2] == (2, 4)
     sched.update_from_output(out, fake_result(out))
     assert a.output_token_ids == [fake_token(0, 5), 11, 12, 13, fake_token(0, 9)]
     out, _ = step(sched)                                            # multi-step again, nothing sent twice
