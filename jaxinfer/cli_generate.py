@@ -8,9 +8,9 @@ FILE.lark`` constrain every output (a JSONL line's own ``"structured_outputs"`` 
 (bench.add_speculative_flags) decodes with MTP speculative decoding and adds a line of its counts in vLLM's
 spec-decode vocabulary (bench.format_speculative). ``--kv-cache-dir DIR`` keeps prompt pages in DIR for later
 runs (the KV storage tier) and adds a line of the prefix cache's counts (bench.format_cache_stats). Chat requests
-(``--chat`` or ``messages``) take ``--tools FILE.json`` and ``--tool-choice`` (a JSONL line's ``"tools"`` /
-``"tool_choice"`` win) and their lines carry ``"tool_calls"`` and ``"reasoning_content"`` when the replies hold
-them (engine/chat.py).
+(``--chat`` or ``messages``) take ``--tools FILE.json``, ``--tool-choice`` and ``--chat-template-kwargs JSON``
+(a JSONL line's ``"tools"`` / ``"tool_choice"`` / ``"chat_template_kwargs"`` win) and their lines carry
+``"tool_calls"`` and ``"reasoning_content"`` when the replies hold them (engine/chat.py).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 
 from jaxinfer import bench
 
-CHAT_FIELDS = ("tools", "tool_choice")  # chat requests' fields of a JSONL line (LLM.chat's)
+CHAT_FIELDS = ("tools", "tool_choice", "chat_template_kwargs")  # chat requests' fields of a JSONL line
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop", "stop_token_ids",
                    "ignore_eos", "n", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
                    "structured_outputs")
@@ -40,6 +40,9 @@ def add_parser(sub) -> None:
                      "function definitions; a JSONL line's 'tools' overrides); completions carry 'tool_calls'")
     gen.add_argument("--tool-choice", default="auto", metavar="auto|none|required|NAME",
                      help="chat requests' tool_choice (a JSONL line's 'tool_choice' overrides; default auto)")
+    gen.add_argument("--chat-template-kwargs", metavar="JSON", default=None,
+                     help="extra variables for the chat template, a JSON object (e.g. '{\"thinking\": true}' for "
+                          "DeepSeek-V3.1's; a JSONL line's 'chat_template_kwargs' overrides)")
     gen.add_argument("--max-tokens", type=int, default=16)
     gen.add_argument("--temperature", type=float, default=1.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -107,6 +110,19 @@ def read_tools(path) -> list | None:
         return json.loads(pathlib.Path(path).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"--tools {path}: cannot read a JSON list of tools ({e})") from None
+
+
+def read_template_kwargs(text) -> dict | None:
+    """--chat-template-kwargs JSON: the object it holds, or None without the flag."""
+    if text is None:
+        return None
+    try:
+        kwargs = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--chat-template-kwargs: not valid JSON ({e.msg})") from None
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"--chat-template-kwargs: must be a JSON object, got {type(kwargs).__name__}")
+    return kwargs
 
 
 def read_requests(args) -> list[dict]:
@@ -199,6 +215,7 @@ def run(args) -> int | None:
     defaults = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
                     seed=args.seed, structured_outputs=constraint)
     tools, tool_choice = read_tools(args.tools), args.tool_choice
+    template_kwargs = read_template_kwargs(args.chat_template_kwargs)
     if tool_choice not in TOOL_CHOICES:
         tool_choice = {"type": "function", "function": {"name": tool_choice}}
     prompts, params, chats = [], [], []
@@ -211,7 +228,8 @@ def run(args) -> int | None:
             if "messages" in item or args.chat:
                 messages = item.get("messages") or [{"role": "user", "content": item["prompt"]}]
                 (chat,) = chat_requests(llm.tokenizer, [messages], item.get("tools", tools),
-                                        item.get("tool_choice", tool_choice))
+                                        item.get("tool_choice", tool_choice),
+                                        item.get("chat_template_kwargs", template_kwargs))
                 request_params = chat.params(request_params)
         except (TypeError, ValueError) as e:
             raise ValueError(f"request {number}: {e}") from None

@@ -401,3 +401,27 @@ def test_generate_chat_with_tools_from_the_command_line(llm, tmp_path, capsys):
     assert main(["generate", "--model", str(llm.model_path), "--chat", "--tool-choice", "required", "Hi", "--mesh",
                  "1x1"]) == 2
     assert "request 1: tool_choice='required' needs tools" in capsys.readouterr().err
+
+
+def test_chat_template_kwargs_from_the_command_line(llm, tmp_path, capsys):
+    """`--chat-template-kwargs '{"thinking": true}'` reaches DeepSeek-V3.1's template (its generation prompt then
+    opens <think>: the reply is reasoning); a JSONL line's own "chat_template_kwargs" wins; bad JSON -> exit 2."""
+    import shutil
+
+    from jaxinfer.cli import main
+
+    v31 = tmp_path / "v31"
+    shutil.copytree(llm.model_path, v31)
+    chat_tokenizer.save(v31, chat_tokenizer.TEMPLATE_V31)  # the same vocabulary: the programs are shared
+    (tmp_path / "p.jsonl").write_text(
+        json.dumps({"messages": [{"role": "user", "content": "Hi"}]}) + "\n"
+        + json.dumps({"messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": {"thinking": False}})
+        + "\n")
+    flags = ["generate", "--model", str(v31), "--prompts", str(tmp_path / "p.jsonl"), "--mesh", "1x1", "--dtype",
+             "float32", "--temperature", "0", "--max-tokens", "2"]
+    assert main(flags + ["--chat-template-kwargs", '{"thinking": true}']) == 0
+    thinking, plain = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert "reasoning_content" in thinking and "reasoning_content" not in plain, (thinking, plain)
+    for bad, why in (("{thinking", "not valid JSON"), ("[1]", "must be a JSON object")):
+        assert main(flags + ["--chat-template-kwargs", bad]) == 2
+        assert f"--chat-template-kwargs: {why}" in capsys.readouterr().err
