@@ -3,7 +3,8 @@
 Results go to stdout, progress and summaries to stderr. Errors in user input print one line and exit 2.
 Multi-process runs (``--coordinator HOST:PORT --num-processes N --process-id I``, the same command in every
 process): all processes compute, process 0 prints the results.
-``generate`` lives in cli_generate.py, ``bench`` in bench.py, ``sweep`` in sweep.py.
+``generate`` lives in cli_generate.py, ``bench`` in bench.py, ``sweep`` in sweep.py, ``plan`` (no JAX) in
+plan/cli.py.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from jaxinfer import bench, sweep
 from jaxinfer import cli_generate as generate
 from jaxinfer.compile_cache import compilation_cache_dir
+from jaxinfer.plan import cli as plan
 
 
 def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
@@ -56,6 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_parser(sub)
     _add_runtime_flags(sub.choices["bench"])
     sweep.add_parser(sub)  # starts no JAX itself: each mesh runs `bench` in fresh processes
+    plan.add_parser(sub)  # pure Python: main() starts no JAX for it
 
     convert = sub.add_parser("convert", help="write an HF checkpoint in jaxinfer's orbax form")
     convert.add_argument("hf_dir")
@@ -190,9 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(args, "speculative_parser") and (problem := bench.speculative_usage_error(args)):
         args.speculative_parser.error(problem)  # the subcommand's usage and the problem on stderr, exit 2
     try:
-        _start_jax(args)
+        if args.command != "plan":
+            _start_jax(args)
         status = {"score": _score, "convert": _convert, "generate": generate.run, "bench": bench.run,
-                  "sweep": sweep.run}[args.command](args)
+                  "sweep": sweep.run, "plan": plan.run}[args.command](args)
     except (ValueError, RuntimeError, FileNotFoundError) as e:
         # Multi-process: returning (not os._exit) lets jax.distributed's exit-time shutdown barrier end the run
         # cleanly when every process fails alike; process 0 hosts the coordination service, so its abrupt exit

@@ -32,7 +32,7 @@ def kernel_name(tmp_path_factory):
 
 def test_there_are_notebooks():
     assert [p.name for p in NOTEBOOKS] == ["01_quickstart.ipynb", "02_meshes_and_experts.ipynb", "03_kernels.ipynb",
-                                           "04_sweep.ipynb", "05_speculative_decoding.ipynb"]
+                                           "04_sweep.ipynb", "05_speculative_decoding.ipynb", "06_plan.ipynb"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

@@ -1,0 +1,14 @@
+"""``jaxinfer.plan``: a performance model of DeepSeek-style deployments (pure Python: no JAX needed).
+
+``predict`` (predict.py) gives one deployment's step, throughput, bound and memory per GPU; the hardware presets
+and TOML files are hardware.py's, the one calibration from DeepSeek's published kernel figures calibration.py's,
+the model's arithmetic shapes.py's. docs/plan.md compares predictions with published production figures.
+"""
+
+from jaxinfer.plan.calibration import DEFAULT as CALIBRATION, Calibration, calibrate
+from jaxinfer.plan.hardware import PRESETS as HARDWARE, Hardware, hardware
+from jaxinfer.plan.predict import predict
+from jaxinfer.plan.shapes import Shapes, dispatch_payload_bytes
+
+__all__ = ["CALIBRATION", "Calibration", "HARDWARE", "Hardware", "Shapes", "calibrate", "dispatch_payload_bytes",
+           "hardware", "predict"]

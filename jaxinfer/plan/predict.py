@@ -1,0 +1,329 @@
+"""``predict``: what one DeepSeek-style deployment delivers per GPU, step by step (docs/plan.md says how to read it).
+
+A deployment is ``ep`` GPUs serving one phase: attention data-parallel over ``dp`` groups (tensor-parallel over
+``ep // dp`` GPUs within a group; DeepSeek serves dp = ep), routed experts spread over all ``ep`` GPUs (``(E +
+redundant) / ep`` slots each, EPLB's redundant copies included), shared experts and dense layers on every GPU.
+Every GPU runs the same step; a step's time is the sum over layers of each part's time: a GEMM's FLOPs at the
+calibrated compute rate plus its weights at the calibrated bandwidth, the MLA core the slower of its FLOPs and its
+latent cache, the expert dispatch / combine at the calibrated link rates (calibration.py):
+
+- decode: ``requests_per_gpu`` requests with ``context_len`` cached tokens each compute 1 + ``mtp_drafts`` tokens
+  per step (MTP speculative decoding verifies the drafts, ``mtp_acceptance`` the chance each is accepted, so a
+  step yields 1 + p + ... + p^k tokens), reading every weight once and the latent cache once per step (FlashMLA
+  scores all of a request's query tokens over one read); DeepEP's low-latency kernels move (token, expert) pairs.
+  The MTP module drafts: one more MoE layer (its dispatch and combine included) and the head per draft; in
+  prefill (with ``mtp_acceptance``) it runs once over the computed tokens, filling its cache.
+- prefill: ``tokens_per_gpu`` prompt tokens per step in prompts of ``prompt_len`` (``cache_hit_rate`` of each
+  prompt read from the KV cache: its latents decompressed for attention, not recomputed); DeepEP's normal kernels
+  move each token once per destination node over RDMA and once per destination GPU over NVLink (uniform routing:
+  group-limited routing would only lower it).
+- dual-microbatch overlap (``dbo``): the step runs as two microbatches of half the tokens, each reading the
+  weights again, while the other's dispatch and combine run; the step takes the longer of its compute and its
+  communication, plus one MoE layer's shorter part (the pipeline's fill). In prefill the normal kernels hold
+  ``Calibration.normal_sms`` SMs meanwhile: compute runs on the rest. Without it, compute plus communication.
+
+The step waits for the busiest expert GPU: routed-expert work is scaled by ``expert_imbalance`` (max / mean load;
+default 1.05 with redundant experts, EPLB's balance, and 1.3 without: docs/benchmarks.md "EPLB balance").
+Not modelled: host overhead, kernel launches, queueing, load that varies in time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.plan.calibration import DEFAULT, Calibration, ll_remote_share
+from jaxinfer.plan.hardware import Hardware, hardware as get_hardware
+from jaxinfer.plan.shapes import Shapes, dispatch_payload_bytes
+
+PHASES = ("decode", "prefill")
+KV_DTYPE_BYTES = 2      # the latent cache in bfloat16 (DeepSeek's MLA)
+HEAD_DTYPE_BYTES = 2    # embedding and LM head kept in bfloat16 (DeepSeek-V3 report, 3.3: high-precision parts)
+WEIGHT_BYTES = 1        # every other product in FP8 (e4m3; the 128 x 128 block scales add 0.02%)
+ACTIVATION_COPIES = 8   # bf16 hidden-state buffers alive per token in a step (residual, norms, projections)
+
+
+def model_config(model: str | pathlib.Path | ModelConfig) -> ModelConfig:
+    """A preset name (jaxinfer.config PRESETS), a checkpoint directory or config.json, or a ModelConfig."""
+    if isinstance(model, ModelConfig):
+        return model
+    from jaxinfer.config import PRESETS
+
+    if str(model) in PRESETS:
+        return ModelConfig.preset(str(model))
+    path = pathlib.Path(model)
+    if not path.exists():
+        raise ValueError(f"model {str(model)!r}: not a preset ({', '.join(PRESETS)}) nor a checkpoint directory "
+                         "or config.json")
+    return ModelConfig.from_hf_config(path)
+
+
+@dataclasses.dataclass
+class _Step:
+    """Seconds of one step: per part, and per part and the resource bounding that share of it."""
+
+    by: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)   # (part, bound) -> seconds
+    comm: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def add(self, part: str, seconds: float, bound: str) -> None:
+        self.by[part, bound] = self.by.get((part, bound), 0.0) + seconds
+
+    def add_comm(self, part: str, seconds: float) -> None:
+        self.comm[part] = self.comm.get(part, 0.0) + seconds
+
+    def scaled(self, compute: float, comm: float) -> _Step:
+        return _Step({k: v * compute for k, v in self.by.items()}, {k: v * comm for k, v in self.comm.items()})
+
+    @property
+    def compute(self) -> dict[str, float]:
+        out = {}
+        for (part, _), seconds in self.by.items():
+            out[part] = out.get(part, 0.0) + seconds
+        return out
+
+    def resources(self) -> dict[str, float]:
+        out = {}
+        for (_, bound), seconds in self.by.items():
+            out[bound] = out.get(bound, 0.0) + seconds
+        return out
+
+
+class _Rates:
+    """Calibrated seconds for FLOPs and bytes on one GPU."""
+
+    def __init__(self, hw: Hardware, cal: Calibration, weight_bytes: int):
+        self.hw, self.cal = hw, cal
+        self.gemm_peak = hw.fp8_flops if weight_bytes == 1 else hw.bf16_flops  # FP8 products, else bf16 ones
+
+    def gemm(self, flops: float, weight_bytes: float) -> tuple[float, str]:
+        """A GEMM: its FLOPs at DeepGEMM's fraction of the peak plus its weights at DeepGEMM's bandwidth
+        (calibration.py says why a sum); bound by the larger."""
+        c = flops / (self.gemm_peak * self.cal.gemm_flops)
+        m = weight_bytes / (self.hw.hbm_bw * self.cal.gemm_memory)
+        return c + m, "compute" if c >= m else "weights"
+
+    def mla(self, flops: float, cache_bytes: float) -> tuple[float, str]:
+        """The MLA core (bf16): FLOPs at FlashMLA's rate or the latent cache at its bandwidth."""
+        c = flops / (self.hw.bf16_flops * self.cal.mla_flops)
+        m = cache_bytes / (self.hw.hbm_bw * self.cal.mla_memory)
+        return (c, "compute") if c >= m else (m, "kv_cache")
+
+
+def _check(name: str, ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {message}")
+
+
+def predict(model: str | pathlib.Path | ModelConfig = "deepseek-v3", hardware: str | pathlib.Path | Hardware = "h800",
+            phase: str = "decode", ep: int = 8, dp: int | None = None, requests_per_gpu: float | None = None,
+            tokens_per_gpu: float | None = None, context_len: float = 4096, prompt_len: float | None = None,
+            gpus_per_node: int | None = None, num_redundant_experts: int = 0, fp8_dispatch: bool = True,
+            dbo: bool = True, mtp_acceptance: float | None = None, cache_hit_rate: float = 0.0, *,
+            mtp_drafts: int = 1, expert_imbalance: float | None = None, calibration: Calibration = DEFAULT,
+            weight_bytes: int = WEIGHT_BYTES) -> dict:
+    """The predicted step of one GPU of the deployment (see the module doc). Returns a dict:
+
+    tok_s_per_gpu, tok_s_per_node (output tokens for decode, input tokens, cached ones included, for prefill),
+    step_s, tpot_s (decode: step_s per token a request gains) or ttft_s (prefill: the steps a prompt takes),
+    bound (the resource bounding the step: "compute", "weights", "kv_cache" or "communication"), memory_per_gpu_bytes
+    and memory (its parts: weights, kv_cache, buffers; headroom_bytes), parts (seconds per step of each part:
+    attention projections, attention core, routed experts, shared experts, dense MLP, head, drafts; dispatch and
+    combine), and the inputs as used. weight_bytes: bytes per weight of the products (1: FP8, as DeepSeek serves;
+    2: bf16, as jaxinfer computes on CPU). Raises ValueError naming the argument of a deployment that cannot run."""
+    cfg = model_config(model)
+    hw = get_hardware(hardware)
+    gpn = hw.gpus_per_node if gpus_per_node is None else gpus_per_node
+    shapes = Shapes(cfg)
+    dp = ep if dp is None else dp
+    _check("phase", phase in PHASES, f"{phase!r} is not one of {PHASES}")
+    _check("ep", isinstance(ep, int) and ep >= 1, f"must be a positive integer, got {ep!r}")
+    _check("dp", isinstance(dp, int) and dp >= 1 and ep % dp == 0, f"{dp!r} must divide ep={ep}")
+    tp = ep // dp
+    _check("dp", cfg.num_attention_heads % tp == 0,
+           f"attention tensor parallelism ep / dp = {tp} does not divide the {cfg.num_attention_heads} heads")
+    slots = cfg.n_routed_experts + num_redundant_experts
+    _check("num_redundant_experts", num_redundant_experts >= 0, f"must be >= 0, got {num_redundant_experts}")
+    _check("ep", slots % ep == 0, f"ep={ep} does not divide the {cfg.n_routed_experts} routed experts + "
+           f"{num_redundant_experts} redundant ones ({slots} expert slots)")
+    _check("gpus_per_node", isinstance(gpn, int) and gpn >= 1, f"must be a positive integer, got {gpn!r}")
+    _check("gpus_per_node", ep <= gpn or ep % gpn == 0, f"ep={ep} is not a whole number of {gpn}-GPU nodes")
+    _check("context_len", context_len >= 0, f"must be >= 0, got {context_len}")
+    _check("cache_hit_rate", 0.0 <= cache_hit_rate < 1.0, f"must be in [0, 1), got {cache_hit_rate}")
+    drafts = 0
+    _check("mtp_drafts", mtp_acceptance is not None or mtp_drafts == 1, "drafts need mtp_acceptance")
+    if mtp_acceptance is not None:
+        _check("mtp_acceptance", 0.0 <= mtp_acceptance <= 1.0, f"must be in [0, 1], got {mtp_acceptance}")
+        _check("mtp_acceptance", cfg.num_nextn_predict_layers >= 1, "the model has no MTP module")
+        _check("mtp_drafts", isinstance(mtp_drafts, int) and mtp_drafts >= 1, f"must be >= 1, got {mtp_drafts}")
+        drafts = mtp_drafts
+    imbalance = expert_imbalance if expert_imbalance is not None else (1.05 if num_redundant_experts else 1.3)
+    _check("expert_imbalance", imbalance >= 1.0, f"max / mean load is >= 1, got {imbalance}")
+    _check("weight_bytes", weight_bytes in (1, 2, 4), f"1 (FP8), 2 (bf16) or 4 (float32), got {weight_bytes!r}")
+    rates = _Rates(hw, calibration, weight_bytes)
+    experts_per_gpu = slots // ep
+
+    if phase == "decode":
+        _check("requests_per_gpu", requests_per_gpu is not None and requests_per_gpu > 0,
+               f"decode needs requests_per_gpu > 0, got {requests_per_gpu!r}")
+        rows = requests_per_gpu * (1 + drafts)          # tokens the main model computes per GPU and step
+        requests = requests_per_gpu
+    else:
+        _check("tokens_per_gpu", tokens_per_gpu is not None and tokens_per_gpu > 0,
+               f"prefill needs tokens_per_gpu > 0, got {tokens_per_gpu!r}")
+        prompt_len = tokens_per_gpu if prompt_len is None else prompt_len
+        _check("prompt_len", prompt_len > 0, f"must be > 0, got {prompt_len}")
+        rows = tokens_per_gpu * (1.0 - cache_hit_rate)  # tokens computed per GPU and step
+        requests = tokens_per_gpu / prompt_len
+
+    head = cfg.vocab_size * cfg.hidden_size
+    shared = cfg.n_shared_experts * shapes.expert_params
+
+    def attention(s: _Step, n: int, rows: float, requests: float, part: str = "") -> None:
+        """n layers' attention for ``rows`` computed tokens of ``requests`` requests (per GPU). A TP group
+        computes its tp GPUs' tokens, each GPU with 1 / tp of the heads and weights: per GPU, rows tokens' FLOPs;
+        each GPU reads the latents of all the group's requests."""
+        s.add(part or "attention_projections", *_times(n, rates.gemm(
+            2.0 * shapes.attention_params * rows, shapes.attention_params * weight_bytes / tp)))
+        if phase == "decode":
+            cache = requests * tp * context_len * shapes.latent_width * KV_DTYPE_BYTES
+            s.add(part or "attention_core", *_times(n, rates.mla(rows * shapes.decode_attention_flops(context_len),
+                                                                 cache)))
+            return
+        new, cached = prompt_len * (1.0 - cache_hit_rate), prompt_len * cache_hit_rate
+        s.add(part or "attention_core", *_times(n, rates.mla(requests * shapes.prefill_attention_flops(new, cached),
+                                                             0.0)))
+        if cached:
+            s.add(part or "prefix_decompression", *_times(n, rates.gemm(shapes.decompress_flops(requests * cached),
+                                                                        0.0)))
+
+    def experts(s: _Step, n: int, rows: float, part: str = "") -> None:
+        """n MoE layers' routed and shared experts and their dispatch / combine for ``rows`` tokens per GPU."""
+        pairs = rows * cfg.num_experts_per_tok * imbalance   # (token, expert) pairs of the busiest expert GPU
+        s.add(part or "routed_experts", *_times(n, rates.gemm(
+            2.0 * shapes.expert_params * pairs, experts_per_gpu * shapes.expert_params * weight_bytes)))
+        if shared:
+            s.add(part or "shared_experts", *_times(n, rates.gemm(2.0 * shared * rows, shared * weight_bytes)))
+        for name in ("dispatch", "combine"):
+            fp8 = fp8_dispatch and name == "dispatch"
+            s.add_comm(name, n * _comm_seconds(phase == "decode", name, rows, cfg, ep, gpn, hw, calibration, fp8))
+
+    def step_parts(rows: float, requests: float) -> _Step:
+        """The parts of a step (or of one microbatch) of ``rows`` computed tokens for ``requests`` requests."""
+        s = _Step()
+        attention(s, cfg.num_hidden_layers, rows, requests)
+        experts(s, shapes.num_moe_layers, rows)
+        if shapes.num_dense_layers:
+            s.add("dense_mlp", *_times(shapes.num_dense_layers, rates.gemm(
+                2.0 * shapes.dense_mlp_params * rows, shapes.dense_mlp_params * weight_bytes)))
+        sampled = rows if phase == "decode" else requests  # prefill samples after each prompt's last token
+        s.add("head", *rates.gemm(2.0 * head * sampled, head * HEAD_DTYPE_BYTES))
+        if drafts:
+            # The MTP module (an MoE layer behind a projection of [embedding; hidden], then the shared head).
+            # Decode: one pass per draft over the step's requests; prefill: one pass over the computed tokens,
+            # filling its cache, and the first draft after each prompt.
+            passes, tokens = (drafts, requests) if phase == "decode" else (1, rows)
+            attention(s, passes, tokens, requests, part="mtp_drafts")
+            experts(s, passes, tokens, part="mtp_drafts")
+            s.add("mtp_drafts", *_times(passes, rates.gemm(2.0 * shapes.mtp_extra_params * tokens,
+                                                          shapes.mtp_extra_params * weight_bytes)))
+            s.add("mtp_drafts", *_times(passes, rates.gemm(2.0 * head * requests, head * HEAD_DTYPE_BYTES)))
+        return s
+
+    if dbo:  # two microbatches of half the step each
+        sms = 1.0
+        if phase == "prefill":  # the normal kernels hold SMs while they overlap the other microbatch's compute
+            _check("hardware", hw.sms > calibration.normal_sms, f"{hw.name} has {hw.sms} SMs, the communication "
+                   f"kernels take {calibration.normal_sms}")
+            sms = hw.sms / (hw.sms - calibration.normal_sms)
+        steps = step_parts(rows / 2, requests / 2).scaled(2.0 * sms, 2.0)
+        compute, comm = sum(steps.compute.values()), sum(steps.comm.values())
+        step = max(compute, comm) + min(compute, comm) / max(shapes.num_moe_layers, 1)  # + the pipeline's fill
+    else:
+        steps = step_parts(rows, requests)
+        compute, comm = sum(steps.compute.values()), sum(steps.comm.values())
+        step = compute + comm
+    parts = {**steps.compute, **steps.comm}
+    # Overlapped, the longer of compute and communication bounds the step; in series, the largest share of it.
+    resources = steps.resources() if dbo and compute >= comm else dict(steps.resources(), communication=comm)
+    bound = max(resources, key=resources.get)
+
+    memory = _memory(cfg, shapes, phase, experts_per_gpu, tp, drafts, requests, rows, context_len, prompt_len,
+                     fp8_dispatch, weight_bytes)
+    total = sum(memory.values())
+    _check("memory", total <= hw.hbm_bytes, f"the deployment needs {total / 1e9:.1f} GB per GPU ("
+           + ", ".join(f"{k} {v / 1e9:.1f} GB" for k, v in memory.items())
+           + f"), {hw.name} has {hw.hbm_gb:g} GB: fewer requests or tokens per GPU, or more GPUs")
+    out = dict(phase=phase, step_s=step, bound=bound, memory_per_gpu_bytes=total,
+               memory=dict(memory, headroom_bytes=hw.hbm_bytes - total),
+               parts=parts, compute_s=compute, communication_s=comm)
+    if phase == "decode":
+        gained = sum(mtp_acceptance ** j for j in range(drafts + 1)) if drafts else 1.0  # tokens per step
+        out.update(tok_s_per_gpu=requests_per_gpu * gained / step, tpot_s=step / gained, tokens_per_step=gained)
+    else:
+        out.update(tok_s_per_gpu=tokens_per_gpu / step, ttft_s=step * math.ceil(prompt_len / tokens_per_gpu))
+    out["tok_s_per_node"] = out["tok_s_per_gpu"] * min(gpn, ep)
+    out["inputs"] = dict(model=cfg, hardware=hw.name, phase=phase, ep=ep, dp=dp, requests_per_gpu=requests_per_gpu,
+                         tokens_per_gpu=tokens_per_gpu, context_len=context_len, prompt_len=prompt_len,
+                         gpus_per_node=gpn, num_redundant_experts=num_redundant_experts, fp8_dispatch=fp8_dispatch,
+                         dbo=dbo, mtp_acceptance=mtp_acceptance, mtp_drafts=drafts, cache_hit_rate=cache_hit_rate,
+                         expert_imbalance=imbalance, weight_bytes=weight_bytes)
+    return out
+
+
+def _times(n: int, t: tuple[float, str]) -> tuple[float, str]:
+    return n * t[0], t[1]
+
+
+def _hit_share(experts: int, held: float, topk: int) -> float:
+    """The chance that a token's top-k of ``experts`` (chosen uniformly, without repeats) include one of ``held``
+    of them."""
+    miss = 1.0
+    for j in range(topk):
+        miss *= max(experts - held - j, 0.0) / (experts - j)
+    return 1.0 - miss
+
+
+def _comm_seconds(low_latency: bool, kind: str, rows: float, cfg: ModelConfig, ep: int, gpn: int, hw: Hardware,
+                  cal: Calibration, fp8: bool) -> float:
+    """One MoE layer's dispatch or combine of ``rows`` tokens per GPU.
+
+    Low-latency kernels (decode): one message per (token, expert) pair, ``ll_remote_share`` of them across nodes;
+    the slower link class bounds it. Normal kernels (prefill): a token goes once to each node holding one of its
+    experts (RDMA, other nodes only) and once to each GPU holding one (NVLink forwarding within the node)."""
+    if ep == 1 or rows == 0:
+        return 0.0
+    payload = dispatch_payload_bytes(cfg.hidden_size, fp8)
+    if low_latency:
+        pairs = rows * cfg.num_experts_per_tok
+        remote = ll_remote_share(ep, gpn)
+        nvlink, rdma = getattr(cal, f"ll_{kind}_nvlink"), getattr(cal, f"ll_{kind}_rdma")
+        return max(pairs * (1 - remote) * payload / (hw.nvlink_bw * nvlink),
+                   pairs * remote * payload / (hw.net_bw * rdma) if remote else 0.0)
+    experts, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    nodes = max(1, ep // gpn)
+    ranks_hit = ep * _hit_share(experts, experts / ep, k)
+    remote_nodes_hit = (nodes - 1) * _hit_share(experts, experts / nodes, k)
+    return max(rows * remote_nodes_hit * payload / (hw.net_bw * cal.normal_rdma),
+               rows * ranks_hit * payload / (hw.nvlink_bw * cal.normal_nvlink))
+
+
+def _memory(cfg: ModelConfig, shapes: Shapes, phase: str, experts_per_gpu: int, tp: int, drafts: int,
+            requests: float, rows: float, context_len: float, prompt_len: float | None, fp8_dispatch: bool,
+            weight_bytes: int) -> dict[str, float]:
+    """Bytes per GPU: weights (FP8 products, bf16 embedding and head, the MTP module when drafting), the latent
+    cache of the GPU's requests (a TP group's each GPU holds all of them), and buffers (hidden states, expert rows,
+    dispatch receive buffers)."""
+    moe_layer = shapes.attention_params / tp + (experts_per_gpu + cfg.n_shared_experts) * shapes.expert_params
+    weights = (shapes.num_dense_layers * (shapes.attention_params / tp + shapes.dense_mlp_params)
+               + shapes.num_moe_layers * moe_layer) * weight_bytes + shapes.embedding_params * HEAD_DTYPE_BYTES
+    weights += (moe_layer + shapes.mtp_extra_params) * weight_bytes if drafts else 0.0
+    layers = cfg.num_hidden_layers + (1 if drafts else 0)
+    tokens = requests * (context_len if phase == "decode" else prompt_len)  # cached for the step's requests
+    kv = tokens * tp * layers * shapes.latent_width * KV_DTYPE_BYTES
+    pairs = rows * cfg.num_experts_per_tok
+    per_pair = (dispatch_payload_bytes(cfg.hidden_size, fp8_dispatch) + dispatch_payload_bytes(cfg.hidden_size, False)
+                + 3 * cfg.moe_intermediate_size * 2)  # received rows, combine rows, gate / up / act in bf16
+    buffers = rows * ACTIVATION_COPIES * cfg.hidden_size * 2 + 2 * pairs * per_pair  # receive buffers padded 2x
+    return {"weights": weights, "kv_cache": kv, "buffers": buffers}

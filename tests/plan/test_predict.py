@@ -1,0 +1,225 @@
+"""jaxinfer.plan's arithmetic against hand-worked cases (DeepSeek-V3's published shapes and sizes), its
+calibration against the published kernel figures it was not fitted on, monotonicity, and bad input.
+
+Hand-worked numbers are written out with their derivation from DeepSeek-V3's config.json (hidden 7168, 61 layers of
+which 3 dense, 128 heads, q_lora 1536, kv_lora 512, qk_nope 128, rope 64, v_head 128, 256 routed experts of width
+2048 + 1 shared, top-8, dense width 18432, vocab 129280).
+"""
+
+import math
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.plan import CALIBRATION, Hardware, Shapes, dispatch_payload_bytes, hardware, predict
+from jaxinfer.plan.calibration import ANCHORS, ll_remote_share
+
+V3 = Shapes(ModelConfig.deepseek_v3())
+
+
+def test_parameter_counts_are_deepseek_v3s():
+    # q_a 7168 x 1536 + q_b 1536 x 128 x 192 + kv_a 7168 x 576 + kv_b 512 x 128 x 256 + o 128 x 128 x 7168
+    assert V3.attention_params == 11_010_048 + 37_748_736 + 4_128_768 + 16_777_216 + 117_440_512
+    assert V3.expert_params == 3 * 7168 * 2048 == 44_040_192
+    assert V3.dense_mlp_params == 3 * 7168 * 18432
+    # embeddings + 61 attention + 3 dense MLPs + 58 x 257 experts (+ router and norms, not counted): "671B"
+    total = (V3.embedding_params + 61 * V3.attention_params + 3 * V3.dense_mlp_params + 58 * 257 * V3.expert_params)
+    assert total == 1_853_358_080 + 11_413_422_080 + 1_189_085_184 + 656_463_101_952 == 670_918_967_296
+    assert abs(total + 58 * 256 * 7168 - 671e9) / 671e9 < 1e-3
+
+
+def test_bytes_per_token():
+    assert V3.kv_bytes_per_token() == 61 * (512 + 64) * 2 == 70_272          # the bf16 latent cache
+    assert dispatch_payload_bytes(7168, fp8=True) == 7168 + 56 * 4 == 7392   # e4m3 + a float32 scale per 128
+    assert dispatch_payload_bytes(7168, fp8=False) == 2 * 7168 == 14_336     # bf16 (combine)
+
+
+def test_dispatch_payload_is_the_engines():
+    """The FP8 payload per token and rank is what the engine's dispatch sends (bench.dispatch_bytes' formula, over
+    parallel/dispatch.py's QUANT_GROUP)."""
+    from jaxinfer.parallel.dispatch import QUANT_GROUP
+
+    for h in (7168, 2048, 512, 100):
+        assert dispatch_payload_bytes(h, fp8=True) == h + 4 * -(-h // QUANT_GROUP)
+
+
+def test_flops_per_layer():
+    # absorbed decode, one token over 4096 cached: 2 x 128 heads x 4096 x (576-wide scores + 512-wide values)
+    assert V3.decode_attention_flops(4096) == 2 * 128 * 4096 * 1088 == 1_140_850_688
+    # expanded prefill of 4096 fresh tokens, causal: 4096 x 4097 / 2 pairs x 2 x 128 x (192 + 128)
+    assert V3.prefill_attention_flops(4096, 0) == 687_362_539_520
+    # 1000 new after 3000 cached: 1000 x 3000 + 1000 x 1001 / 2 pairs
+    assert V3.prefill_attention_flops(1000, 3000) == (3_000_000 + 500_500) * 2 * 128 * 320
+    assert V3.decompress_flops(10) == 2 * 10 * 512 * 128 * 256
+
+
+def test_memory_per_gpu_at_ep144():
+    """DeepSeek's decode unit: EP144 with 32 redundant experts = 2 routed + 1 shared expert per GPU."""
+    r = predict(phase="decode", ep=144, num_redundant_experts=32, requests_per_gpu=100, context_len=4096)
+    weights = (3 * (187_105_280 + 396_361_728)                  # dense layers: attention + MLP
+               + 58 * (187_105_280 + 3 * 44_040_192)            # MoE layers: attention + 2 routed + 1 shared
+               + 2 * 129_280 * 7168 * 2)                        # bf16 embedding and head
+    assert weights == 23_972_216_832
+    assert r["memory"]["weights"] == weights
+    assert r["memory"]["kv_cache"] == 100 * 4096 * 70_272
+    assert r["memory_per_gpu_bytes"] == sum(v for k, v in r["memory"].items() if k != "headroom_bytes")
+    assert r["memory"]["headroom_bytes"] == 80e9 - r["memory_per_gpu_bytes"]
+    # EP32 prefill: 288 / 32 = 9 routed experts per GPU
+    p = predict(phase="prefill", ep=32, num_redundant_experts=32, tokens_per_gpu=4096)
+    assert p["memory"]["weights"] - weights == 58 * 7 * 44_040_192
+
+
+def test_a_weight_bound_step_by_hand():
+    """One request, no cache, no overlap, one GPU: every product reads its weights once at DeepGEMM's bandwidth
+    (2668 GB/s, FP8; the bf16 head twice the bytes) and computes 2 FLOPs per weight it uses at 1358 TFLOPS;
+    nothing else costs."""
+    big = Hardware("big", bf16_tflops=989.4, fp8_tflops=1978.9, hbm_gb=2000, hbm_gb_s=3350, nvlink_gb_s=200,
+                   net_gb_s=50, sms=132)
+    r = predict(hardware=big, phase="decode", ep=1, requests_per_gpu=1, context_len=0, dbo=False,
+                expert_imbalance=1.0)
+    weight_bytes = 61 * 187_105_280 + 58 * (256 + 1) * 44_040_192 + 3 * 396_361_728 + 129_280 * 7168 * 2
+    used = 61 * 187_105_280 + 58 * (8 + 1) * 44_040_192 + 3 * 396_361_728 + 129_280 * 7168  # top-8 + shared
+    assert r["step_s"] == pytest.approx(weight_bytes / 2668e9 + 2 * used / 1358e12, rel=1e-9)
+    assert r["bound"] == "weights" and r["communication_s"] == 0 and r["tok_s_per_gpu"] == 1 / r["step_s"]
+
+
+def test_gemm_time_against_deepgemms_published_shapes():
+    """The GEMM model (FLOPs at 1358 TFLOPS plus bytes at 2668 GB/s, the README's two maxima) against the README's
+    18 dense shapes, bytes = FP8 weights and input + bf16 output: within -25% / +50% of each published time, 8% high
+    on their geometric mean (a roofline, the larger of the two, would be up to 2.2x fast)."""
+    ratios = []
+    for m, rows in ANCHORS["deepgemm_dense"].items():
+        for n, k, tflops in rows:
+            flops, nbytes = 2 * m * n * k, n * k + m * k + 2 * m * n
+            model = flops / (1978.9e12 * CALIBRATION.gemm_flops) + nbytes / (3350e9 * CALIBRATION.gemm_memory)
+            ratios.append(model / (flops / (tflops * 1e12)))
+    assert all(0.75 <= x <= 1.5 for x in ratios), ratios
+    assert math.exp(sum(map(math.log, ratios)) / len(ratios)) == pytest.approx(1.078, abs=0.01)
+
+
+def test_low_latency_kernels_rows_it_was_not_fitted_on():
+    """The calibration takes DeepEP's low-latency rates from its EP8 and EP256 rows; the model then predicts the
+    EP16-128 rows (128 tokens per rank, top-8) within 16%."""
+    h800 = hardware("h800")
+    for ep, published in ANCHORS["deepep_ll_us"].items():
+        for k, kind in enumerate(("dispatch", "combine")):
+            payload = 128 * 8 * dispatch_payload_bytes(7168, fp8=kind == "dispatch")
+            remote = ll_remote_share(ep, 8)
+            t = max(payload * (1 - remote) / (h800.nvlink_bw * getattr(CALIBRATION, f"ll_{kind}_nvlink")),
+                    payload * remote / (h800.net_bw * getattr(CALIBRATION, f"ll_{kind}_rdma")))
+            assert t * 1e6 == pytest.approx(published[k], rel=0.16), (ep, kind)
+
+
+def test_calibration_is_the_published_fractions():
+    assert CALIBRATION.gemm_flops == pytest.approx(1358 / 1978.9)
+    assert CALIBRATION.mla_memory == pytest.approx(3000 / 3350)
+    assert CALIBRATION.normal_nvlink == pytest.approx(155.5 / 200)
+
+
+def _scaled(hw: Hardware, **factors) -> Hardware:
+    return Hardware(**{**{f: getattr(hw, f) for f in hw.__dataclass_fields__}, "name": "scaled",
+                       **{k: getattr(hw, k) * v for k, v in factors.items()}})
+
+
+DEPLOYMENTS = st.sampled_from([
+    dict(phase="decode", ep=144, num_redundant_experts=32, requests_per_gpu=64, context_len=4096),
+    dict(phase="decode", ep=16, num_redundant_experts=32, requests_per_gpu=32, context_len=2048, mtp_acceptance=0.8),
+    dict(phase="prefill", ep=32, num_redundant_experts=32, tokens_per_gpu=8192, prompt_len=2048),
+    dict(phase="prefill", ep=64, tokens_per_gpu=4096, prompt_len=4096, cache_hit_rate=0.5, dbo=False),
+])
+
+
+@settings(max_examples=40, deadline=None)
+@given(DEPLOYMENTS, st.sampled_from(["hbm_gb_s", "nvlink_gb_s", "net_gb_s", "fp8_tflops", "bf16_tflops"]),
+       st.floats(1.0, 8.0), st.sampled_from(["h800", "h200", "b200"]))
+def test_more_of_a_resource_is_never_slower(deployment, resource, factor, gpu):
+    hw = hardware(gpu)
+    assert (predict(hardware=_scaled(hw, **{resource: factor}), **deployment)["step_s"]
+            <= predict(hardware=hw, **deployment)["step_s"] * (1 + 1e-12))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 160), st.integers(1, 160), st.sampled_from([32, 64, 144]), st.booleans())
+def test_a_larger_decode_batch_never_yields_fewer_tokens_per_gpu(a, b, ep, dbo):
+    small, large = sorted((a, b))
+    kw = dict(phase="decode", ep=ep, num_redundant_experts=32 if 288 % ep == 0 else 0, context_len=2048, dbo=dbo)
+    assert (predict(requests_per_gpu=large, **kw)["tok_s_per_gpu"]
+            >= predict(requests_per_gpu=small, **kw)["tok_s_per_gpu"] * (1 - 1e-12))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 16), st.integers(1, 16), st.booleans())
+def test_a_larger_prefill_batch_never_yields_fewer_tokens_per_gpu(a, b, dbo):
+    small, large = sorted((a, b))
+    kw = dict(phase="prefill", ep=32, num_redundant_experts=32, prompt_len=1024, dbo=dbo)
+    assert (predict(tokens_per_gpu=1024 * large, **kw)["tok_s_per_gpu"]
+            >= predict(tokens_per_gpu=1024 * small, **kw)["tok_s_per_gpu"] * (1 - 1e-12))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(ep=144, requests_per_gpu=8), r"ep: ep=144 does not divide the 256 routed experts \+ 0 redundant"),
+    (dict(ep=100, num_redundant_experts=44, requests_per_gpu=8), "gpus_per_node: ep=100"),
+    (dict(ep=144, num_redundant_experts=32, requests_per_gpu=400, context_len=4096), "memory: the deployment needs"),
+    (dict(ep=8, requests_per_gpu=8), r"memory: .*\(weights 100.6 GB"),              # 32 experts per GPU
+    (dict(ep=144, num_redundant_experts=32), "requests_per_gpu: decode needs"),
+    (dict(phase="prefill", ep=32, num_redundant_experts=32), "tokens_per_gpu: prefill needs"),
+    (dict(phase="train", ep=8), "phase: 'train'"),
+    (dict(ep=144, dp=7, num_redundant_experts=32, requests_per_gpu=8), "dp: 7 must divide ep=144"),
+    (dict(ep=144, num_redundant_experts=32, requests_per_gpu=8, cache_hit_rate=1.0), "cache_hit_rate"),
+    (dict(ep=144, num_redundant_experts=32, requests_per_gpu=8, mtp_acceptance=1.5), "mtp_acceptance"),
+    (dict(model=ModelConfig.deepseek_v3().replace(num_nextn_predict_layers=0), ep=144, num_redundant_experts=32,
+          requests_per_gpu=8, mtp_acceptance=0.8), "mtp_acceptance: the model has no MTP module"),
+    (dict(ep=144, num_redundant_experts=32, requests_per_gpu=8, gpus_per_node=-1), "gpus_per_node: must be a pos"),
+    (dict(ep=144, num_redundant_experts=32, requests_per_gpu=8, mtp_drafts=3), "mtp_drafts: drafts need mtp_acc"),
+    (dict(hardware="tpu", ep=8), "hardware 'tpu': not a preset"),
+    (dict(model="no-such-model", ep=8), "model 'no-such-model'"),
+])
+def test_bad_deployments_name_the_argument(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        predict(**{"phase": "decode", **kwargs})
+
+
+def test_hardware_files(tmp_path):
+    good = tmp_path / "mygpu.toml"
+    good.write_text("bf16_tflops = 100\nfp8_tflops = 200\nhbm_gb = 1000\nhbm_gb_s = 1000\nnvlink_gb_s = 100\n"
+                    "net_gb_s = 25\nsms = 100\n")
+    hw = hardware(good)
+    assert (hw.name, hw.hbm_bw, hw.gpus_per_node) == ("mygpu", 1e12, 8)
+    assert predict(hardware=good, ep=8, requests_per_gpu=4)["tok_s_per_gpu"] > 0
+    bad = tmp_path / "bad.toml"
+    bad.write_text("bf16_tflops = 100\nfp8 = 200\n")
+    with pytest.raises(ValueError, match=r"unknown fields \['fp8'\]; missing fields \['fp8_tflops'"):
+        hardware(bad)
+    bad.write_text(good.read_text().replace("sms = 100", "sms = -1"))
+    with pytest.raises(ValueError, match="sms must be a positive number"):
+        hardware(bad)
+
+
+def test_the_package_needs_no_jax():
+    code = "import sys, jaxinfer.plan; jaxinfer.plan.predict(ep=144, num_redundant_experts=32, requests_per_gpu=8)\n" \
+           "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if m.startswith('jax'))"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("phase, kw", [
+    ("prefill", dict(tokens_per_gpu=16384, prompt_len=4096, cache_hit_rate=0.5)),
+    ("decode", dict(requests_per_gpu=8, context_len=4096, mtp_acceptance=0.8)),
+])
+def test_attention_tensor_parallelism_moves_weights_and_latents_not_flops(phase, kw):
+    """dp < ep: a TP group of ep / dp GPUs computes its GPUs' tokens over 1 / tp of the heads each. Per GPU the
+    FLOPs stay, the attention weights shrink by tp and (decode) each GPU reads the latents of the whole group."""
+    def parts(dp):
+        big = Hardware("big", bf16_tflops=989.4, fp8_tflops=1978.9, hbm_gb=1000, hbm_gb_s=1e12, nvlink_gb_s=200,
+                       net_gb_s=50, sms=132)  # bandwidth without limit: only FLOPs cost
+        return predict(hardware=big, phase=phase, ep=64, dp=dp, **kw)["parts"]
+    dp64, dp8 = parts(64), parts(8)
+    for part in ("attention_projections", "attention_core", "prefix_decompression", "mtp_drafts"):
+        if part in dp64:
+            assert dp8[part] == pytest.approx(dp64[part], rel=1e-6), part
+    if phase == "decode":  # with bandwidth limited, the group's latents cost tp = 8 times the reads
+        t = {dp: predict(phase=phase, ep=64, dp=dp, expert_imbalance=1.0, **kw) for dp in (64, 8)}
+        assert t[8]["memory"]["kv_cache"] == 8 * t[64]["memory"]["kv_cache"]
