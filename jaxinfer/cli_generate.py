@@ -114,15 +114,9 @@ def read_tools(path) -> list | None:
 
 def read_template_kwargs(text) -> dict | None:
     """--chat-template-kwargs JSON: the object it holds, or None without the flag."""
-    if text is None:
-        return None
-    try:
-        kwargs = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--chat-template-kwargs: not valid JSON ({e.msg})") from None
-    if not isinstance(kwargs, dict):
-        raise ValueError(f"--chat-template-kwargs: must be a JSON object, got {type(kwargs).__name__}")
-    return kwargs
+    from jaxinfer.engine.chat_protocol import json_object
+
+    return None if text is None else json_object(text, "--chat-template-kwargs")
 
 
 def read_requests(args) -> list[dict]:

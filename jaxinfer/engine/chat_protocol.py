@@ -44,7 +44,8 @@ def _text(content, where: str) -> str:
     return "\n".join(texts)
 
 
-def _arguments(value, where: str) -> dict:
+def json_object(value, where: str) -> dict:
+    """``value`` as a dict: a dict, or JSON text of an object; ValueError naming ``where`` otherwise."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -74,7 +75,7 @@ def _tool_calls(calls, i: int) -> list[dict]:
         if "arguments" not in function:
             raise ValueError(f"{at}['function']['arguments'] is missing")
         out.append({**call, "function": {**function,
-                                         "arguments": _arguments(function["arguments"],
+                                         "arguments": json_object(function["arguments"],
                                                                  f"{at}['function']['arguments']")}})
     return out
 

@@ -422,6 +422,6 @@ def test_chat_template_kwargs_from_the_command_line(llm, tmp_path, capsys):
     assert main(flags + ["--chat-template-kwargs", '{"thinking": true}']) == 0
     thinking, plain = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
     assert "reasoning_content" in thinking and "reasoning_content" not in plain, (thinking, plain)
-    for bad, why in (("{thinking", "not valid JSON"), ("[1]", "must be a JSON object")):
+    for bad in ("{thinking", "[1]"):
         assert main(flags + ["--chat-template-kwargs", bad]) == 2
-        assert f"--chat-template-kwargs: {why}" in capsys.readouterr().err
+        assert "--chat-template-kwargs must be a JSON object" in capsys.readouterr().err
