@@ -9,7 +9,7 @@ CPU check").
 2. Runs `jaxinfer sweep` over the meshes on the embedded model (or reads a sweep.csv it wrote).
 3. Predicts each (mesh, batch) with ``jaxinfer.plan.predict``: one simulated device is a "GPU" with 1 / devices of
    the measured matmul rate and bandwidth (the devices share the cores), devices exchange experts' rows through
-   memory at that bandwidth, every calibrated efficiency is 1 (the rates are measured, not peaks), bf16 weights,
+   memory at that bandwidth, no calibration (a ``measured`` description: the rates are achieved ones), bf16 weights,
    no dual-microbatch overlap (jaxinfer has none), the expert axis as ep and every device a DP rank (docs/
    architecture.md "Mesh semantics"; a DxE mesh replicates each expert D times, which the model counts as
    ep = E), requests per device = ceil(batch / devices) (an SPMD step pads idle ranks to one row).
@@ -60,20 +60,18 @@ def main() -> None:
 
 def table(measured: list[dict], peak: float, bandwidth: float, input_len: int, output_len: int) -> str:
     from jaxinfer import default_model
-    from jaxinfer.plan import Calibration, Hardware, predict
-
-    ones = Calibration(**{f: 1.0 for f in Calibration.__dataclass_fields__ if f != "normal_sms"}, normal_sms=0)
+    from jaxinfer.plan import Hardware, predict
     lines = ["| mesh | batch | measured decode tok/s | predicted | measured / predicted | bound | predicted step "
              "(ms): products / attention core / all-to-all |", "|---|---|---|---|---|---|---|"]
     for row in measured:
         devices, expert, batch = int(row["devices"]), int(row["expert"]), int(row["batch"])
         share = Hardware(f"cpu/{devices}", bf16_tflops=peak / devices / 1e12, fp8_tflops=peak / devices / 1e12,
                          hbm_gb=24 / devices, hbm_gb_s=bandwidth / devices / 1e9,
-                         nvlink_gb_s=bandwidth / devices / 1e9, net_gb_s=bandwidth / devices / 1e9, sms=100,
-                         gpus_per_node=devices)
+                         nvlink_gb_s=bandwidth / devices / 1e9, net_gb_s=bandwidth / devices / 1e9, sms=2,
+                         gpus_per_node=devices, measured=True)
         r = predict(model=default_model.path(), hardware=share, phase="decode", ep=expert, dp=expert,
                     requests_per_gpu=math.ceil(batch / devices), context_len=input_len + output_len / 2,
-                    dbo=False, calibration=ones, weight_bytes=2)
+                    dbo=False, weight_bytes=2)
         predicted = batch / r["tpot_s"]
         got = float(row["decode_tok_s"])
         core, comm = r["parts"]["attention_core"], r["communication_s"]

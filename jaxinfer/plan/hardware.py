@@ -4,7 +4,8 @@ Figures are dense (no structured sparsity) per-GPU peaks from the vendors' datas
 and per direction. Sources: NVIDIA H100/H800 SXM5 datasheets (H800: the H100 with NVLink cut to 400 GB/s, both
 directions together), the H200 SXM datasheet, the DGX/HGX B200 datasheet (8 GPUs: 1,440 GB and 64 TB/s of HBM3e,
 NVLink 5 at 1.8 TB/s per GPU); scale-out: one ConnectX-7 400 Gb/s NIC per GPU (DeepSeek's H800 nodes, DeepEP's
-test machines, DGX H100/B200). Achieved fractions of these peaks live in calibration.py, not here.
+test machines, DGX H100/B200). Achieved fractions of these peaks live in calibration.py, not here; a ``measured``
+description (the "cpu" preset) holds achieved rates, to which no calibration applies.
 """
 
 from __future__ import annotations
@@ -29,11 +30,15 @@ class Hardware:
     net_gb_s: float         # scale-out (RDMA) per GPU, per direction
     sms: int
     gpus_per_node: int = 8
+    measured: bool = False  # rates that programs reach (measured), not peaks: no calibration applies
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name != "name" and not (isinstance(value, (int, float)) and value > 0):
+            if field.name == "measured":
+                if not isinstance(value, bool):
+                    raise ValueError(f"hardware {self.name!r}: measured must be true or false, got {value!r}")
+            elif field.name != "name" and not (isinstance(value, (int, float)) and value > 0):
                 raise ValueError(f"hardware {self.name!r}: {field.name} must be a positive number, got {value!r}")
 
     # SI rates for the model's arithmetic
@@ -71,6 +76,12 @@ PRESETS = {
                      net_gb_s=50, sms=132),
     "b200": Hardware("b200", bf16_tflops=2250, fp8_tflops=4500, hbm_gb=180, hbm_gb_s=8000, nvlink_gb_s=900,
                      net_gb_s=50, sms=148),
+    # This project's development machine (2 cores, 24 GB) as jaxinfer's programs reach it: a bf16 [2048, 2048]
+    # matmul and a one-row product over 512 MB (benchmarks/plan_cpu.py, 2026-12-05; no FP8 units: the bf16 rate).
+    # Its simulated devices (XLA_FLAGS=--xla_force_host_platform_device_count) share it and exchange through
+    # memory: give each 1 / devices of these rates, as benchmarks/plan_cpu.py does (docs/plan.md "The CPU check").
+    "cpu": Hardware("cpu", bf16_tflops=0.1966, fp8_tflops=0.1966, hbm_gb=24, hbm_gb_s=32.5, nvlink_gb_s=32.5,
+                    net_gb_s=32.5, sms=2, gpus_per_node=8, measured=True),
 }
 
 
@@ -91,7 +102,7 @@ def hardware(spec: str | pathlib.Path | Hardware) -> Hardware:
         raise ValueError(f"hardware file {path}: {e}") from None
     fields = {f.name for f in dataclasses.fields(Hardware)}
     unknown = sorted(set(table) - fields)
-    missing = sorted(fields - set(table) - {"name", "gpus_per_node"})
+    missing = sorted(fields - set(table) - {"name", "gpus_per_node", "measured"})
     if unknown or missing:
         raise ValueError(f"hardware file {path}: " + "; ".join(
             ([f"unknown fields {unknown}"] if unknown else []) + ([f"missing fields {missing}"] if missing else [])))

@@ -34,7 +34,7 @@ import math
 import pathlib
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.plan.calibration import DEFAULT, Calibration, ll_remote_share
+from jaxinfer.plan.calibration import DEFAULT, MEASURED, Calibration, ll_remote_share
 from jaxinfer.plan.hardware import Hardware, hardware as get_hardware
 from jaxinfer.plan.shapes import Shapes, dispatch_payload_bytes
 
@@ -131,9 +131,11 @@ def predict(model: str | pathlib.Path | ModelConfig = "deepseek-v3", hardware: s
     and memory (its parts: weights, kv_cache, buffers; headroom_bytes), parts (seconds per step of each part:
     attention projections, attention core, routed experts, shared experts, dense MLP, head, drafts; dispatch and
     combine), and the inputs as used. weight_bytes: bytes per weight of the products (1: FP8, as DeepSeek serves;
-    2: bf16, as jaxinfer computes on CPU). Raises ValueError naming the argument of a deployment that cannot run."""
+    2: bf16, as jaxinfer computes on CPU). calibration: ignored for a measured hardware description (the "cpu"
+    preset), whose rates are already achieved ones. Raises ValueError naming the argument of a deployment that cannot run."""
     cfg = model_config(model)
     hw = get_hardware(hardware)
+    calibration = MEASURED if hw.measured else calibration
     gpn = hw.gpus_per_node if gpus_per_node is None else gpus_per_node
     shapes = Shapes(cfg)
     dp = ep if dp is None else dp
@@ -233,7 +235,7 @@ def predict(model: str | pathlib.Path | ModelConfig = "deepseek-v3", hardware: s
 
     if dbo:  # two microbatches of half the step each
         sms = 1.0
-        if phase == "prefill":  # the normal kernels hold SMs while they overlap the other microbatch's compute
+        if phase == "prefill" and calibration.normal_sms:  # the normal kernels hold SMs while they overlap
             _check("hardware", hw.sms > calibration.normal_sms, f"{hw.name} has {hw.sms} SMs, the communication "
                    f"kernels take {calibration.normal_sms}")
             sms = hw.sms / (hw.sms - calibration.normal_sms)

@@ -223,3 +223,21 @@ def test_attention_tensor_parallelism_moves_weights_and_latents_not_flops(phase,
     if phase == "decode":  # with bandwidth limited, the group's latents cost tp = 8 times the reads
         t = {dp: predict(phase=phase, ep=64, dp=dp, expert_imbalance=1.0, **kw) for dp in (64, 8)}
         assert t[8]["memory"]["kv_cache"] == 8 * t[64]["memory"]["kv_cache"]
+
+
+def test_the_cpu_preset_is_measured_rates_without_calibration():
+    """The "cpu" description holds this machine's measured rates: predict applies no calibration to it. The
+    embedded model's head (4096 x 128, bf16) for one token: its bytes at 32.5 GB/s plus its FLOPs at 196.6
+    GFLOP/s."""
+    from jaxinfer import default_model
+    from jaxinfer.plan.calibration import calibrate
+
+    kw = dict(model=default_model.path(), hardware="cpu", phase="decode", ep=1, requests_per_gpu=1,
+              context_len=64, weight_bytes=2, dbo=False)
+    r = predict(**kw)
+    head = 4096 * 128
+    assert r["parts"]["head"] == pytest.approx(2 * head / 32.5e9 + 2 * head / 0.1966e12, rel=1e-12)
+    other = calibrate(dict(ANCHORS, deepgemm_peak_tflops=1.0, flashmla_gb_s=1.0))
+    assert predict(**kw, calibration=other)["step_s"] == r["step_s"]
+    prefill = predict(**dict(kw, phase="prefill", requests_per_gpu=None, tokens_per_gpu=256))  # no SMs to hold
+    assert prefill["tok_s_per_gpu"] > 0
