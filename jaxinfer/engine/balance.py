@@ -12,6 +12,11 @@ A request's demand on its rank has four parts, each a load the balancer evens ov
 The profiles look ``HORIZON`` decode steps ahead: a request that may generate m more tokens, k per step
 (multi-step decode), runs ceil(m / k) steps (an upper bound: a stop token may end it earlier).
 
+A rank whose prefix cache already holds the start of a prompt (``assign``'s ``cached``) takes its prefill for
+fewer tokens, so the same rule prefers it as far as the other parts allow (SGLang's cache-aware routing, as a cost
+rather than a threshold): a conversation's next turn goes back to the rank holding its history unless that rank is
+loaded out of proportion.
+
 Each part is measured in its mean per rank (per decode step for the profiles, then averaged over the steps any
 request runs), and a rank's cost is the sum of squares of its parts so measured, weighted by the engine's role
 (``WEIGHTS``). Requests are placed largest first (LPT, longest processing time first: the last, small ones even
@@ -62,15 +67,22 @@ def parts(demands: list[Demand], page_size: int) -> list[np.ndarray]:
     return [field("prefill_tokens"), field("prefill_attention"), alive.astype(np.float64), np.where(alive, pages, 0)]
 
 
-def assign(current: list[list[Demand]], arrivals: list[Demand], page_size: int, role: str = "colocated"
-           ) -> list[int]:
+def assign(current: list[list[Demand]], arrivals: list[Demand], page_size: int, role: str = "colocated",
+           cached: list[list[int]] | None = None) -> list[int]:
     """The rank of each of ``arrivals`` (in arrival order) given each rank's ``current`` demands (its waiting and
-    running requests). See the module doc."""
+    running requests). See the module doc. cached: per arrival, the leading prompt tokens each rank's prefix cache
+    holds ([arrivals][ranks]; None: none): on a rank holding c of them an arrival computes c fewer prefill tokens
+    (its attention work shrinks alike: the new tokens still attend to the cached ones), so it costs that rank less."""
     weights = WEIGHTS[role]
     num_ranks = len(current)
     loads = [np.stack([p.sum(axis=0) for p in part]) for part in
              zip(*(parts(rank, page_size) for rank in current))]                   # per part: [R] or [R, H]
     new = parts(arrivals, page_size)
+    # Prefill tokens and attention of arrival i on each rank: [n, R]
+    hits = np.zeros((len(arrivals), num_ranks)) if cached is None else np.asarray(cached, np.float64)
+    todo = new[0][:, None]                                                          # [n, 1]
+    kept = np.where(todo > 0, np.maximum(todo - hits, 0.0) / np.maximum(todo, 1.0), 1.0)  # [n, R]
+    on_rank = [todo * kept, new[1][:, None] * kept]
     units, spans = [], []
     for load, x in zip(loads, new):
         total = load.sum(axis=0) + x.sum(axis=0)       # [] or [H]
@@ -86,9 +98,10 @@ def assign(current: list[list[Demand]], arrivals: list[Demand], page_size: int, 
                 for p in range(4)) if arrivals else np.zeros(0)
     ranks = [0] * len(arrivals)
     for i in sorted(range(len(arrivals)), key=lambda i: (-sizes[i], i)):
-        growth = sum(cost(p, loads[p] + new[p][i]) - cost(p, loads[p]) for p in range(4) if weights[p])
+        delta = [on_rank[0][i], on_rank[1][i], new[2][i], new[3][i]]  # [R] for the prefill parts, else [H]
+        growth = sum(cost(p, loads[p] + delta[p]) - cost(p, loads[p]) for p in range(4) if weights[p])
         r = int(np.argmin(growth))
         ranks[i] = r
         for p in range(4):
-            loads[p][r] += new[p][i]
+            loads[p][r] += delta[p][r] if p < 2 else delta[p]
     return ranks

@@ -7,16 +7,16 @@ holds for every real token; padding columns write nothing (slot -1) and padding 
 
 Bounded compilation: the step compiles once per (rows, T, pages) bucket, penalties on/off and logprobs on/off.
 Decode steps: T = 1 (a multi-step decode step: slots [rows, k]), rows per rank a power of two; a decode step with
-chunks of known tokens (host-appended outputs, Scheduler.append_outputs) has T = buckets.py ``known_columns``
-(one width per row count), laid out as a prefill step. Prefill steps in query blocks (the default; ``prefill_block`` = Q): a chunk of
-n tokens spans ceil(n / Q) consecutive rows of Q columns, right aligned over them (padding leads its first block),
-every block row with the chunk's block table (max_pages wide: the same for every prefill step) and its own
-seqlen (its last position + 1); ``first_block`` [rows] gives each row its chunk's first row, rank-local. Rows per
-rank: a power of two, rows * Q <= prefill_capacity: a prefill step compiles once per row count. Prefill grids
+chunks of known tokens (host-appended outputs, Scheduler.append_outputs) has T = buckets.py ``known_columns`` (one
+width per row count), laid out as a prefill step. Prefill steps in query blocks (the default; ``prefill_block`` =
+Q): a chunk of n tokens spans ceil(n / Q) consecutive rows of Q columns, right aligned over them (padding leads its
+first block), every block row with the chunk's block table (max_pages wide: the same for every prefill step) and its
+own seqlen (its last position + 1); ``first_block`` [rows] gives each row its chunk's first row, rank-local. Rows
+per rank: a power of two, rows * Q <= prefill_capacity: a prefill step compiles once per row count. Prefill grids
 (prefill_block None; speculative decoding's): T a power of two >= the scheduler's min_prefill_t and rows per rank a
-power of two, rows * T <= prefill_capacity (the scheduler keeps every rank's chunks within that). Pages per row
-(but blocks'): a power of two >= MIN_PAGES. Either is no larger than its chunks need: one 64-token prompt runs one
-row of 64, not a full 1024-token step.
+power of two, rows * T <= prefill_capacity (the scheduler keeps every rank's chunks within that). Pages per row (but
+blocks'): a power of two >= MIN_PAGES. Either is no larger than its chunks need: one 64-token prompt runs one row of
+64, not a full 1024-token step.
 
 Tokens the host does not know yet: every step writes its sampled tokens into a device buffer (slot rank *
 max_rows + row), and a request's input token sampled by the last dispatched step, whose value has not reached the

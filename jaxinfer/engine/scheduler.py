@@ -14,7 +14,9 @@ rank has prefill work that fits, else a DECODE step over all ranks.
   with every sequence added since (engine/balance.py ``assign``: largest first, each on the rank it unbalances
   least): the load balancer evens prefill tokens and attention work, and requests and KV pages over the coming
   decode steps, weighted by the engine's ``role`` (a co-located engine: tokens, requests and pages; see
-  balance.py ``WEIGHTS`` for why not attention). Each rank queues its new sequences in arrival order.
+  balance.py ``WEIGHTS`` for why not attention), a prompt's tokens on each rank less those its prefix cache
+  holds there (a conversation's next turn returns to its history's rank unless that rank is loaded out of
+  proportion). Each rank queues its new sequences in arrival order.
 - Prefill (per rank, at most ``max_num_batched_tokens`` computed tokens): running sequences whose prefill is
   unfinished continue, oldest first; then waiting sequences are admitted FIFO while fewer than ``max_num_seqs``
   run. At admission the prefix cache ``match``es the full pages of the tokens but the last (always computed:
@@ -47,7 +49,8 @@ rank has prefill work that fits, else a DECODE step over all ranks.
   sequence's chunk covers its last token and the appended ones; a waiting sequence computes them in its prefill).
   A decode step with such chunks lays every row out in T columns (the chunks right aligned, as in prefill; T is
   buckets.py ``known_columns``: ``MAX_KNOWN_COLUMNS`` whatever the longest run, fewer only where the rows would
-  exceed ``prefill_capacity`` per rank), and every row samples at most one token in it: no multi-step iterations. Not with ``speculative`` (a round verifies drafts).
+  exceed ``prefill_capacity`` per rank), and every row samples at most one token in it: no multi-step iterations.
+  Not with ``speculative`` (a round verifies drafts).
 - Constrained sequences (structured output) sample one token per step (their mask needs the previous token) and
   are not scheduled while a step of theirs is in flight (``num_placeholders``), so the engine schedules the next
   step before applying one that carries them. Where a rank has ``SPLIT_CONSTRAINED_ROWS`` or more of them and none
@@ -347,13 +350,22 @@ class Scheduler:
         if self.num_ranks > 1:
             current = [[self._demand(s) for s in (*self.running[r], *self.waiting[r])]
                        + [self._demand(s, n) for s, _, n in self._transfers[r]] for r in range(self.num_ranks)]
-            ranks = assign(current, [self._demand(s, n) for s, _, n in arrivals], self.page_size, self.role)
+            cached = [self._cached_tokens(s) if n is None else [0] * self.num_ranks for s, _, n in arrivals]
+            ranks = assign(current, [self._demand(s, n) for s, _, n in arrivals], self.page_size, self.role, cached)
         for (seq, latents, n), rank in zip(arrivals, ranks):
             seq.rank = rank
             if n is None:
                 self.waiting[rank].append(seq)
             else:
                 self._transfers[rank].append((seq, latents, n))
+
+    def _cached_tokens(self, seq: Sequence) -> list[int]:
+        """Per rank, the leading tokens of ``seq`` its prefix cache holds now (what admission there would match;
+        the balancer weighs them: see "Ranks")."""
+        if not self.enable_prefix_caching:
+            return [0] * self.num_ranks
+        hashes = seq.page_hashes((seq.num_tokens - 1) // self.page_size, self.page_size, self.cache_key)
+        return [cache.lookup(hashes) * self.page_size for cache in self.caches]
 
     def _demand(self, seq: Sequence, num_kv_tokens: int | None = None) -> Demand:
         """What ``seq`` asks of its rank (engine/balance.py): a handed-over sequence (``num_kv_tokens`` given)

@@ -132,7 +132,8 @@ def predict(model: str | pathlib.Path | ModelConfig = "deepseek-v3", hardware: s
     attention projections, attention core, routed experts, shared experts, dense MLP, head, drafts; dispatch and
     combine), and the inputs as used. weight_bytes: bytes per weight of the products (1: FP8, as DeepSeek serves;
     2: bf16, as jaxinfer computes on CPU). calibration: ignored for a measured hardware description (the "cpu"
-    preset), whose rates are already achieved ones. Raises ValueError naming the argument of a deployment that cannot run."""
+    preset), whose rates are already achieved ones. Raises ValueError naming the argument of a deployment that
+    cannot run."""
     cfg = model_config(model)
     hw = get_hardware(hardware)
     calibration = MEASURED if hw.measured else calibration

@@ -159,6 +159,37 @@ def test_decode_role_evens_requests_and_pages_over_the_coming_steps():
     assert assign(prefill, [Demand(8, 64, 8, 1, 1)] * 2, S, "prefill") == [1, 1]
 
 
+def test_a_prompt_goes_to_the_rank_whose_prefix_cache_holds_its_start():
+    """The next turn of a conversation (its history cached on one rank) returns to that rank: it computes only its
+    new tokens there; the other arrival evens the ranks."""
+    sched = make(num_ranks=2)
+    r, p = sched.add(seq(0, 40)), sched.add(seq(1, 24))
+    run_all(sched)
+    assert (r.rank, p.rank) == (0, 1)                         # largest first: rank 0, then the other
+    turn = sched.add(seq(2, 0, prompt=p.prompt_token_ids + [5, 6]))  # 26 tokens: P's 6 full pages + 2
+    other = sched.add(seq(3, 6))
+    out = sched.schedule()
+    # Without the cache in the cost, the 26-token prompt (the larger) would take rank 0, the lower of two equals.
+    assert (turn.rank, other.rank) == (1, 0)
+    assert turn.num_cached_tokens == 24 and chunks(out, 1) == [(2, 24, 2)]
+
+
+def test_the_cached_rank_wins_only_as_far_as_the_other_loads_allow():
+    from jaxinfer.engine.balance import Demand, assign
+
+    def waiting(tokens, max_new=64):
+        return Demand(tokens, tokens * tokens, tokens, max_new, 1)
+    prompt = waiting(400)
+    assert assign([[], []], [prompt], S, cached=[[0, 384]]) == [1]
+    assert assign([[], []], [prompt], S, cached=[[384, 0]]) == [0]
+    # One more request on a rank that runs 12 costs less than recomputing 384 tokens elsewhere...
+    busy = [[], [Demand(0, 0, 400, 64, 1)] * 12]
+    assert assign(busy, [prompt], S, cached=[[0, 384]]) == [1]
+    # ...but 16 prompts cached on rank 1 do not all go there: requests and pages for the next 64 steps even out.
+    assert assign([[], []], [prompt] * 16, S).count(1) == 8
+    assert 8 < assign([[], []], [prompt] * 16, S, cached=[[0, 384]] * 16).count(1) < 16
+
+
 # ---- chunked prefill ----------------------------------------------------------------------------------------------
 def test_chunked_prefill_splits_long_prompt():
     sched = make(max_num_batched_tokens=4)
