@@ -12,11 +12,12 @@ def bucket(n: int, minimum: int = 1) -> int:
     """The next power of two >= max(n, minimum)."""
     return 1 << (max(n, minimum) - 1).bit_length()
 
+
 # The columns T of a decode step that computes known tokens (structured output's forced tokens,
 # Scheduler.append_outputs): one width whatever the longest run, so such steps compile once per row count and page
-# bucket (a width per run length multiplied the programs a constrained workload compiles: 19 for 8 tool-call samples
-# of one conversation, docs/benchmarks.md "Structured output (CPU)"). A longer run takes more steps; a wider grid
-# costs every row the columns of the longest.
+# bucket (a width per run length multiplied the programs a constrained workload compiles: 19 step shapes for 8
+# tool-call samples of one conversation, docs/benchmarks.md "Structured output (CPU)"). A longer run takes more
+# steps; a wider grid costs every row the columns of the longest.
 MAX_KNOWN_COLUMNS = 8
 
 
