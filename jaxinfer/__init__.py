@@ -1,12 +1,12 @@
 """jaxinfer: DeepSeek-V3/R1-family inference in JAX.
 
-The public names below are imported on first use (PEP 562 ``__getattr__``), so that the pure-Python parts
-(``jaxinfer.plan``, ``jaxinfer.config``) import without JAX: planning a deployment needs no accelerator stack.
+The public names below are imported on first use (lazy_exports.py), so that the pure-Python parts
+(``jaxinfer.plan``, ``jaxinfer.config``, the command line's parser) import without JAX: planning a deployment needs
+no accelerator stack.
 """
 
-import importlib
-
 from jaxinfer import host_memory
+from jaxinfer.lazy_exports import lazy_exports
 
 host_memory.tune_malloc()  # before XLA:CPU's threads first allocate: host_memory.py says why
 
@@ -26,16 +26,4 @@ _EXPORTS = {
 }
 __all__ = list(_EXPORTS)
 __version__ = "0.1.0"
-
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'jaxinfer' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

@@ -2,7 +2,8 @@
 
 Axes are ``('data', 'expert')``; device (d, e) is DP rank d*E + e (docs/architecture.md "Mesh semantics").
 Devices are taken in (process_index, id) order, so in a multi-process run each process's local devices are
-consecutive DP ranks (process p of P, each with L devices, holds DP ranks p*L ... p*L + L - 1).
+consecutive DP ranks (process p of P, each with L devices, holds DP ranks p*L ... p*L + L - 1). JAX is imported
+where a mesh is built, so reading mesh files (``jaxinfer sweep``'s parent process) starts no backend.
 """
 
 from __future__ import annotations
@@ -11,17 +12,18 @@ import dataclasses
 import pathlib
 import re
 import tomllib
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
-import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
 
 AXES = ("data", "expert")
 PLATFORMS = ("cpu", "gpu")
 MESH_FILE_KEYS = ("name", "platform", "data", "expert", "num_processes", "notes")
 _GPU_NAMES = ("cuda", "rocm")  # jax reports "gpu" for both; map them too, in case a backend reports its own name
-MeshSpec = Union[None, str, pathlib.Path, Mesh]
+MeshSpec = Union[None, str, pathlib.Path, "Mesh"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +110,8 @@ def mesh_shape(spec: MeshSpec, num_devices: int) -> tuple[int, int]:
 
 def ordered_devices(devices=None) -> list:
     """Devices in DP-rank order: sorted by (process_index, id), so each process's local devices are contiguous."""
+    import jax
+
     devices = jax.devices() if devices is None else devices
     return sorted(devices, key=lambda d: (d.process_index, d.id))
 
@@ -119,6 +123,9 @@ def make_mesh(spec: MeshSpec = None, devices=None) -> Mesh:
     than this run's, or when a multi-process mesh over the default devices leaves some out (every process runs
     the same program, so every process must hold part of the mesh; pass ``devices`` to build a sub-mesh).
     """
+    import jax
+    from jax.sharding import AxisType, Mesh
+
     if isinstance(spec, Mesh):
         if tuple(spec.axis_names) != AXES:
             raise ValueError(f"mesh axes must be {AXES}, got {tuple(spec.axis_names)}")

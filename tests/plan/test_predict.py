@@ -199,10 +199,12 @@ def test_hardware_files(tmp_path):
         hardware(bad)
 
 
-def test_the_package_needs_no_jax():
+def test_the_package_and_the_plan_command_need_no_jax():
     code = "import sys, jaxinfer.plan; jaxinfer.plan.predict(ep=144, num_redundant_experts=32, requests_per_gpu=8)\n" \
+           "from jaxinfer.cli import main\n" \
+           "assert main(['plan', '--ep', '144', '--requests-per-gpu', '8', '--redundant-experts', '32']) == 0\n" \
            "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if m.startswith('jax'))"
-    subprocess.run([sys.executable, "-c", code], check=True)
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
 
 
 @pytest.mark.parametrize("phase, kw", [
