@@ -5,25 +5,14 @@ The public names below are imported on first use (lazy_exports.py), so that the 
 no accelerator stack.
 """
 
-from jaxinfer import host_memory
+from jaxinfer import engine, host_memory
 from jaxinfer.lazy_exports import lazy_exports
 
 host_memory.tune_malloc()  # before XLA:CPU's threads first allocate: host_memory.py says why
 
-_EXPORTS = {
-    "LLM": "jaxinfer.engine.llm",
-    "CompletionOutput": "jaxinfer.engine.outputs",
-    "EngineConfig": "jaxinfer.engine.config",
-    "EngineStats": "jaxinfer.engine.outputs",
-    "LLMEngine": "jaxinfer.engine.engine",
-    "Model": "jaxinfer.model",
-    "ModelConfig": "jaxinfer.config",
-    "RequestOutput": "jaxinfer.engine.outputs",
-    "RequestOutputKind": "jaxinfer.engine.outputs",
-    "SamplingParams": "jaxinfer.engine.sampling_params",
-    "StructuredOutputsParams": "jaxinfer.engine.structured_output",
-    "load_model": "jaxinfer.model",
-}
+# The engine's public names (jaxinfer.engine, itself lazy), the model and its config.
+_EXPORTS = {**dict.fromkeys(engine.__all__, "jaxinfer.engine"), "Model": "jaxinfer.model",
+            "ModelConfig": "jaxinfer.config", "load_model": "jaxinfer.model"}
 __all__ = list(_EXPORTS)
 __version__ = "0.1.0"
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
