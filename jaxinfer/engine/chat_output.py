@@ -22,6 +22,7 @@ import json
 import re
 import secrets
 
+from jaxinfer.engine.chat_protocol import json_object
 from jaxinfer.engine.outputs import CompletionOutput
 
 
@@ -32,10 +33,14 @@ def _call(name: str, arguments: str) -> dict:
 
 def _json_object(text: str) -> dict | None:
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
+        return json_object(text, "arguments")
+    except ValueError:
         return None
-    return value if isinstance(value, dict) else None
+
+
+def _alternatives(functions: list[dict]) -> str:
+    """The Lark group of the rules fn_0 ... fn_{n-1}, one per function."""
+    return "(" + " | ".join(f"fn_{i}" for i in range(len(functions))) + ")"
 
 
 def _schema(function: dict) -> dict:
@@ -80,8 +85,7 @@ class DeepSeekToolCalls:
         """Lark rules of replies that are calls of ``functions`` (one, or one or more if ``many``)."""
         begins, call_begin, sep, call_end, ends = map(mark, self.markers)
         rules = [f"start: {begins} call" + (f" ({lit(chr(10))} call)*" if many else "") + f" {ends}",
-                 f"call: {call_begin} {lit('function')} {sep} (" + " | ".join(f"fn_{i}" for i in
-                                                                           range(len(functions))) + ")"]
+                 f"call: {call_begin} {lit('function')} {sep} {_alternatives(functions)}"]
         for i, function in enumerate(functions):
             rules += [f"fn_{i}: {lit(function['name'] + chr(10) + '```json' + chr(10))} args_{i} "
                       f"{lit(chr(10) + '```')} {call_end}", f"args_{i}: %json {json.dumps(_schema(function))}"]
@@ -105,7 +109,7 @@ class DeepSeekV31ToolCalls:
     def grammar(self, functions: list[dict], many: bool, mark, lit) -> list[str]:
         begins, call_begin, sep, call_end, ends = map(mark, self.markers)
         rules = [f"start: {begins} call" + ("+" if many else "") + f" {ends}",
-                 f"call: {call_begin} (" + " | ".join(f"fn_{i}" for i in range(len(functions))) + f") {call_end}"]
+                 f"call: {call_begin} {_alternatives(functions)} {call_end}"]
         for i, function in enumerate(functions):
             rules += [f"fn_{i}: {lit(function['name'])} {sep} args_{i}",
                       f"args_{i}: %json {json.dumps(_schema(function))}"]
@@ -137,8 +141,7 @@ class HermesToolCalls:
     def grammar(self, functions: list[dict], many: bool, mark, lit) -> list[str]:
         open_, close = map(mark, self.markers)
         rules = ["start: call" + (f" ({lit(chr(10))} call)*" if many else ""),
-                 f"call: {open_} {lit(chr(10))} (" + " | ".join(f"fn_{i}" for i in range(len(functions)))
-                 + f") {lit(chr(10))} {close}"]
+                 f"call: {open_} {lit(chr(10))} {_alternatives(functions)} {lit(chr(10))} {close}"]
         for i, function in enumerate(functions):
             schema = {"type": "object", "properties": {"name": {"const": function["name"]},
                                                        "arguments": _schema(function)},

@@ -364,8 +364,13 @@ class Scheduler:
         the balancer weighs them: see "Ranks")."""
         if not self.enable_prefix_caching:
             return [0] * self.num_ranks
-        hashes = seq.page_hashes((seq.num_tokens - 1) // self.page_size, self.page_size, self.cache_key)
+        hashes = self._prompt_hashes(seq)
         return [cache.lookup(hashes) * self.page_size for cache in self.caches]
+
+    def _prompt_hashes(self, seq: Sequence) -> list[int]:
+        """The hashes of ``seq``'s full pages but the one holding its last token (always computed): what the
+        prefix cache can hold of it."""
+        return seq.page_hashes((seq.num_tokens - 1) // self.page_size, self.page_size, self.cache_key)
 
     def _demand(self, seq: Sequence, num_kv_tokens: int | None = None) -> Demand:
         """What ``seq`` asks of its rank (engine/balance.py): a handed-over sequence (``num_kv_tokens`` given)
@@ -637,7 +642,7 @@ class Scheduler:
         stats = dataclasses.replace(cache.stats)
         cached, hashes = [], []
         if self.enable_prefix_caching:
-            hashes = seq.page_hashes((seq.num_tokens - 1) // self.page_size, self.page_size, self.cache_key)
+            hashes = self._prompt_hashes(seq)
             cached = cache.match(hashes, num_tokens=seq.num_tokens)
         need = -(-seq.num_tokens // self.page_size) - len(cached)
         if need > cache.num_available:

@@ -14,13 +14,12 @@ stderr and exit status 2; a sweep none of whose deployments can run exits with 1
 
 from __future__ import annotations
 
-import inspect
 import pathlib
 import sys
 
 from jaxinfer.plan.hardware import PRESETS as HARDWARE_PRESETS, hardware as get_hardware
 from jaxinfer.plan.predict import PHASES, model_config, predict
-from jaxinfer.plan.sweep import plot, sweep, write_csv
+from jaxinfer.plan.sweep import DEFAULTS as _DEFAULTS, plot, sweep, write_csv
 
 # predict's argument -> the flag that sets it (errors name the flag)
 FLAGS = {"model": "--model", "hardware": "--hardware", "phase": "--phase", "ep": "--ep", "dp": "--dp",
@@ -28,7 +27,6 @@ FLAGS = {"model": "--model", "hardware": "--hardware", "phase": "--phase", "ep":
          "context_len": "--context-len", "prompt_len": "--prompt-len", "gpus_per_node": "--gpus-per-node",
          "num_redundant_experts": "--redundant-experts", "mtp_acceptance": "--mtp-acceptance",
          "mtp_drafts": "--mtp-drafts", "cache_hit_rate": "--cache-hit-rate", "expert_imbalance": "--expert-imbalance"}
-_DEFAULTS = {k: p.default for k, p in inspect.signature(predict).parameters.items()}
 CSV_NAME, PLOT_NAME = "plan.csv", "plan.png"
 
 
