@@ -47,7 +47,7 @@ def main() -> None:
             np.log(args.history / 3), np.log(args.history * 2), args.conversations))]
         for mode, llm in llms.items():
             sched_mod.Scheduler._cached_tokens = aware if mode == "aware" else (
-                lambda self, seq: [0] * self.num_ranks)
+                lambda self, seq, pending: [0] * self.num_ranks)
             outs = llm.generate(first, greedy, use_tqdm=False)
             turns = [p + o.outputs[0].token_ids + e for p, o, e in zip(first, outs, extra)]
             second = [x for pair in zip(turns, fresh) for x in pair]  # next turns among new conversations

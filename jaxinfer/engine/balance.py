@@ -15,7 +15,10 @@ The profiles look ``HORIZON`` decode steps ahead: a request that may generate m 
 A rank whose prefix cache already holds the start of a prompt (``assign``'s ``cached``) takes its prefill for
 fewer tokens, so the same rule prefers it as far as the other parts allow (SGLang's cache-aware routing, as a cost
 rather than a threshold): a conversation's next turn goes back to the rank holding its history unless that rank is
-loaded out of proportion.
+loaded out of proportion. Arrivals placed together count each other's prompts the same way (``assign``'s
+``prefixes``): once one is placed, a later one sharing its leading pages computes them on that rank for free (the
+scheduler's admission waits for them: engine/scheduler.py "Prefill"), so the n samples of a prompt, or prompts
+behind one system prompt, share a rank unless requests and pages outweigh the recomputation.
 
 Each part is measured in its mean per rank (per decode step for the profiles, then averaged over the steps any
 request runs), and a rank's cost is the sum of squares of its parts so measured, weighted by the engine's role
@@ -68,11 +71,14 @@ def parts(demands: list[Demand], page_size: int) -> list[np.ndarray]:
 
 
 def assign(current: list[list[Demand]], arrivals: list[Demand], page_size: int, role: str = "colocated",
-           cached: list[list[int]] | None = None) -> list[int]:
+           cached: list[list[int]] | None = None, prefixes: list[list[int]] | None = None) -> list[int]:
     """The rank of each of ``arrivals`` (in arrival order) given each rank's ``current`` demands (its waiting and
     running requests). See the module doc. cached: per arrival, the leading prompt tokens each rank's prefix cache
     holds ([arrivals][ranks]; None: none): on a rank holding c of them an arrival computes c fewer prefill tokens
-    (its attention work shrinks alike: the new tokens still attend to the cached ones), so it costs that rank less."""
+    (its attention work shrinks alike: the new tokens still attend to the cached ones), so it costs that rank less.
+    prefixes: per arrival, the chained hashes of its prompt's pages (kv/prefix_cache.py ``page_hashes``; None:
+    none): an arrival placed after another with the same leading hashes finds those pages cached on that one's
+    rank."""
     weights = WEIGHTS[role]
     num_ranks = len(current)
     loads = [np.stack([p.sum(axis=0) for p in part]) for part in
@@ -94,14 +100,62 @@ def assign(current: list[list[Demand]], arrivals: list[Demand], page_size: int, 
         v = (value / units[part]) ** 2
         return weights[part] * (v.sum(axis=-1) if loads[part].ndim == 2 else v) / spans[part]
 
+    def delta(i: int, placed: dict[int, set[int]], sibling: bool = False) -> list[np.ndarray]:
+        """Arrival i's load per rank, [R] for the prefill parts (less the pages it finds there: those of the
+        arrivals ``placed`` there, or with ``sibling`` its whole prompt), else [H]."""
+        tok, att = on_rank[0][i], on_rank[1][i]
+        chain = prefixes[i] if prefixes else ()
+        if chain and (placed or sibling) and todo[i, 0] > 0:
+            shared = page_size * np.array([len(chain) if sibling else _leading(chain, placed, r)
+                                           for r in range(num_ranks)], np.float64)  # [R]
+            if shared.any():
+                k = np.maximum(todo[i, 0] - np.maximum(hits[i], shared), 0.0) / todo[i, 0]  # [R]
+                tok, att = todo[i, 0] * k, new[1][i] * k
+        return [tok, att, new[2][i], new[3][i]]
+
     sizes = sum(weights[p] * (new[p] / units[p]).reshape(len(arrivals), -1).sum(axis=1) / spans[p]
                 for p in range(4)) if arrivals else np.zeros(0)
     ranks = [0] * len(arrivals)
-    for i in sorted(range(len(arrivals)), key=lambda i: (-sizes[i], i)):
-        delta = [on_rank[0][i], on_rank[1][i], new[2][i], new[3][i]]  # [R] for the prefill parts, else [H]
-        growth = sum(cost(p, loads[p] + delta[p]) - cost(p, loads[p]) for p in range(4) if weights[p])
+    placed: dict[int, set[int]] = {}  # page hash -> ranks of the arrivals placed so far whose prompts hold it
+    for unit in _units(prefixes, len(arrivals), loads[2], new[2], weights[2] > 0, sizes):
+        # A unit's load: its first arrival's, the others' beyond the prompt it computes (engine/scheduler.py
+        # "Prefill": they wait for its pages).
+        d = delta(unit[0], placed)
+        for i in unit[1:]:
+            d = [a + b for a, b in zip(d, delta(i, placed, sibling=True))]
+        growth = sum(cost(p, loads[p] + d[p]) - cost(p, loads[p]) for p in range(4) if weights[p])
         r = int(np.argmin(growth))
-        ranks[i] = r
         for p in range(4):
-            loads[p][r] += delta[p][r] if p < 2 else delta[p]
+            loads[p][r] += d[p][r] if p < 2 else d[p]
+        for i in unit:
+            ranks[i] = r
+            for h in (prefixes[i] if prefixes else ()):
+                placed.setdefault(h, set()).add(r)
     return ranks
+
+
+def _units(prefixes: list[list[int]] | None, n: int, running: np.ndarray, requests: np.ndarray, even: bool,
+           sizes: np.ndarray) -> list[list[int]]:
+    """The arrivals in the order and groups ``assign`` places them: identical prompts (the n samples of a
+    request) together, in units of at most a rank's share of the requests (``even``: the role evens requests;
+    running [R, H] and requests [n, H] their profiles: the share is the ceiling of the mean per rank at the busiest
+    step), largest first. Placed one at a time, the second sample would cost a rank a request more while spreading
+    it costs a prompt, and while the ranks are empty the requests win, though samples of two prompts a rank would
+    even both; a unit larger than a rank's share would leave the requests uneven whatever the rest does."""
+    groups: dict[tuple, list[int]] = {}
+    for i in range(n):
+        groups.setdefault(tuple(prefixes[i]) if prefixes and prefixes[i] else ("alone", i), []).append(i)
+    share = n
+    if even and n:
+        share = max(1, int(np.ceil((running.sum(axis=0) + requests.sum(axis=0)).max() / max(len(running), 1))))
+    units = [g[k:k + share] for g in groups.values() for k in range(0, len(g), share)]
+    return sorted(units, key=lambda u: (-sum(sizes[i] for i in u), u[0]))
+
+
+def _leading(chain: list[int], held, rank: int | None = None) -> int:
+    """How many leading hashes of ``chain`` are in ``held`` (a set), or with ``rank``, held on that rank (``held``:
+    hash -> ranks)."""
+    n = 0
+    while n < len(chain) and (chain[n] in held if rank is None else rank in held.get(chain[n], ())):
+        n += 1
+    return n

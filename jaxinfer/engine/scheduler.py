@@ -15,14 +15,18 @@ rank has prefill work that fits, else a DECODE step over all ranks.
   least): the load balancer evens prefill tokens and attention work, and requests and KV pages over the coming
   decode steps, weighted by the engine's ``role`` (a co-located engine: tokens, requests and pages; see
   balance.py ``WEIGHTS`` for why not attention), a prompt's tokens on each rank less those its prefix cache
-  holds there (a conversation's next turn returns to its history's rank unless that rank is loaded out of
-  proportion). Each rank queues its new sequences in arrival order.
+  holds or its prefills are computing there (a conversation's next turn returns to its history's rank unless that
+  rank is loaded out of proportion), and less those of a sequence placed with it on that rank whose prompt starts
+  the same (the n samples of a prompt). Each rank queues its new sequences in arrival order.
 - Prefill (per rank, at most ``max_num_batched_tokens`` computed tokens): running sequences whose prefill is
   unfinished continue, oldest first; then waiting sequences are admitted FIFO while fewer than ``max_num_seqs``
   run. At admission the prefix cache ``match``es the full pages of the tokens but the last (always computed:
   ``(num_tokens - 1) // page_size`` hashes) and the pages of the whole prefill are allocated, so an admitted
   prefill never needs pages and prefill steps never preempt; a waiting sequence whose pages are not available
-  blocks the queue (FIFO).
+  blocks the queue (FIFO). A waiting sequence whose first page the cache lacks is one an unfinished prefill of
+  its rank is computing (a sibling sample, a shared system prompt) waits, and the sequences behind it go first:
+  the page is registered when the step computing it is committed, so a later step matches it instead of
+  computing it again (SGLang's in-batch prefix caching deprioritizes such requests the same way).
 - Prefill shapes. The runner lays a prefill step out as a [rows, T] grid per rank, T the power of two >= the
   longest chunk (at least ``min_prefill_t``), rows the power of two >= the most chunks of a rank, within
   ``prefill_capacity`` (the power of two >= ``max_num_batched_tokens``) tokens per rank: a prefill step has one of
@@ -350,8 +354,12 @@ class Scheduler:
         if self.num_ranks > 1:
             current = [[self._demand(s) for s in (*self.running[r], *self.waiting[r])]
                        + [self._demand(s, n) for s, _, n in self._transfers[r]] for r in range(self.num_ranks)]
-            cached = [self._cached_tokens(s) if n is None else [0] * self.num_ranks for s, _, n in arrivals]
-            ranks = assign(current, [self._demand(s, n) for s, _, n in arrivals], self.page_size, self.role, cached)
+            pending = [self._pending_hashes(r) for r in range(self.num_ranks)]
+            cached = [self._cached_tokens(s, pending) if n is None else [0] * self.num_ranks for s, _, n in arrivals]
+            prefixes = [self._prompt_hashes(s) if n is None and self.enable_prefix_caching else []
+                        for s, _, n in arrivals]
+            ranks = assign(current, [self._demand(s, n) for s, _, n in arrivals], self.page_size, self.role, cached,
+                           prefixes)
         for (seq, latents, n), rank in zip(arrivals, ranks):
             seq.rank = rank
             if n is None:
@@ -359,13 +367,20 @@ class Scheduler:
             else:
                 self._transfers[rank].append((seq, latents, n))
 
-    def _cached_tokens(self, seq: Sequence) -> list[int]:
-        """Per rank, the leading tokens of ``seq`` its prefix cache holds now (what admission there would match;
-        the balancer weighs them: see "Ranks")."""
+    def _cached_tokens(self, seq: Sequence, pending: list[set[int]]) -> list[int]:
+        """Per rank, the leading tokens of ``seq`` its prefix cache holds now or its unfinished prefills are
+        computing (``pending``: ``_pending_hashes`` of each rank), what admission there would match at once or
+        after waiting (see "Prefill"); the balancer weighs them (see "Ranks")."""
         if not self.enable_prefix_caching:
             return [0] * self.num_ranks
         hashes = self._prompt_hashes(seq)
-        return [cache.lookup(hashes) * self.page_size for cache in self.caches]
+        held = []
+        for cache, computing in zip(self.caches, pending):
+            k = cache.lookup(hashes)
+            while k < len(hashes) and hashes[k] in computing:
+                k += 1
+            held.append(k * self.page_size)
+        return held
 
     def _prompt_hashes(self, seq: Sequence) -> list[int]:
         """The hashes of ``seq``'s full pages but the one holding its last token (always computed): what the
@@ -512,23 +527,43 @@ class Scheduler:
                 out.append(self._prefill_chunk(seq, n))
                 budget -= n
         queue = self.waiting[rank]
-        while queue and budget > 0 and len(self.running[rank]) < self.max_num_seqs:
-            seq = queue[0]
+        pending = self._pending_hashes(rank)
+        i = 0                                          # the queue's head, past the sequences waiting for pending pages
+        while i < len(queue) and budget > 0 and len(self.running[rank]) < self.max_num_seqs:
+            seq = queue[i]
             need = -(-seq.num_tokens // self.page_size)
             if need > self.capacity:                   # a preempted sequence one token past the rank's pages
                 self.finish(seq, "error", f"sequence of {seq.num_tokens} tokens needs {need} KV pages of "
                                           f"{self.page_size}, rank {rank} has {self.capacity}")
                 continue
+            if pending and self._waits_for_pending(seq, pending):
+                i += 1                                 # its next page is being computed: a later step matches it
+                continue
             room = shape.fit(out, budget)
             n = self._admit(seq, room) if room else 0
             if n == 0:
                 break                                  # FIFO: the head blocks the queue until pages free up
-            queue.popleft()
+            del queue[i]
+            if self.enable_prefix_caching:
+                pending.update(self._prompt_hashes(seq))
             bisect.insort(self.running[rank], seq, key=lambda s: s.arrival)
             admitted.append(seq)
             shape.add(out, n)
             out.append(self._prefill_chunk(seq, n))
             budget -= n
+
+    def _pending_hashes(self, rank: int) -> set[int]:
+        """The page hashes of the prompts ``rank``'s unfinished prefills compute (empty without prefix caching)."""
+        if not self.enable_prefix_caching:
+            return set()
+        return {h for seq in self.running[rank] if seq.is_prefilling for h in self._prompt_hashes(seq)}
+
+    def _waits_for_pending(self, seq: Sequence, pending: set[int]) -> bool:
+        """Whether the first page of ``seq`` its rank's prefix cache lacks is one a prefill there is computing
+        (see "Prefill": such a sequence waits for it)."""
+        hashes = self._prompt_hashes(seq)
+        k = self.caches[seq.rank].lookup(hashes)
+        return k < len(hashes) and hashes[k] in pending
 
     def _verify_width(self) -> int | None:
         """Drafts each sequence verifies in the next decode step: all (None), or with ``confidence_verify`` the

@@ -190,6 +190,68 @@ def test_the_cached_rank_wins_only_as_far_as_the_other_loads_allow():
     assert 8 < assign([[], []], [prompt] * 16, S, cached=[[0, 384]] * 16).count(1) < 16
 
 
+def test_samples_of_a_prompt_compute_it_once():
+    """n samples of a prompt added together: the first computes the prompt; the others wait for its pages (one
+    step; a sequence behind them goes first) and then compute only the tokens past the last full page."""
+    sched = make(max_num_batched_tokens=64)
+    prompt = [(3 * j + 1) % VOCAB for j in range(22)]                 # 5 full pages (the last token's aside) + 2
+    samples = [sched.add(Sequence(i, prompt, SamplingParams(max_tokens=4, ignore_eos=True), child_index=i))
+               for i in range(4)]
+    other = sched.add(seq(9, 6))
+    first, _ = step(sched)
+    assert chunks(first) == [(0, 0, 22), (9, 0, 6)]
+    second, _ = step(sched)
+    assert chunks(second) == [(1, 20, 2), (2, 20, 2), (3, 20, 2)]
+    assert [s.num_cached_tokens for s in samples] == [0, 20, 20, 20]
+    run_all(sched)
+    for s in [*samples, other]:
+        assert (s.output_token_ids, s.finish_reason) == expected_outputs(s, 256)
+
+
+def test_a_prompt_waits_only_for_a_shared_page_being_computed():
+    """A prompt whose first uncached page another prompt of its rank is computing (a shared system prompt) waits
+    for it; without prefix caching nothing waits."""
+    system = [(5 * j + 2) % VOCAB for j in range(8)]                   # 2 pages
+    for caching, expected in ((True, [[(0, 0, 13)], [(1, 8, 5)]]), (False, [[(0, 0, 13), (1, 0, 13)]])):
+        sched = make(enable_prefix_caching=caching)
+        a = sched.add(seq(0, 0, prompt=system + [11, 12, 13, 14, 15]))
+        b = sched.add(seq(1, 0, prompt=system + [21] * 5))
+        assert [chunks(step(sched)[0]) for _ in expected] == expected
+        run_all(sched)
+        for s in (a, b):
+            assert (s.output_token_ids, s.finish_reason) == expected_outputs(s, 256)
+
+
+def test_samples_of_a_prompt_share_a_rank_up_to_its_share_of_the_requests():
+    from jaxinfer.engine.balance import Demand, assign
+
+    def waiting(tokens, max_new=64):
+        return Demand(tokens, tokens * tokens, tokens, max_new, 1)
+    # 8 prompts x 4 samples on 4 ranks: each prompt's samples on one rank, 8 requests a rank.
+    lengths = [40, 36, 28, 24, 20, 16, 12, 9]
+    arrivals = [waiting(n) for n in lengths for _ in range(4)]
+    prefixes = [list(range(100 * p, 100 * p + (n - 1) // S)) for p, n in enumerate(lengths) for _ in range(4)]
+    for role in ("colocated", "prefill"):
+        ranks = assign([[] for _ in range(4)], arrivals, S, role, prefixes=prefixes)
+        assert all(len(set(ranks[4 * p:4 * p + 4])) == 1 for p in range(8))
+        assert sorted(ranks.count(r) for r in range(4)) == [8, 8, 8, 8]
+    assert len(set(assign([[] for _ in range(4)], arrivals, S, "colocated"))) == 4  # without prefixes: spread
+    # 16 samples of one prompt: a co-located engine keeps 4 a rank (one prompt computed per rank, requests even);
+    # a prefill engine, which evens no requests, computes it once.
+    one = [list(range(10))] * 16
+    assert sorted(assign([[] for _ in range(4)], [waiting(44)] * 16, S, prefixes=one)) == [0] * 4 + [1] * 4 + [
+        2] * 4 + [3] * 4
+    assert len(set(assign([[] for _ in range(4)], [waiting(44)] * 16, S, "prefill", prefixes=one))) == 1
+    # Through the scheduler: two prompts' samples on two ranks, each prompt computed once.
+    sched = make(num_ranks=2)
+    samples = [sched.add(Sequence(i, [(p * 7 + j) % VOCAB for j in range(18)],
+                                  SamplingParams(max_tokens=4, ignore_eos=True), child_index=i % 2))
+               for i, p in enumerate([0, 0, 1, 1])]
+    outs = run_all(sched)
+    assert samples[0].rank == samples[1].rank != samples[2].rank == samples[3].rank
+    assert sum(o.num_scheduled_tokens for o in outs if o.kind.value == "prefill") == 2 * 18 + 2 * 2
+
+
 # ---- chunked prefill ----------------------------------------------------------------------------------------------
 def test_chunked_prefill_splits_long_prompt():
     sched = make(max_num_batched_tokens=4)
