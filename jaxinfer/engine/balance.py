@@ -23,8 +23,11 @@ behind one system prompt, share a rank unless requests and pages outweigh the re
 Each part is measured in its mean per rank (per decode step for the profiles, then averaged over the steps any
 request runs), and a rank's cost is the sum of squares of its parts so measured, weighted by the engine's role
 (``WEIGHTS``). Requests are placed largest first (LPT, longest processing time first: the last, small ones even
-out what the large ones left), each on the rank whose cost grows least; each rank then queues its new requests in
-arrival order (FIFO). Pure numpy, no JAX.
+out what the large ones left), each on the rank whose cost grows least, among the ranks it would not take past
+the rows of the decode steps (where the role evens requests): an SPMD step runs every rank at the padded rows of
+the busiest, the power of two >= its requests (buckets.py), so a rank one request past an even share, or past the
+busiest rank now, doubles every rank's rows, a cost the sum of squares does not see. Each rank then queues its new
+requests in arrival order (FIFO). Pure numpy, no JAX.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+
+from jaxinfer.engine.buckets import bucket
 
 # Decode steps the request and page profiles look ahead (a request running longer counts on all of them).
 HORIZON = 64
@@ -116,6 +121,9 @@ def assign(current: list[list[Demand]], arrivals: list[Demand], page_size: int, 
     sizes = sum(weights[p] * (new[p] / units[p]).reshape(len(arrivals), -1).sum(axis=1) / spans[p]
                 for p in range(4)) if arrivals else np.zeros(0)
     ranks = [0] * len(arrivals)
+    # The decode rows of an even share (the module doc: no rank goes past them, or past the busiest rank's, while
+    # another has room).
+    cap = bucket(int(np.ceil((loads[2].sum(axis=0) + new[2].sum(axis=0)).max(initial=0) / max(num_ranks, 1))))
     placed: dict[int, set[int]] = {}  # page hash -> ranks of the arrivals placed so far whose prompts hold it
     for unit in _units(prefixes, len(arrivals), loads[2], new[2], weights[2] > 0, sizes):
         # A unit's load: its first arrival's, the others' beyond the prompt it computes (engine/scheduler.py
@@ -124,6 +132,10 @@ def assign(current: list[list[Demand]], arrivals: list[Demand], page_size: int, 
         for i in unit[1:]:
             d = [a + b for a, b in zip(d, delta(i, placed, sibling=True))]
         growth = sum(cost(p, loads[p] + d[p]) - cost(p, loads[p]) for p in range(4) if weights[p])
+        if weights[2]:
+            over = (loads[2] + d[2]).max(axis=1) > max(cap, bucket(int(loads[2].max(initial=0))))  # [R]
+            if not over.all():
+                growth = np.where(over, np.inf, growth)
         r = int(np.argmin(growth))
         for p in range(4):
             loads[p][r] += d[p][r] if p < 2 else d[p]

@@ -17,7 +17,13 @@ rank has prefill work that fits, else a DECODE step over all ranks.
   balance.py ``WEIGHTS`` for why not attention), a prompt's tokens on each rank less those its prefix cache
   holds or its prefills are computing there (a conversation's next turn returns to its history's rank unless that
   rank is loaded out of proportion), and less those of a sequence placed with it on that rank whose prompt starts
-  the same (the n samples of a prompt). Each rank queues its new sequences in arrival order.
+  the same (the n samples of a prompt). Each rank queues its new sequences in arrival order, or on a prefill engine
+  (``role`` "prefill", whose balancer evens attention as well as tokens) longest first: placement evens each
+  rank's totals, and in that order every rank computes its long prompts in the same steps and its short ones
+  together later, where arrival order put one rank's long prompt, whose attention grows with its square, beside
+  another rank's short ones; handed over in that order, the decode engine's balancer also places the largest
+  first (docs/benchmarks.md "Load balance (CPU)": shortest first evened the prefill steps as well, the decode
+  engine's KV pages worse, for a lower median time to first token).
 - Prefill (per rank, at most ``max_num_batched_tokens`` computed tokens): running sequences whose prefill is
   unfinished continue, oldest first; then waiting sequences are admitted FIFO while fewer than ``max_num_seqs``
   run. At admission the prefix cache ``match``es the full pages of the tokens but the last (always computed:
@@ -93,7 +99,7 @@ import bisect
 import collections
 import dataclasses
 
-from jaxinfer.engine.balance import ROLES, Demand, assign
+from jaxinfer.engine.balance import ROLES, WEIGHTS, Demand, assign
 from jaxinfer.engine.buckets import MIN_PREFILL_T, bucket, known_columns
 from jaxinfer.engine.scheduler_output import (NewRequest, RunnerOutput, ScheduledRequest, SchedulerOutput,
                                               StepKind)
@@ -360,7 +366,11 @@ class Scheduler:
                         for s, _, n in arrivals]
             ranks = assign(current, [self._demand(s, n) for s, _, n in arrivals], self.page_size, self.role, cached,
                            prefixes)
-        for (seq, latents, n), rank in zip(arrivals, ranks):
+        order = range(len(arrivals))
+        if WEIGHTS[self.role][1]:  # a prefill engine: longest first (see "Ranks")
+            order = sorted(order, key=lambda i: -arrivals[i][0].num_tokens)
+        for i in order:
+            (seq, latents, n), rank = arrivals[i], ranks[i]
             seq.rank = rank
             if n is None:
                 self.waiting[rank].append(seq)
