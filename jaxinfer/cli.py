@@ -193,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(args, "speculative_parser") and (problem := bench.speculative_usage_error(args)):
         args.speculative_parser.error(problem)  # the subcommand's usage and the problem on stderr, exit 2
     try:
+        if args.command == "generate":
+            generate.check_pd(args)
         if args.command != "plan":
             _start_jax(args)
         status = {"score": _score, "convert": _convert, "generate": generate.run, "bench": bench.run,

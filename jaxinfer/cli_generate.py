@@ -170,11 +170,16 @@ def write_expert_load(path, llm) -> None:
             "expert_load": load.tolist()}, indent=1) + "\n")
 
 
-def _check_pd(args) -> None:
+def check_pd(args) -> None:
+    """The prefill/decode flags' own consistency; cli.main checks them before JAX starts (a --coordinator run
+    would otherwise wait for its other processes first)."""
     if (args.role is None) != (args.pd_address is None):
         raise ValueError("--role and --pd-address go together")
     if args.role == "decode" and (args.prompt or args.prompt_file):
         raise ValueError("--role decode takes no prompts: the prefill process sends them")
+    if args.role is not None and args.coordinator is not None:
+        raise ValueError("--role runs one process per side of the pair: a prefill or decode unit spanning "
+                         "processes (--coordinator) is not supported")
 
 
 def serve(args) -> int:
@@ -195,7 +200,7 @@ def run(args) -> int | None:
     from jaxinfer.engine.chat_protocol import TOOL_CHOICES
     from jaxinfer.parallel import multihost
 
-    _check_pd(args)
+    check_pd(args)
     if args.role == "decode":
         return serve(args)
     requests = read_requests(args)

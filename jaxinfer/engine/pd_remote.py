@@ -58,6 +58,15 @@ def _seconds(value, name: str) -> float:
     return float(value)
 
 
+def _one_process() -> None:
+    """A side of the pair is one process: its engine's channel, transfers and hand-overs are this process's alone
+    (a unit spanning processes would need every process of it to take the same messages in the same order)."""
+    if jax.process_count() > 1:
+        raise ValueError(f"prefill/decode disaggregation across processes runs one process per side; this process "
+                         f"is one of {jax.process_count()} (jax.distributed): a unit spanning processes is not "
+                         f"supported")
+
+
 def _host_port(address: str) -> tuple[str, int]:
     host, sep, port = str(address).rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -207,6 +216,7 @@ class PrefillEngine:
                  connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S):
         self.timeout = _seconds(timeout, "pd_timeout")
         self.connect_timeout = _seconds(connect_timeout, "pd_connect_timeout")
+        _one_process()
         self.channel = Channel(address, bind=False)
         self.prefill = LLMEngine.from_config(config, role="prefill")
         self._transfer = _transfer_server(self.prefill.model.mesh, self.channel.address.rpartition(":")[0])
@@ -305,6 +315,7 @@ class DecodeServer:
                  connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S):
         self.timeout = _seconds(timeout, "pd_timeout")
         self.connect_timeout = _seconds(connect_timeout, "pd_connect_timeout")
+        _one_process()
         self.channel = Channel(address, bind=True)
         self.engine = LLMEngine.from_config(config, role="decode")
         mesh = self.engine.model.mesh

@@ -139,6 +139,8 @@ def test_bench_throughput_json():
     (["bench", "--prefill-mesh", "1x4", "--decode-mesh", "1x8"], "need 12 devices"),
     (["generate", "--role", "decode"], "--role and --pd-address go together"),
     (["generate", "--role", "decode", "--pd-address", "127.0.0.1:1", "a prompt"], "takes no prompts"),
+    (["generate", "--role", "decode", "--pd-address", "127.0.0.1:1", "--coordinator", "127.0.0.1:2",
+      "--num-processes", "2", "--process-id", "0"], "a prefill or decode unit spanning processes"),
     (["generate", "--role", "prefill", "--pd-address", "no-port", "a prompt"], "pd_address must be HOST:PORT"),
     (["generate", "--role", "prefill", "--pd-address", "127.0.0.1:1", "--pd-connect-timeout", "0", "a prompt"],
      "pd_connect_timeout must be a number of seconds > 0, got 0.0"),

@@ -150,3 +150,13 @@ def test_a_peer_that_never_answers_fails_within_the_connect_timeout(v3_case, tmp
     log, started = io.StringIO(), time.monotonic()
     assert server.run(log) == 1 and time.monotonic() - started < 1.0 + 10
     assert "no prefill process answered at" in log.getvalue() and "aborted 0 request(s)" in log.getvalue()
+
+
+def test_a_side_spanning_processes_is_refused(v3_case, monkeypatch):
+    """One process per side: in a multi-process JAX run (jax.distributed) both sides refuse before they open a
+    socket or build an engine."""
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ValueError, match="one process per side; this process is one of 2"):
+        LLM(v3_case.path, mesh="1x1", pd_address=_free_address(), **OPTIONS)
+    with pytest.raises(ValueError, match="a unit spanning processes is not supported"):
+        DecodeServer(EngineConfig(model=v3_case.path, mesh="1x1", **OPTIONS), _free_address())
