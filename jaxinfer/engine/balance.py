@@ -121,11 +121,12 @@ def assign(current: list[list[Demand]], arrivals: list[Demand], page_size: int, 
     sizes = sum(weights[p] * (new[p] / units[p]).reshape(len(arrivals), -1).sum(axis=1) / spans[p]
                 for p in range(4)) if arrivals else np.zeros(0)
     ranks = [0] * len(arrivals)
-    # The decode rows of an even share (the module doc: no rank goes past them, or past the busiest rank's, while
-    # another has room).
-    cap = bucket(int(np.ceil((loads[2].sum(axis=0) + new[2].sum(axis=0)).max(initial=0) / max(num_ranks, 1))))
+    # An even share of the requests at the busiest coming step, and the decode rows it pads to (the module doc: no
+    # rank goes past them, or past the busiest rank's, while another has room).
+    share = int(np.ceil((loads[2].sum(axis=0) + new[2].sum(axis=0)).max(initial=0) / max(num_ranks, 1)))
+    cap = bucket(share)
     placed: dict[int, set[int]] = {}  # page hash -> ranks of the arrivals placed so far whose prompts hold it
-    for unit in _units(prefixes, len(arrivals), loads[2], new[2], weights[2] > 0, sizes):
+    for unit in _units(prefixes, len(arrivals), max(share, 1) if weights[2] else len(arrivals), sizes):
         # A unit's load: its first arrival's, the others' beyond the prompt it computes (engine/scheduler.py
         # "Prefill": they wait for its pages).
         d = delta(unit[0], placed)
@@ -146,28 +147,23 @@ def assign(current: list[list[Demand]], arrivals: list[Demand], page_size: int, 
     return ranks
 
 
-def _units(prefixes: list[list[int]] | None, n: int, running: np.ndarray, requests: np.ndarray, even: bool,
-           sizes: np.ndarray) -> list[list[int]]:
+def _units(prefixes: list[list[int]] | None, n: int, share: int, sizes: np.ndarray) -> list[list[int]]:
     """The arrivals in the order and groups ``assign`` places them: identical prompts (the n samples of a
-    request) together, in units of at most a rank's share of the requests (``even``: the role evens requests;
-    running [R, H] and requests [n, H] their profiles: the share is the ceiling of the mean per rank at the busiest
-    step), largest first. Placed one at a time, the second sample would cost a rank a request more while spreading
-    it costs a prompt, and while the ranks are empty the requests win, though samples of two prompts a rank would
-    even both; a unit larger than a rank's share would leave the requests uneven whatever the rest does."""
+    request) together, in units of at most ``share`` (a rank's even share of the requests where the role evens
+    them, else all n), largest first. Placed one at a time, the second sample would cost a rank a request more
+    while spreading it costs a prompt, and while the ranks are empty the requests win, though samples of two
+    prompts a rank would even both; a unit larger than a rank's share would leave the requests uneven whatever the
+    rest does."""
     groups: dict[tuple, list[int]] = {}
     for i in range(n):
         groups.setdefault(tuple(prefixes[i]) if prefixes and prefixes[i] else ("alone", i), []).append(i)
-    share = n
-    if even and n:
-        share = max(1, int(np.ceil((running.sum(axis=0) + requests.sum(axis=0)).max() / max(len(running), 1))))
     units = [g[k:k + share] for g in groups.values() for k in range(0, len(g), share)]
     return sorted(units, key=lambda u: (-sum(sizes[i] for i in u), u[0]))
 
 
-def _leading(chain: list[int], held, rank: int | None = None) -> int:
-    """How many leading hashes of ``chain`` are in ``held`` (a set), or with ``rank``, held on that rank (``held``:
-    hash -> ranks)."""
+def _leading(chain: list[int], placed: dict[int, set[int]], rank: int) -> int:
+    """How many leading hashes of ``chain`` the arrivals placed on ``rank`` hold (``placed``: hash -> ranks)."""
     n = 0
-    while n < len(chain) and (chain[n] in held if rank is None else rank in held.get(chain[n], ())):
+    while n < len(chain) and rank in placed.get(chain[n], ()):
         n += 1
     return n
