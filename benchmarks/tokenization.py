@@ -6,10 +6,10 @@ docs/benchmarks.md "Tokenization").
 Text: Python's own `pydoc_data.topics` (no network), cut to about --tokens tokens of the embedded model's tokenizer;
 prompts: --prompts consecutive 300-character slices of it. Sequential: `tokenizers`' encode of the whole text, and
 one encode per prompt; jaxinfer's Tokenizer.encode / encode_batch with `parallel` off (the same) and on (the text
-cut where its tokenization does not change, engine/text_chunks.py, and the pieces or prompts encoded as one batch
-on every core). All give the same ids (checked); the best of --repeats runs is printed. jaxinfer limits glibc's
-malloc to one arena (jaxinfer/host_memory.py), on which the batch's threads queue, so Tokenizer.parallel is off by
-default; run with JAXINFER_MALLOC=default for malloc as glibc sets it (then parallel is on).
+cut where its tokenization does not change, engine/text_chunks.py, and the pieces or prompts encoded on every
+core: in worker processes where malloc is limited to one arena, jaxinfer/host_memory.py's default, on which
+tokenizers' threads would queue; on tokenizers' thread pool with JAXINFER_MALLOC=default). All give the same ids
+(checked); the best of --repeats runs is printed (the workers start in the first).
 """
 
 from __future__ import annotations

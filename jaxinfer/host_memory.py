@@ -19,8 +19,9 @@ threads share one arena's lock, which a process of a few threads does not feel. 
 TCMalloc (LD_PRELOAD) for the same kind of reason; a preload cannot be set from inside the process.
 
 One arena also serializes other threads' allocations: ``tokenizers``' batch encoding (a thread pool allocating at
-every token) ran at 0.56-0.66x of encoding sequentially on it, so jaxinfer's Tokenizer encodes sequentially while
-the arenas are limited (``ONE_ARENA``; docs/benchmarks.md "Tokenization"). Starting that pool before the limit
+every token) ran at 0.56-0.66x of encoding sequentially on it, so jaxinfer's Tokenizer encodes large jobs in worker
+processes while the arenas are limited (``ONE_ARENA``; engine/tokenizer_workers.py, docs/benchmarks.md
+"Tokenization"). Starting that pool before the limit
 (its threads keep their own arenas) is not a way out: threads started after the limit are then handed the
 existing arenas in turn, XLA's among them, and a non-main arena maps a large buffer afresh every time.
 

@@ -39,6 +39,11 @@ from tokenizers import processors
 from jaxinfer import host_memory
 from jaxinfer.engine.chat_protocol import normalize_messages
 from jaxinfer.engine.text_chunks import CHUNK_CHARS, can_cut, safe_cuts
+from jaxinfer.engine.tokenizer_workers import Workers
+
+# Characters of a job worth the worker processes where malloc is limited to one arena: ~35 ms of encoding, against
+# the pipes' ~1 ms and, once, the workers' start (~0.1 s; docs/benchmarks.md "Tokenization (CPU)").
+WORKER_MIN_CHARS = 100_000
 
 # Escape scheme for user strings rendered by the chat template (see `Tokenizer.apply_chat_template`):
 # escapable string k (k = 0 is the marker itself, k >= 1 the special tokens) becomes _MARK + chr(_CODE0 + k).
@@ -127,9 +132,13 @@ class Tokenizer:
         # Long texts encode in parallel pieces where that changes nothing (engine/text_chunks.py); the added tokens
         # matched in text (not the special ones: encode_special_tokens) must not be cut.
         self.chunk_chars = CHUNK_CHARS  # texts over twice this are cut into pieces of about this many characters
-        # Batches encode on tokenizers' thread pool, unless malloc is limited to one arena (host_memory.py: there
-        # the threads queue on its lock and a batch is slower than a loop).
-        self.parallel = not host_memory.ONE_ARENA
+        # Batches encode on tokenizers' thread pool, or where malloc is limited to one arena (host_memory.py: there
+        # the threads queue on its lock and a batch is slower than a loop) in worker processes
+        # (engine/tokenizer_workers.py) once a job has worker_min_chars; parallel False: in this process, in order.
+        self.parallel = True
+        cores = os.cpu_count() or 1
+        self._workers = Workers(self._tok.to_str(), cores) if host_memory.ONE_ARENA and cores > 1 else None
+        self.worker_min_chars = WORKER_MIN_CHARS
         self._cuttable = can_cut(json.loads(self._tok.to_str()))
         x, with_specials = self._tok.encode("x", add_special_tokens=False).ids, self._tok.encode("x").ids
         k = next((k for k in range(len(with_specials)) if with_specials[k:k + len(x)] == x), None)
@@ -185,29 +194,48 @@ class Tokenizer:
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
         cuts = (safe_cuts(text, self._tok.pre_tokenizer.pre_tokenize_str, self._added_texts, self.chunk_chars)
-                if self.parallel and self._cuttable and len(text) > 2 * self.chunk_chars else [])
+                if self._parallel_for([text]) and self._cuttable and len(text) > 2 * self.chunk_chars else [])
         if not cuts:
             return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         bounds = [0, *cuts, len(text)]
-        pieces = self._tok.encode_batch([text[a:b] for a, b in zip(bounds, bounds[1:])], add_special_tokens=False)
-        ids = [i for piece in pieces for i in piece.ids]
+        ids = [i for piece in self._encode_all([text[a:b] for a, b in zip(bounds, bounds[1:])], False) for i in piece]
         if not add_special_tokens:
             return ids
         prefix, suffix = self._affixes
         return prefix + ids + suffix
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
-        """``encode`` of each text, the batch encoded in parallel (``tokenizers``' encode_batch on all cores) unless
-        ``parallel`` is off (malloc limited to one arena: jaxinfer/host_memory.py)."""
+        """``encode`` of each text, the batch encoded in parallel (``tokenizers``' encode_batch on all cores, or
+        worker processes where malloc is limited to one arena: see ``parallel``)."""
         for i, text in enumerate(texts):
             if not isinstance(text, str):
                 raise TypeError(f"texts[{i}] must be a str, got {type(text).__name__}")
-        if not self.parallel:
+        if not self._parallel_for(texts):
             return [self._tok.encode(t, add_special_tokens=add_special_tokens).ids for t in texts]
         long = {i for i, text in enumerate(texts) if self._cuttable and len(text) > 2 * self.chunk_chars}
         short = [t for i, t in enumerate(texts) if i not in long]
-        encoded = iter(e.ids for e in self._tok.encode_batch(short, add_special_tokens=add_special_tokens))
+        encoded = iter(self._encode_all(short, add_special_tokens))
         return [self.encode(t, add_special_tokens) if i in long else next(encoded) for i, t in enumerate(texts)]
+
+    def _parallel_for(self, texts: Sequence[str]) -> bool:
+        """Whether a job of these texts encodes in parallel (see ``parallel``)."""
+        if not self.parallel:
+            return False
+        if not host_memory.ONE_ARENA:
+            return True
+        return self._workers is not None and sum(map(len, texts)) >= self.worker_min_chars
+
+    def _encode_all(self, texts: Sequence[str], add_special_tokens: bool) -> list[list[int]]:
+        """The texts' ids, encoded in parallel where ``_parallel_for`` says so. Workers that fail are not used again
+        (the texts are encoded here instead)."""
+        if self._parallel_for(texts):
+            if self._workers is None:  # malloc as glibc sets it: tokenizers' thread pool
+                return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+            try:
+                return self._workers.encode(texts, add_special_tokens)
+            except (OSError, EOFError):
+                self._workers = None
+        return [self._tok.encode(t, add_special_tokens=add_special_tokens).ids for t in texts]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)

@@ -22,7 +22,8 @@ def tokenizers(tmp_path_factory):
     toks = [Tokenizer.from_dir(str(default_model_path())), chat]
     for tok in toks:
         tok.chunk_chars = 48  # many cuts in short texts
-        tok.parallel = True   # also where malloc is limited to one arena (host_memory.py), as in this process
+        tok.worker_min_chars = 0  # where malloc is limited to one arena (host_memory.py), as in this process, every
+        # job goes to the worker processes (engine/tokenizer_workers.py)
     return toks
 
 
@@ -51,3 +52,26 @@ def test_which_tokenizers_may_be_cut():
     assert not can_cut({"normalizer": None, "pre_tokenizer": {**byte_level, "add_prefix_space": True}})
     assert not can_cut({"normalizer": None, "pre_tokenizer": {"type": "Metaspace", "replacement": "▁"}})
     assert not can_cut({"normalizer": None, "pre_tokenizer": None})
+
+
+def test_worker_processes_give_the_same_ids_and_a_dead_worker_falls_back(tokenizers):
+    """Where malloc is limited to one arena (as in this process) a large job goes to worker processes
+    (engine/tokenizer_workers.py): the same ids as tokenizers' own encode, for a long text cut in pieces and for a
+    batch; a worker killed between jobs makes the next job encode here, with the same ids, and no worker is used
+    again."""
+    from jaxinfer import host_memory
+
+    if not host_memory.ONE_ARENA:
+        pytest.skip("malloc is not limited to one arena here: batches use tokenizers' thread pool")
+    text = "".join(FRAGMENTS * 40)
+    prompts = [text[i:i + 50] for i in range(0, 2000, 50)]
+    for tok in tokenizers:
+        if tok._workers is None:
+            pytest.skip("one core: no worker processes")
+        assert tok.encode(text) == tok._tok.encode(text).ids
+        assert tok.encode_batch(prompts, False) == [tok._tok.encode(p, add_special_tokens=False).ids for p in prompts]
+        assert len(tok._workers._procs) == tok._workers.n
+        tok._workers._procs[0].kill()
+        tok._workers._procs[0].wait()
+        assert tok.encode_batch(prompts) == [tok._tok.encode(p).ids for p in prompts]
+        assert tok._workers is None and tok.encode(text) == tok._tok.encode(text).ids
