@@ -48,7 +48,10 @@ def main() -> None:
     """A worker: loads the tokenizer sent first, then encodes each request until its input ends."""
     from tokenizers import Tokenizer
 
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    # The protocol keeps file descriptor 1 to itself: anything else printed, by Python or native code, goes to stderr.
+    stdin, stdout = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     try:
         tok = Tokenizer.from_str(_receive(stdin))
     except EOFError:
