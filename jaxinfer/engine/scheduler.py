@@ -537,7 +537,7 @@ class Scheduler:
                 out.append(self._prefill_chunk(seq, n))
                 budget -= n
         queue = self.waiting[rank]
-        pending = self._pending_hashes(rank)
+        pending = self._pending_hashes(rank) if queue else set()  # not at every decode-phase step
         i = 0                                          # the queue's head, past the sequences waiting for pending pages
         while i < len(queue) and budget > 0 and len(self.running[rank]) < self.max_num_seqs:
             seq = queue[i]
