@@ -2,7 +2,7 @@
 balancers; docs/benchmarks.md "Load balance (CPU)").
 
     python benchmarks/load_balance.py [--modes colocated,pd] [--max-tokens equal,mixed] [--seeds 0]
-        [--simulate] [--dtype float32]
+        [--simulate] [--dtype float32] [--bounds]
 
 Workload: 64 prompts of random tokens, lengths log-uniform in [8, 1500] (seeded), greedy, ignore_eos; max_tokens
 128 each ("equal") or uniform in [16, 256] ("mixed"). Modes: "colocated", the embedded default model on a 1x8 mesh
@@ -14,6 +14,13 @@ split); step counts, and the wall time, TTFT and TPOT medians of a second run of
 other tokens of the same lengths, compiles every step shape). --simulate runs the engine's Scheduler alone with a fake
 model (every sampled token 11; the ranks, steps and step records are the engine's), seconds instead of minutes.
 On the 2-core machine the simulated devices share the cores: times show overheads, not speed-ups.
+
+--bounds prints, per workload, what the decode steps' KV pages imbalance can be at best on the decode engine's
+ranks (8 co-located, 4 with PD), for the requests decoding together from one step on (8 tokens a step): "whole
+requests" is a lower bound for any placement, moves included (the busiest rank holds at least the mean and at
+least the largest request); "repacked" packs every step anew (largest first on the least loaded rank: moving
+requests between ranks at no cost); "one placement" is the best single placement for the whole run a local search
+finds (no moves: what any balancer placing requests once can reach at best, up to the search).
 """
 
 from __future__ import annotations
@@ -80,6 +87,46 @@ def simulate(prompts, limits, mode: str) -> list[dict]:
     return log
 
 
+def decode_bounds(prompts, limits, ranks: int, per_step: int = 8, page_size: int = 64, seed: int = 0
+                  ) -> dict[str, float]:
+    """The --bounds figures (module doc) of one workload on ``ranks`` decode ranks."""
+    lengths, limits = np.array([len(p) for p in prompts]), np.array(limits)
+    steps = np.arange(int(np.ceil(limits.max() / per_step)))                        # [H]
+    alive = steps[None, :] < np.ceil(limits / per_step)[:, None]                   # [n, H]
+    pages = np.where(alive, np.ceil((lengths[:, None] + 1 + per_step * steps[None, :]) / page_size), 0)  # [n, H]
+    mean = pages.sum(axis=0) / ranks                                                # [H]
+    repacked = []
+    for column in pages.T:
+        loads = np.zeros(ranks)
+        for x in sorted(column, reverse=True):
+            loads[np.argmin(loads)] += x
+        repacked.append(loads.max())
+
+    def imbalance_of(placement: np.ndarray) -> float:
+        loads = np.zeros((ranks, len(steps)))
+        np.add.at(loads, placement, pages)
+        return loads.max(axis=0).sum() / mean.sum()
+
+    rng = np.random.default_rng(seed)
+    best = np.inf
+    for _ in range(3):  # restarts of a local search: move one request, or exchange two, keep what is no worse
+        placement = rng.integers(0, ranks, len(prompts))
+        value = imbalance_of(placement)
+        for _ in range(6000):
+            trial = placement.copy()
+            i, j = rng.integers(len(prompts), size=2)
+            if rng.random() < 0.5:
+                trial[i] = rng.integers(ranks)
+            else:
+                trial[i], trial[j] = placement[j], placement[i]
+            v = imbalance_of(trial)
+            if v <= value:
+                placement, value = trial, v
+        best = min(best, value)
+    return {"whole requests": np.maximum(mean, pages.max(axis=0)).sum() / mean.sum(),
+            "repacked": sum(repacked) / mean.sum(), "one placement": best}
+
+
 def run_engine(prompts, limits, mode: str, dtype: str, vocab: int) -> tuple[list[dict], dict]:
     from jaxinfer import LLM, SamplingParams
 
@@ -125,6 +172,7 @@ def main() -> None:
     p.add_argument("--seeds", default="0")
     p.add_argument("--simulate", action="store_true")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--bounds", action="store_true", help="print the decode KV pages' best imbalances (module doc)")
     args = p.parse_args()
     from jaxinfer.config import ModelConfig
     from jaxinfer import default_model
@@ -135,6 +183,9 @@ def main() -> None:
             for seed in (int(s) for s in args.seeds.split(",")):
                 prompts, limits = workload(seed, max_tokens, vocab)
                 label = f"{mode} {max_tokens} seed={seed} ({sum(map(len, prompts))} prompt tokens)"
+                if args.bounds:
+                    bounds = decode_bounds(prompts, limits, 8 if mode == "colocated" else 4)
+                    print(f"{label} decode KV pages at best: " + ", ".join(f"{k} {v:.3f}" for k, v in bounds.items()))
                 if args.simulate:
                     report(label, simulate(prompts, limits, mode), None)
                 else:

@@ -26,12 +26,20 @@ request runs), and a rank's cost is the sum of squares of its parts so measured,
 out what the large ones left), each on the rank whose cost grows least, among the ranks it would not take past
 the rows of the decode steps (where the role evens requests): an SPMD step runs every rank at the padded rows of
 the busiest, the power of two >= its requests (buckets.py), so a rank one request past an even share, or past the
-busiest rank now, doubles every rank's rows, a cost the sum of squares does not see. Each rank then queues its new
-requests in arrival order (FIFO). Pure numpy, no JAX.
+busiest rank now, doubles every rank's rows, a cost the sum of squares does not see. Where the role evens the
+decode objectives, pairs of arrivals on two ranks are then exchanged while that lowers the total cost (a local
+search: largest first leaves the last ranks uneven where the sizes do not fit, e.g. 3, 3, 2, 2, 2 on two ranks as
+7 / 5 instead of 6 / 6; an exchange keeps every rank's requests, hence its decode rows). Each rank then queues its
+new requests in arrival order (FIFO). Pure numpy, no JAX.
+
+Even so, requests of unequal lengths leave their ranks uneven as they finish: with whole requests a rank holds at
+least the largest one, and one placement for a request's life cannot follow the lengths the others leave
+(``benchmarks/load_balance.py --bounds`` measures both limits; docs/benchmarks.md "Load balance (CPU)").
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import numpy as np
@@ -49,6 +57,11 @@ HORIZON = 64
 # disaggregation) keeps a request for its prefill only: tokens and attention. A decode engine: requests and pages.
 WEIGHTS = {"colocated": (1.0, 0.0, 1.0, 1.0), "prefill": (1.0, 1.0, 0.0, 0.0), "decode": (0.0, 0.0, 1.0, 1.0)}
 ROLES = tuple(WEIGHTS)
+
+# Exchange rounds after the greedy pass (``_exchange``) at most. A round compares the costliest rank with every
+# other, so its host time grows with the ranks; 16 rounds take 8 ranks' placements of 64-512 arrivals most of the
+# way (docs/benchmarks.md "Load balance (CPU)").
+EXCHANGE_ROUNDS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,9 +118,9 @@ def assign(current: list[list[Demand]], arrivals: list[Demand], page_size: int, 
         v = (value / units[part]) ** 2
         return weights[part] * (v.sum(axis=-1) if loads[part].ndim == 2 else v) / spans[part]
 
-    def delta(i: int, placed: dict[int, set[int]], sibling: bool = False) -> list[np.ndarray]:
+    def delta(i: int, placed: dict[int, set[int]], sibling: bool = False) -> tuple[list[np.ndarray], bool]:
         """Arrival i's load per rank, [R] for the prefill parts (less the pages it finds there: those of the
-        arrivals ``placed`` there, or with ``sibling`` its whole prompt), else [H]."""
+        arrivals ``placed`` there, or with ``sibling`` its whole prompt), else [H]; and whether it found any."""
         tok, att = on_rank[0][i], on_rank[1][i]
         chain = prefixes[i] if prefixes else ()
         if chain and (placed or sibling) and todo[i, 0] > 0:
@@ -115,8 +128,8 @@ def assign(current: list[list[Demand]], arrivals: list[Demand], page_size: int, 
                                            for r in range(num_ranks)], np.float64)  # [R]
             if shared.any():
                 k = np.maximum(todo[i, 0] - np.maximum(hits[i], shared), 0.0) / todo[i, 0]  # [R]
-                tok, att = todo[i, 0] * k, new[1][i] * k
-        return [tok, att, new[2][i], new[3][i]]
+                return [todo[i, 0] * k, new[1][i] * k, new[2][i], new[3][i]], True
+        return [tok, att, new[2][i], new[3][i]], False
 
     sizes = sum(weights[p] * (new[p] / units[p]).reshape(len(arrivals), -1).sum(axis=1) / spans[p]
                 for p in range(4)) if arrivals else np.zeros(0)
@@ -126,12 +139,17 @@ def assign(current: list[list[Demand]], arrivals: list[Demand], page_size: int, 
     share = int(np.ceil((loads[2].sum(axis=0) + new[2].sum(axis=0)).max(initial=0) / max(num_ranks, 1)))
     cap = bucket(share)
     placed: dict[int, set[int]] = {}  # page hash -> ranks of the arrivals placed so far whose prompts hold it
+    alone: list[tuple[int, list[np.ndarray]]] = []  # (arrival, its load per rank): placed alone, sharing nothing
+    firsts = collections.Counter(_first(prefixes, i) for i in range(len(arrivals)))  # arrivals per first page
     for unit in _units(prefixes, len(arrivals), max(share, 1) if weights[2] else len(arrivals), sizes):
         # A unit's load: its first arrival's, the others' beyond the prompt it computes (engine/scheduler.py
         # "Prefill": they wait for its pages).
-        d = delta(unit[0], placed)
+        d, shares = delta(unit[0], placed)
+        first = _first(prefixes, unit[0])
+        if len(unit) == 1 and not shares and (first is None or firsts[first] < 2):
+            alone.append((unit[0], d))
         for i in unit[1:]:
-            d = [a + b for a, b in zip(d, delta(i, placed, sibling=True))]
+            d = [a + b for a, b in zip(d, delta(i, placed, sibling=True)[0])]
         growth = sum(cost(p, loads[p] + d[p]) - cost(p, loads[p]) for p in range(4) if weights[p])
         if weights[2]:
             over = (loads[2] + d[2]).max(axis=1) > max(cap, bucket(int(loads[2].max(initial=0))))  # [R]
@@ -144,7 +162,64 @@ def assign(current: list[list[Demand]], arrivals: list[Demand], page_size: int, 
             ranks[i] = r
             for h in (prefixes[i] if prefixes else ()):
                 placed.setdefault(h, set()).add(r)
+    if weights[3]:  # the decode objectives (a prefill engine's steps depend on its queues' order more than on totals)
+        _exchange(alone, ranks, loads, cost, weights, units, spans)
     return ranks
+
+
+def _exchange(alone, ranks: list[int], loads: list[np.ndarray], cost, weights, units, spans) -> None:
+    """Improves a placement by exchanging arrivals between ranks (local search after the greedy pass: largest first
+    leaves the last ranks' sums of squares uneven where the sizes do not fit). alone: (arrival, its load per rank:
+    [R] prefill parts, [H] profiles) of the arrivals whose load does not depend on the others' ranks (placed alone,
+    sharing no prompt pages); an exchange keeps every rank's requests, so the decode rows too. Each round exchanges
+    the pair that lowers the total cost most, between the costliest rank and another, until none does (at most
+    ``EXCHANGE_ROUNDS`` rounds). ``ranks`` and ``loads`` are updated in place."""
+    if len(alone) < 2:
+        return
+    num_ranks = len(loads[0])
+    parts = [p for p in range(4) if weights[p]]
+    ids = np.array([i for i, _ in alone])
+    own = {p: np.stack([d[p] for _, d in alone]) for p in parts}    # [n, R] (prefill parts) or [n, H] (profiles)
+    where = np.array([ranks[i] for i in ids])                                        # [n]
+    for _ in range(EXCHANGE_ROUNDS):
+        a = int(np.argmax(sum(cost(p, loads[p]) for p in parts)))
+        on_a = np.flatnonzero(where == a)
+        best, pick = -1e-9, None
+        for b in range(num_ranks):
+            on_b = np.flatnonzero(where == b)
+            if b == a or not len(on_a) or not len(on_b):
+                continue
+            change = 0.0
+            for p in parts:
+                if p < 2:  # prefill parts: the arrival's load on a and on b
+                    out_a, in_a = own[p][on_a, a][:, None], own[p][on_b, a][None, :]   # [n_a, 1], [1, n_b]
+                    out_b, in_b = own[p][on_b, b][None, :], own[p][on_a, b][:, None]
+                    new_a, new_b = loads[p][a] - out_a + in_a, loads[p][b] - out_b + in_b
+                    change = change + cost(p, new_a) + cost(p, new_b) - cost(p, loads[p][a]) - cost(p, loads[p][b])
+                else:      # profiles [H], the same on every rank: a's load changes by z = y - x, b's by -z, and the
+                    # sum of squares by 2 (L_a - L_b) z + 2 z^2 (in units, per step): matrix products, not [n_a, n_b, H]
+                    inv = 1.0 / units[p] ** 2                                             # [H]
+                    x, y = own[p][on_a], own[p][on_b]                                     # [n_a, H], [n_b, H]
+                    gap = (loads[p][a] - loads[p][b]) * inv                               # [H]
+                    sq_x, sq_y = (x * x) @ inv, (y * y) @ inv                             # [n_a], [n_b]
+                    cross = (x * inv) @ y.T                                               # [n_a, n_b]
+                    change = change + 2 * weights[p] / spans[p] * (
+                        (y @ gap)[None, :] - (x @ gap)[:, None] + sq_x[:, None] + sq_y[None, :] - 2 * cross)
+            c, d = np.unravel_index(np.argmin(change), change.shape)
+            if change[c, d] < best:
+                best, pick = change[c, d], (on_a[c], on_b[d], b)
+        if pick is None:
+            return
+        u, v, b = pick
+        for p in parts:
+            if p < 2:
+                loads[p][a] += own[p][v, a] - own[p][u, a]
+                loads[p][b] += own[p][u, b] - own[p][v, b]
+            else:
+                loads[p][a] += own[p][v] - own[p][u]
+                loads[p][b] -= own[p][v] - own[p][u]
+        where[u], where[v] = b, a
+        ranks[ids[u]], ranks[ids[v]] = b, a
 
 
 def _units(prefixes: list[list[int]] | None, n: int, share: int, sizes: np.ndarray) -> list[list[int]]:
@@ -159,6 +234,11 @@ def _units(prefixes: list[list[int]] | None, n: int, share: int, sizes: np.ndarr
         groups.setdefault(tuple(prefixes[i]) if prefixes and prefixes[i] else ("alone", i), []).append(i)
     units = [g[k:k + share] for g in groups.values() for k in range(0, len(g), share)]
     return sorted(units, key=lambda u: (-sum(sizes[i] for i in u), u[0]))
+
+
+def _first(prefixes: list[list[int]] | None, i: int):
+    """The hash of arrival i's first page (None without one): arrivals share prompt pages only if they share it."""
+    return prefixes[i][0] if prefixes and prefixes[i] else None
 
 
 def _leading(chain: list[int], placed: dict[int, set[int]], rank: int) -> int:

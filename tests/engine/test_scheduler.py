@@ -159,6 +159,25 @@ def test_decode_role_evens_requests_and_pages_over_the_coming_steps():
     assert assign(prefill, [Demand(8, 64, 8, 1, 1)] * 2, S, "prefill") == [1, 1]
 
 
+def test_exchanges_even_what_largest_first_leaves_uneven():
+    """Largest first places 3, 3, 2, 2, 2 (pages, one step each) on two ranks as 3 + 2 + 2 / 3 + 2 (7 / 5 pages);
+    exchanging a 3 for a 2 keeps each rank's requests and evens the pages (6 / 6)."""
+    from jaxinfer.engine.balance import Demand, assign
+
+    def handed(pages):
+        return Demand(0, 0, pages * S, 1, 1)
+    sizes = [3, 3, 2, 2, 2]
+    for role in ("decode", "colocated"):
+        ranks = assign([[], []], [handed(n) for n in sizes], S, role)
+        assert sorted(sum(n for n, r in zip(sizes, ranks) if r == rank) for rank in (0, 1)) == [6, 6]
+    # Arrivals sharing prompt pages are not exchanged (their loads depend on each other's ranks): the third prompt
+    # starts with the first one's first page and computes it where the first goes.
+    lengths = [12, 12, 8, 8, 8]
+    prefixes = [[7, 8], [1, 2], [7], [3, 4], [5, 6]]
+    ranks = assign([[], []], [Demand(n, n * n, n, 1, 1) for n in lengths], S, prefixes=prefixes)
+    assert ranks[0] == ranks[2]
+
+
 def test_a_prompt_goes_to_the_rank_whose_prefix_cache_holds_its_start():
     """The next turn of a conversation (its history cached on one rank) returns to that rank: it computes only its
     new tokens there; the other arrival evens the ranks."""
