@@ -972,3 +972,11 @@ def test_handed_over_sequences_wait_for_pages_and_can_be_finished_while_waiting(
         decode.add_prefilled(d, "X", 3)
     big = Sequence(9, [1] * 20); big.output_token_ids = [3]
     assert decode.add_prefilled(big, "X", 20).finish_reason == "error" and "needs 5 KV pages" in big.error
+
+
+def test_load_balance_bounds_on_a_hand_worked_workload(benchmark_script):
+    """benchmarks/load_balance.py --bounds: requests of 3, 3, 2, 2, 2 pages for one decode step on two ranks (a mean
+    of 6): whole requests allow 6 (1.0); repacking largest first gives 7 / 5 (7/6); the best single placement 6 / 6."""
+    bounds = benchmark_script("load_balance").decode_bounds(
+        [[1] * 191] * 2 + [[1] * 127] * 3, [8] * 5, ranks=2, per_step=8, page_size=64)  # (191 + 1) / 64 = 3 pages
+    assert bounds == pytest.approx({"whole requests": 1.0, "repacked": 7 / 6, "one placement": 1.0})
