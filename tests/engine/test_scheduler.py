@@ -6,6 +6,7 @@ the preemptions: recomputation must give the same tokens. Pages are 4 tokens so 
 """
 
 import hypothesis.strategies as st
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
@@ -980,3 +981,40 @@ def test_load_balance_bounds_on_a_hand_worked_workload(benchmark_script):
     bounds = benchmark_script("load_balance").decode_bounds(
         [[1] * 191] * 2 + [[1] * 127] * 3, [8] * 5, ranks=2, per_step=8, page_size=64)  # (191 + 1) / 64 = 3 pages
     assert bounds == pytest.approx({"whole requests": 1.0, "repacked": 7 / 6, "one placement": 1.0})
+
+
+def _placement_cost(current, arrivals, ranks, role):
+    """balance.py's objective, computed here from its definition: per part (tokens, attention, requests per step,
+    pages per step) the role's weight x the sum over ranks and steps of (load / mean load per rank)^2, averaged
+    over the steps where any load is."""
+    from jaxinfer.engine.balance import WEIGHTS, parts
+
+    num_ranks = len(current)
+    per_rank = [list(c) + [a for a, r in zip(arrivals, ranks) if r == rank] for rank, c in enumerate(current)]
+    total = 0.0
+    for p, weight in enumerate(WEIGHTS[role]):
+        loads = np.stack([parts(d, S)[p].sum(axis=0) if d else np.zeros_like(parts(arrivals, S)[p][0])
+                          for d in per_rank])                                          # [R] or [R, H]
+        mean = loads.sum(axis=0) / num_ranks
+        share = np.where(mean > 0, loads / np.where(mean > 0, mean, 1.0), 0.0) ** 2
+        steps = max(1, int(np.count_nonzero(mean))) if loads.ndim == 2 else 1
+        total += weight * share.sum() / steps
+    return total
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), num_ranks=st.integers(2, 4), role=st.sampled_from(["decode", "colocated"]))
+def test_exchanges_keep_each_ranks_requests_and_never_raise_the_cost(data, num_ranks, role):
+    from jaxinfer.engine import balance
+
+    demand = st.builds(lambda n, m: balance.Demand(n if role == "colocated" else 0, n * n if role == "colocated"
+                                                   else 0, n, m, 1), st.integers(1, 40), st.integers(1, 70))
+    current = [data.draw(st.lists(demand, max_size=3)) for _ in range(num_ranks)]
+    arrivals = data.draw(st.lists(demand, min_size=2, max_size=12))
+    exchanged = balance.assign(current, arrivals, S, role)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(balance, "EXCHANGE_ROUNDS", 0)
+        greedy = balance.assign(current, arrivals, S, role)
+    assert [exchanged.count(r) for r in range(num_ranks)] == [greedy.count(r) for r in range(num_ranks)]
+    assert (_placement_cost(current, arrivals, exchanged, role)
+            <= _placement_cost(current, arrivals, greedy, role) + 1e-9)
