@@ -109,10 +109,10 @@ def decode_bounds(prompts, limits, ranks: int, per_step: int = 8, page_size: int
 
     rng = np.random.default_rng(seed)
     best = np.inf
-    for _ in range(3):  # restarts of a local search: move one request, or exchange two, keep what is no worse
+    for _ in range(4):  # restarts of a local search: move one request, or exchange two, keep what is no worse
         placement = rng.integers(0, ranks, len(prompts))
         value = imbalance_of(placement)
-        for _ in range(6000):
+        for _ in range(15000):
             trial = placement.copy()
             i, j = rng.integers(len(prompts), size=2)
             if rng.random() < 0.5:
