@@ -21,9 +21,9 @@ TCMalloc (LD_PRELOAD) for the same kind of reason; a preload cannot be set from 
 One arena also serializes other threads' allocations: ``tokenizers``' batch encoding (a thread pool allocating at
 every token) ran at 0.56-0.66x of encoding sequentially on it, so jaxinfer's Tokenizer encodes large jobs in worker
 processes while the arenas are limited (``ONE_ARENA``; engine/tokenizer_workers.py, docs/benchmarks.md
-"Tokenization"). Starting that pool before the limit
-(its threads keep their own arenas) is not a way out: threads started after the limit are then handed the
-existing arenas in turn, XLA's among them, and a non-main arena maps a large buffer afresh every time.
+"Tokenization"). Starting that pool before the limit (its threads keep their own arenas) is not a way out: threads
+started after the limit are then handed the existing arenas in turn, XLA's among them, and a non-main arena maps a
+large buffer afresh every time.
 
 Not applied: off Linux/glibc, when ``JAXINFER_MALLOC=default``, or when the environment already configures glibc's
 malloc (``MALLOC_ARENA_MAX``, ``MALLOC_MMAP_MAX_``, ``MALLOC_TRIM_THRESHOLD_``, ``GLIBC_TUNABLES``): those are the

@@ -184,10 +184,12 @@ def _exchange(alone, ranks: list[int], loads: list[np.ndarray], cost, weights, u
     for _ in range(EXCHANGE_ROUNDS):
         a = int(np.argmax(sum(cost(p, loads[p]) for p in parts)))
         on_a = np.flatnonzero(where == a)
+        if not len(on_a):  # the costliest rank holds no arrival to exchange
+            return
         best, pick = -1e-9, None
         for b in range(num_ranks):
             on_b = np.flatnonzero(where == b)
-            if b == a or not len(on_a) or not len(on_b):
+            if b == a or not len(on_b):
                 continue
             change = 0.0
             for p in parts:
