@@ -62,8 +62,9 @@ class EngineConfig:
       and benchmarks; every path computes the same per-token results).
     speculative_config: None, or MTP speculative decoding as vLLM's dict {"method": "mtp" | "deepseek_mtp",
       "num_speculative_tokens": K in [1, 16], "verify": "all" | "confidence"} (engine/speculative.py; stored as a
-      SpeculativeConfig). A speculative step runs one draft-verify round; num_scheduler_steps applies to the
-      plain decode steps verify="confidence" falls back to when no draft is worth verifying.
+      SpeculativeConfig). A speculative decode step runs up to num_scheduler_steps draft-verify rounds on device
+      (step_program.py ``verify_rounds``); the plain decode steps verify="confidence" falls back to when no draft
+      is worth verifying are multi-step steps of as many iterations.
     prefill_layout: "blocks" (chunks over query blocks of buckets.PREFILL_BLOCK columns: a prefill step compiles
       once per block count; kernels_pallas/mla/query_blocks.py) or "grid" (a prefill step is [rows, T]: a chunk per
       row, T the power of two >= the longest). Speculative decoding's prefill steps are grids either way.

@@ -11,8 +11,9 @@ mass draft distribution: engine/rejection_sampler.py). Draft j + 1 is proposed a
 module's output at the previous position and draft j.
 
 The MTP cache is only read inside the step (the XLA backend's contract, models/attention.py): the latents of the
-step's columns and of the chain live in a per-row ``DecodeWindow`` that starts at the row's first real column,
-and the engine writes the step's column latents after the step (the chain's are never written: the next step
+step's columns and of the chain live in a per-row ``DecodeWindow`` that starts at the row's first real column (or,
+in a program of several rounds, at its first round's: the window then also holds the earlier rounds' latents),
+and the engine writes the step's column latents after the step (the chain's are never written: the next round
 recomputes those positions from the accepted tokens).
 """
 
@@ -48,48 +49,56 @@ def _argmax_and_prob(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def propose(model, h: jax.Array, next_ids: jax.Array, cache: jax.Array, md: AttentionMetadata, anchor: jax.Array,
-            num_drafts: int) -> tuple[Drafts, jax.Array]:
+            num_drafts: int, window: DecodeWindow | None = None) -> tuple[Drafts, jax.Array, jax.Array]:
     """Drafts for every row and the MTP latents of the step's columns.
 
     h [R, T, D]: the main model's final-normed hidden states; next_ids int32 [R, T]: the token after each column
     (meaningful up to the anchor); cache: the MTP module's paged latent cache [pages, 64, 1, C+R]; md: the main
     model's metadata of the step (right-aligned rows; slot -1 = padding); anchor int32 [R]: the column whose
-    MTP output proposes draft 1; num_drafts: K. Returns (Drafts [R, K], latents [R, T, C+R] to write at md.slots).
+    MTP output proposes draft 1; num_drafts: K; window: None, or the MTP latents of a multi-round program's
+    earlier rounds (step_program.py ``verify_rounds``: latents [R, W, C+R] of positions start .., ``length`` of
+    them before this round's first column; W covers this round's columns and the chain). Returns (Drafts [R, K],
+    latents [R, T, C+R] to write at md.slots, the window with this round's real columns and the chain's positions
+    written: a new one, from the row's first real column, when ``window`` is None).
     """
     r, t = next_ids.shape
     real = md.slots >= 0  # [R, T]
     live = jnp.any(real, axis=1)  # [R]: padding rows have no real column
     first = jnp.where(live, t - jnp.sum(real, axis=1), t - 1)  # [R]
-    g, latents = model.paged_mtp(h, next_ids, cache, md)  # [R, T, D], [R, T, C+R]
+    g, latents = model.paged_mtp(h, next_ids, cache, md, window=window)  # [R, T, D], [R, T, C+R]
 
     def at(x, col):  # [R, T, ...] -> [R, ...]
         return jnp.take_along_axis(x, col.reshape(r, 1, *([1] * (x.ndim - 2))), axis=1)[:, 0]
 
     token, prob = _argmax_and_prob(model.mtp_head(at(g, anchor)[:, None])[:, 0])
-    if num_drafts == 1:
-        return Drafts(token[:, None], prob[:, None]), latents
-    # The window: the row's latents from its first real column on, then the chain's (written as it goes).
-    width = t + num_drafts - 1
-    idx = jnp.minimum(first[:, None] + jnp.arange(width)[None, :], t - 1)  # [R, W]
-    window = jnp.take_along_axis(latents, idx[..., None], axis=1)  # [R, W, C+R]
-    start = at(md.positions, first)  # [R] position of the row's first real column
-    anchor_pos = at(md.positions, anchor)  # [R]
+    # The window: the row's latents from its first real column on (or from the program's start), then the
+    # chain's (written as it goes).
+    if window is None:
+        start = at(md.positions, first)  # [R] position of the row's first real column
+        buf = jnp.zeros((r, t + num_drafts - 1, latents.shape[-1]), latents.dtype)
+    else:
+        start, buf = window.start, window.latents
     rows = jnp.arange(r)
+    idx = jnp.where(real, md.positions - start[:, None], buf.shape[1])  # [R, T]: out of range for padding
+    buf = buf.at[rows[:, None], idx].set(latents.astype(buf.dtype), mode="drop")
+    if num_drafts == 1:
+        return Drafts(token[:, None], prob[:, None]), latents, buf
+    anchor_pos = at(md.positions, anchor)  # [R]
 
     def link(carry, j):  # draft j + 1 at position anchor + j (j = 1 .. K - 1)
-        g_prev, token, window = carry
+        g_prev, token, buf = carry
         pos = anchor_pos + j  # [R]
-        offset = anchor - first + j  # [R]: the position's index in the window
+        offset = pos - start  # [R]: the position's index in the window
         step_md = AttentionMetadata(positions=pos[:, None], block_table=md.block_table,
                                     seqlens=jnp.where(live, pos + 1, 0),
                                     slots=jnp.where(live, 0, -1)[:, None])  # slot >= 0 marks a real query
         g_new, lat = model.paged_mtp(g_prev[:, None], token[:, None], cache, step_md,
-                                     window=DecodeWindow(window, start, offset))
-        window = window.at[rows, offset].set(lat[:, 0].astype(window.dtype))
+                                     window=DecodeWindow(buf, start, offset))
+        buf = buf.at[rows, offset].set(lat[:, 0].astype(buf.dtype), mode="drop")
         token, prob = _argmax_and_prob(model.mtp_head(g_new)[:, 0])
-        return (g_new[:, 0], token, window), (token, prob)
+        return (g_new[:, 0], token, buf), (token, prob)
 
-    carry = (at(g, anchor), token, window)
-    _, (tokens, probs) = jax.lax.scan(link, carry, jnp.arange(1, num_drafts, dtype=jnp.int32))  # [K - 1, R]
-    return Drafts(jnp.concatenate([token[:, None], tokens.T], axis=1),
-                  jnp.concatenate([prob[:, None], probs.T], axis=1)), latents
+    carry = (at(g, anchor), token, buf)
+    (_, _, buf), (tokens, probs) = jax.lax.scan(link, carry, jnp.arange(1, num_drafts, dtype=jnp.int32))  # [K-1, R]
+    return (Drafts(jnp.concatenate([token[:, None], tokens.T], axis=1),
+                   jnp.concatenate([prob[:, None], probs.T], axis=1)), latents, buf)

@@ -328,7 +328,8 @@ class LLMEngine:
         self.runner.store_pages(self.scheduler.take_stores())  # pages whose tokens this update made known
         touched = set()
         for update in updates:
-            self.stats.count_round(update.num_drafts, update.num_accepted, self.num_drafts)
+            for drafts, accepted in update.rounds:
+                self.stats.count_round(drafts, accepted, self.num_drafts)
             seq = update.seq
             entry = self._seqs.get(seq.seq_id)
             if entry is None or update.num == 0:

@@ -64,13 +64,18 @@ class StepInputs:
     with speculative decoding next_ids, each [rows, ...]), the sampling tensors, and the (row, request id, tokens
     sampled at most) of every sampling row. verifying: a speculative decoding step that verifies drafts
     (step_program.spec_step); its rows' real columns are their last ``tokens sampled at most`` ones. blocks: a
-    prefill step in query blocks (``first_block`` the last array)."""
+    prefill step in query blocks (``first_block`` the last array). rounds: draft-verify rounds at most
+    (SchedulerOutput.rounds; with rounds > 1 ``reserve`` [rows, rounds x T], the slots of each row's reserved
+    positions, joins the arrays); first_columns: each verification row's real columns in the first round (1 + its
+    drafts), by row."""
 
     arrays: list[np.ndarray]
     tensors: SamplingTensors
     sampled: list[tuple[int, int, int]]
     verifying: bool = False
     blocks: bool = False
+    rounds: int = 1
+    first_columns: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 def step_shape(out: SchedulerOutput, num_pages: dict[int, int], min_prefill_t: int, prefill_capacity: int,
@@ -170,7 +175,8 @@ class InputBatch:
         rows, t, pages = step_shape(out, num_pages, self.min_prefill_t, self.prefill_capacity, self.prefill_block,
                                     self.max_pages)
         if out.speculative and out.kind is StepKind.DECODE:  # the last token and the most drafts of a row
-            t = min(bucket(max(r.num_tokens for r in out.all_requests())), self.num_drafts + 1)
+            t = out.verify_columns or min(bucket(max(r.num_input_tokens(out.kind) for r in out.all_requests())),
+                                          self.num_drafts + 1)
         return rows, t, pages
 
     def build(self, out: SchedulerOutput, allowed: dict[int, np.ndarray] | None = None) -> StepInputs:
@@ -189,6 +195,7 @@ class InputBatch:
         decode = out.kind is StepKind.DECODE
         verifying = decode and out.speculative
         multi = decode and not verifying and t == 1  # slots [rows, k]: iteration j's in column j
+        rounds = out.rounds if verifying else 1
         k = t
         if decode and not verifying:
             if any(r.draft_token_ids for r in out.all_requests()):
@@ -209,6 +216,8 @@ class InputBatch:
         dest = np.full((n_rows,), self.ranks * self.max_rows, np.int32)  # out of range: dropped
         stop_ids = np.full((n_rows, DEVICE_STOP_IDS), -1, np.int32)  # [rows, S]: -1 matches no token
         next_ids = np.full((n_rows,), -1, np.int32)  # speculative prefill: the token after the chunk, if known
+        reserve = np.full((n_rows, rounds * t), -1, np.int32)  # several rounds: slots of the reserved positions
+        first_columns = {}
         params = [_PAD_PARAMS] * n_rows
         states: list[RequestState | None] = [None] * n_rows
         steps = np.zeros((n_rows,), np.int64)
@@ -245,10 +254,15 @@ class InputBatch:
                 if not blocked:
                     positions[row, t - n_in:] = range(r.start, end)
                     block_table[row, : len(state.pages)] = state.pages
-                    pos = np.arange(r.start, r.start + n)  # [n] positions computed
-                    cols = slice(0, n) if multi else slice(t - n, t)
-                    slots[row, cols] = (block_table[row, pos // self.page_size] * self.page_size
-                                        + pos % self.page_size)
+                    pos = np.arange(r.start, r.start + n)  # [n] positions computed (reserved: several rounds)
+                    at = block_table[row, pos // self.page_size] * self.page_size + pos % self.page_size
+                    if verifying:  # the first round's columns; all reserved positions in order
+                        slots[row, t - n_in:] = at[:n_in]
+                        if rounds > 1:
+                            reserve[row, :n] = at
+                        first_columns[row] = n_in
+                    else:
+                        slots[row, slice(0, n) if multi else slice(t - n, t)] = at
                     seqlens[row] = end
                 if r.num_sampled:
                     sampled.append((row, r.req_id, r.num_sampled))
@@ -274,7 +288,9 @@ class InputBatch:
         arrays = [ids, src, positions, block_table, seqlens, slots, dest, stop_ids]
         if blocked:
             arrays.append(first_block)
-        return StepInputs(arrays + [next_ids] if out.speculative else arrays, tensors, sampled, verifying, blocked)
+        if out.speculative:
+            arrays += [next_ids, reserve] if rounds > 1 else [next_ids]
+        return StepInputs(arrays, tensors, sampled, verifying, blocked, rounds, first_columns)
 
     def _input_ids(self, state: RequestState, r: ScheduledRequest, end: int, src: np.ndarray, row: int,
                    col: int) -> list[int]:

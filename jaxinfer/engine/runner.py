@@ -39,12 +39,14 @@ from jaxinfer.parallel.multihost import global_array, to_host
 @dataclasses.dataclass
 class InFlight:
     """A dispatched step: the (row, request id, tokens sampled) of every sampling row, the device outputs
-    (a SampleOutput, or a VerifyOutput for a verification step), and the drafts it proposed (or None)."""
+    (a SampleOutput, or a VerifyOutput for a verification step: with a leading [rounds] axis for several rounds),
+    the drafts it proposed (or None), and a verification row's real columns in its first round."""
 
     sampled: list[tuple[int, int, int]]
     logprobs_width: dict[int, int]
     output: SampleOutput | VerifyOutput
     drafts: Drafts | None = None
+    first_columns: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 class ModelRunner:
@@ -147,7 +149,8 @@ class ModelRunner:
         widths = {req_id: self.inputs.requests[req_id].params.logprobs for _, req_id, _ in step.sampled}
         packed = global_array(packed, self._batch)
         if out.speculative:
-            return InFlight(step.sampled, widths, *self._run_spec(packed, layout, step.verifying))
+            return InFlight(step.sampled, widths, *self._run_spec(packed, layout, step.verifying, step.rounds),
+                            step.first_columns)
         return InFlight(step.sampled, widths, self._run(packed, layout, step.blocks))
 
     def gather_pages(self, rank: int, pages: list[int]) -> jax.Array:
@@ -193,11 +196,11 @@ class ModelRunner:
         self.layers = new if self.backend.writes_in_step else self.program.write(self.layers, *new)
         return out
 
-    def _run_spec(self, packed: jax.Array, layout: packing.Layout, verifying: bool):
+    def _run_spec(self, packed: jax.Array, layout: packing.Layout, verifying: bool, rounds: int):
         """``_run`` for speculative decoding (StepProgram.spec_step): returns (samples, drafts)."""
         out, drafts, layers, (latents, slots), self.tokens, (total, load) = self.program.spec_step(
             self._state_leaves[0], self.layers, self.mtp_layers, self.tokens, self.load.total, self.load.evicted(),
-            packed, layout, verifying, self.num_drafts, self.head_screen)
+            packed, layout, verifying, self.num_drafts, rounds, self.head_screen)
         self.load.push(total, load)
         if self.backend.writes_in_step:
             self.layers = layers
@@ -213,15 +216,30 @@ class ModelRunner:
         out = step.output
         verifying = isinstance(out, VerifyOutput)
         single = out.token_ids.ndim == 1  # one iteration: the fields get the [k = 1] axis of a multi-step step
+        rounds = verifying and out.token_ids.ndim == 3  # [rounds, R, T]
 
         def host(x):
             x = to_host(x)
+            if rounds:  # [rounds, R, T, ...] -> [rounds x T, R, ...]: a row's rounds' columns as its iterations
+                x = np.moveaxis(x, 1, 2)
+                return x.reshape(-1, *x.shape[2:])
             if verifying:  # [R, T, ...] -> [T, R, ...]: a row's columns as its iterations
                 return np.swapaxes(x, 0, 1)
             return x[None] if single else x
 
         token_ids = host(out.token_ids)  # [k, R]
-        if verifying:  # a row of n real columns (its last n of T): the first 1 + accepted of them
+        verified = {}
+        if rounds:  # round i's columns first .. first + accepted (first: T - n in round 0, then 0), while it ran
+            accepted = to_host(out.num_accepted)  # [rounds, R], -1: the row sat the round out
+            t = out.token_ids.shape[2]
+            cols = {}
+            for row, req_id, _ in step.sampled:
+                n0 = step.first_columns[row]
+                took = [int(a) for a in accepted[:, row] if a >= 0]
+                cols[row] = [i * t + c for i, a in enumerate(took)
+                             for c in range(t - n0 if i == 0 else 0, (t - n0 if i == 0 else 0) + a + 1)]
+                verified[req_id] = [(n0 - 1 if i == 0 else t - 1, a) for i, a in enumerate(took)]
+        elif verifying:  # a row of n real columns (its last n of T): the first 1 + accepted of them
             t = token_ids.shape[0]
             accepted = to_host(out.num_accepted)
             cols = {row: range(t - n, t - n + 1 + int(accepted[row])) for row, _, n in step.sampled}
@@ -248,7 +266,7 @@ class ModelRunner:
                 drafts[req_id] = [int(x) for x in draft_ids[row]]
                 probs[req_id] = [float(x) for x in draft_probs[row]]
         self.inputs.record(tokens)
-        return RunnerOutput(tokens, logprobs, drafts, probs)
+        return RunnerOutput(tokens, logprobs, drafts, probs, verified)
 
     def expert_load(self) -> np.ndarray:
         """np.int64 [moe layers, experts] over the last ``expert_load_window`` steps (ExpertLoadWindow.read)."""

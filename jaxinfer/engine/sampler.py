@@ -402,3 +402,16 @@ def advance(tensors: SamplingTensors, token_ids: jax.Array) -> SamplingTensors:
     if counts is not None:
         counts = counts.at[jnp.arange(counts.shape[0]), token_ids].add(1)
     return dataclasses.replace(tensors, output_counts=counts, steps=tensors.steps + 1)
+
+
+def advance_columns(tensors: SamplingTensors, token_ids: jax.Array, first: jax.Array,
+                    count: jax.Array) -> SamplingTensors:
+    """``advance`` by a variable number of tokens per row (a draft-verify round's output, step_program.py): count
+    token_ids int32 [B, T] at columns first .. first + count - 1 (first, count int32 [B]) in output_counts and add
+    count to steps. Jittable, on device."""
+    counts = tensors.output_counts
+    if counts is not None:
+        cols = jnp.arange(token_ids.shape[1])[None, :]
+        taken = (cols >= first[:, None]) & (cols < (first + count)[:, None])  # [B, T]
+        counts = counts.at[jnp.arange(counts.shape[0])[:, None], token_ids].add(taken.astype(counts.dtype))
+    return dataclasses.replace(tensors, output_counts=counts, steps=tensors.steps + count)

@@ -46,14 +46,19 @@ rank has prefill work that fits, else a DECODE step over all ranks.
   (``num_tokens`` <= k positions and samples), within ``max_tokens``, ``max_model_len`` and the pages it can get.
   A sequence with draft tokens (``RunnerOutput.draft_token_ids``) instead verifies them: its chunk covers its last
   token and the drafts, and it samples up to 1 + drafts tokens. With ``speculative`` (the runner drafts) a
-  decode step is one draft-verify round (``SchedulerOutput.speculative``): a sequence without drafts computes
-  one token and gets drafts. With ``verify="confidence"`` every sequence verifies the number of drafts worth the
-  step's cost (engine/speculative.py ``verify_width``, over all ranks; a sequence without drafts counts with the
-  mean confidences of recent drafts); when that number is 0 the step is a plain multi-step decode step instead
-  (no drafting, drafts dropped): the rule's cost model (``step_cost``) found that a round costs more than the
-  tokens it returns (on a CPU always: engine/speculative.py ``STEP_COSTS``). After
+  decode step is a draft-verify round (``SchedulerOutput.speculative``): a sequence without drafts computes
+  one token and gets drafts. With k > 1 the step runs up to k rounds on device (``SchedulerOutput.rounds``,
+  step_program.py ``verify_rounds``): a chunk then reserves the positions of its first round (its last token
+  and drafts) and of k - 1 rounds of T columns (``SchedulerOutput.verify_columns``: 1 + the drafts a round
+  verifies), within what it may still sample, and the update rolls back the positions the rounds did not
+  accept. A constrained sequence reserves one round (its masks are the host's). With ``verify="confidence"``
+  every sequence verifies the number of drafts worth the step's cost (engine/speculative.py ``verify_width``,
+  over all ranks; a sequence without drafts counts with the mean confidences of recent drafts); when that number
+  is 0 the step is a plain multi-step decode step instead (no drafting, drafts dropped): the rule's cost model
+  (``step_cost``) found that a round costs more than the tokens it returns (engine/speculative.py
+  ``STEP_COSTS``). After
   ``PROBE_AFTER_PLAIN_STEPS`` plain steps in a row, where perfect drafts would pay, one round verifying one draft
-  refreshes every sequence's drafts (a stale estimate is never final).
+  refreshes every sequence's drafts (a stale estimate is never final; a probe runs one round, not k).
 - Known tokens. Outputs the host appends without sampling (structured output's forced tokens, ``append_outputs``)
   are computed by the sequence's next step as one chunk, which then samples the token after them (a decode
   sequence's chunk covers its last token and the appended ones; a waiting sequence computes them in its prefill).
@@ -163,6 +168,7 @@ class _Chunk:
     num_tokens: int
     num_sampled: int
     drafts: tuple[int, ...] = ()
+    rounds: bool = False  # reserves later draft-verify rounds (see "Decode")
 
 
 @dataclasses.dataclass
@@ -171,6 +177,8 @@ class _Plan:
     chunks: list[list[_Chunk]]
     preempted: list[Sequence] = dataclasses.field(default_factory=list)
     speculative: bool = False
+    verify_columns: int = 0  # T of a multi-round verification step (see "Decode")
+    rounds: int = 1  # draft-verify rounds of a verification step at most
 
     def empty(self) -> bool:
         return not any(self.chunks)
@@ -193,13 +201,15 @@ class RankStats:
 @dataclasses.dataclass(frozen=True)
 class TokenUpdate:
     """What ``update_from_output`` did to one sequence: outputs [first, first + num) got their values; it verified
-    ``num_drafts`` drafts and accepted ``num_accepted`` of them (speculative decoding)."""
+    ``num_drafts`` drafts and accepted ``num_accepted`` of them (speculative decoding), per round ``rounds``
+    ((drafts, accepted) of each draft-verify round)."""
 
     seq: Sequence
     first: int
     num: int
     num_drafts: int = 0
     num_accepted: int = 0
+    rounds: tuple[tuple[int, int], ...] = ()
 
 
 class Scheduler:
@@ -510,8 +520,10 @@ class Scheduler:
             self._schedule_prefill(rank, plan, shape, admitted)
         if plan.empty() and self.role != "prefill":
             plan.kind = StepKind.DECODE
-            width = self._verify_width()
+            width, probe = self._verify_width()
             plan.speculative = self.speculative and width != 0
+            if plan.speculative and self.num_scheduler_steps > 1 and not probe:  # rounds on device (see "Decode")
+                plan.verify_columns = 1 + (self.num_drafts if width is None else width)
             columns = self._known_columns()
             for rank in range(self.num_ranks):
                 self._schedule_decode(rank, plan, width, columns)
@@ -575,27 +587,28 @@ class Scheduler:
         k = self.caches[seq.rank].lookup(hashes)
         return k < len(hashes) and hashes[k] in pending
 
-    def _verify_width(self) -> int | None:
+    def _verify_width(self) -> tuple[int | None, bool]:
         """Drafts each sequence verifies in the next decode step: all (None), or with ``confidence_verify`` the
-        width worth its cost over the whole step (engine/speculative.py ``verify_width``)."""
+        width worth its cost over the whole step (engine/speculative.py ``verify_width``); and whether the step is
+        a probe (one round, see "Decode")."""
         if not self.confidence_verify:
-            return None
+            return None, False
         decoding = self._decoding()
         rows = bucket(max(map(len, decoding)) or 1)
         seqs = [s for rank in decoding for s in rank]
         width = verify_width([s.draft_probs[:len(s.draft_token_ids)] if s.draft_token_ids else self._confidence
-                              for s in seqs], rows, self.num_drafts, self.step_cost)
+                              for s in seqs], rows, self.num_drafts, self.step_cost, self.num_scheduler_steps)
         if not seqs:
-            return width
+            return width, False
         if width:
             self._plain_steps = 0
-            return width
+            return width, False
         self._plain_steps += 1
         if self._plain_steps > PROBE_AFTER_PLAIN_STEPS and verify_width(
                 [[1.0] * self.num_drafts] * len(seqs), rows, self.num_drafts, self.step_cost):
             self._plain_steps = 0
-            return 1  # a probe (engine/speculative.py PROBE_AFTER_PLAIN_STEPS): draft afresh
-        return 0
+            return 1, True  # a probe (engine/speculative.py PROBE_AFTER_PLAIN_STEPS): draft afresh
+        return 0, False
 
     def _decoding(self) -> list[list[Sequence]]:
         return [[s for s in running if s.status is SequenceStatus.RUNNING and not s.is_prefilling]
@@ -635,11 +648,19 @@ class Scheduler:
             if width == 0:  # a plain step: the drafts are dropped (the next speculative step drafts again)
                 seq.draft_token_ids, seq.draft_probs = (), ()
             # A round drafts after 1 token; a constrained sequence's next token needs a mask from its last one.
-            one = plan.speculative or seq.params.structured_outputs is not None
-            alone = 1 if one else min(left, self.num_scheduler_steps)
-            n = self._grow(seq, 1 + len(drafts) if drafts else alone, plan)
+            masked = seq.params.structured_outputs is not None
+            one = plan.speculative or masked
+            want = 1 + len(drafts) if drafts else (1 if one else min(left, self.num_scheduler_steps))
+            rounds = plan.verify_columns and not masked
+            if rounds:  # later rounds of T positions, within what it may sample
+                want = min(want + (self.num_scheduler_steps - 1) * plan.verify_columns, left)
+            n = self._grow(seq, want, plan)
             if n:
-                out.append(_Chunk(seq, n, n, drafts[:n - 1]))
+                first_round = min(n, 1 + len(drafts))
+                later = bool(rounds) and n > first_round
+                out.append(_Chunk(seq, n, n, drafts[:first_round - 1], rounds=later))
+                if later:
+                    plan.rounds = self.num_scheduler_steps
 
     def _prefill_chunk(self, seq: Sequence, n: int) -> _Chunk:
         return _Chunk(seq, n, int(seq.num_computed_tokens + n == seq.num_tokens))
@@ -784,7 +805,7 @@ class Scheduler:
                 seq.num_computed_tokens += c.num_tokens
                 self._register_full_pages(seq)
                 seq.output_token_ids.extend([PLACEHOLDER] * c.num_sampled)
-                if c.drafts:
+                if c.drafts or c.rounds:
                     seq.draft_token_ids = ()           # verified by this step; the length check waits for update
                 elif c.num_sampled and self._at_length_limit(seq):
                     self.finish(seq, "length", keep_pending=True)  # update still fills its last tokens
@@ -793,8 +814,10 @@ class Scheduler:
         loads = tuple(tuple(dict(rank).items()) for rank in self._loads) if any(self._loads) else ()
         self._loads = [[] for _ in range(self.num_ranks)]
         kv_in, self._kv_in = tuple(self._kv_in), []
+        multi = plan.rounds > 1
         return SchedulerOutput(plan.kind, tuple(requests), new, finished, tuple(s.seq_id for s in plan.preempted),
-                               plan.speculative, loads, kv_in)
+                               plan.speculative, loads, kv_in, rounds=plan.rounds,
+                               verify_columns=plan.verify_columns if multi else 0)
 
     def _at_length_limit(self, seq: Sequence) -> bool:
         return seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
@@ -822,7 +845,8 @@ class Scheduler:
             if first >= len(outputs) or outputs[first] != PLACEHOLDER:
                 continue                               # dropped: the sequence stopped at an earlier token
             tokens = result.sampled.get(r.req_id, ())
-            if len(tokens) < r.num_sampled and not r.draft_token_ids or len(tokens) > r.num_sampled:
+            verifies = bool(r.draft_token_ids) or r.num_sampled > 1 and output.rounds > 1  # may roll back
+            if len(tokens) < r.num_sampled and not verifies or len(tokens) > r.num_sampled:
                 raise ValueError(f"{len(tokens)} sampled tokens for seq {r.req_id}, its step samples "
                                  f"{r.num_sampled}")
             if not tokens:
@@ -846,19 +870,21 @@ class Scheduler:
                     else:
                         self.finish(seq, "stop")
                     break
-            drafts = len(r.draft_token_ids)
-            accepted = len(tokens) - 1 if drafts else 0  # the recovered or bonus token is no draft
+            rounds = result.verified.get(r.req_id)  # (drafts, accepted) per round; else one round
+            if rounds is None:  # the recovered or bonus token is no draft
+                rounds = [(len(r.draft_token_ids), len(tokens) - 1 if r.draft_token_ids else 0)]
+            drafts, accepted = sum(d for d, _ in rounds), sum(a for _, a in rounds)
             seq.num_draft_tokens += drafts
             seq.num_accepted_tokens += accepted
             if seq.status is SequenceStatus.RUNNING:
-                if r.draft_token_ids and self._at_length_limit(seq):
+                if verifies and self._at_length_limit(seq):
                     self.finish(seq, "length")
                 else:
                     self._register_full_pages(seq)
                     seq.draft_token_ids = tuple(result.draft_token_ids.get(r.req_id, ()))
                     seq.draft_probs = tuple(result.draft_probs.get(r.req_id, ()))
                     self._observe(seq.draft_probs)
-            updates.append(TokenUpdate(seq, first, num, drafts, accepted))
+            updates.append(TokenUpdate(seq, first, num, drafts, accepted, tuple(rounds)))
             self._drop_if_complete(seq)
         return updates
 

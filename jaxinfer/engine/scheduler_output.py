@@ -49,7 +49,9 @@ class ScheduledRequest:
     num_sampled: tokens the step samples for it: 0 for a prefill chunk short of the request's last token; 1 for
       a prefill chunk reaching it; for a decode step without drafts, one per iteration (multi-step decode: the
       chunk computes its last token, then each token it samples itself, ``num_tokens`` iterations); with drafts,
-      at most 1 + len(draft_token_ids) (``RunnerOutput`` may hold fewer: the rejected ones are rolled back);
+      at most 1 + len(draft_token_ids) (``RunnerOutput`` may hold fewer: the rejected ones are rolled back); in a
+      step of several draft-verify rounds (``SchedulerOutput.rounds``) a chunk longer than 1 + len(drafts)
+      reserves the positions of later rounds too and samples at most ``num_tokens`` (rolled back likewise);
       for a decode chunk of tokens the host appended (``new_token_ids``, now or in an earlier step), 1 when it
       reaches the request's last token, else 0: such a chunk computes known tokens, like a prefill chunk.
     new_page_ids: pages appended to the request's block table by this step (rank-local ids; its whole table for
@@ -71,9 +73,9 @@ class ScheduledRequest:
         """Positions whose input token exists before the step: the whole chunk of a prefill step, of a draft
         verification or of known tokens; the last token of a (multi-step) decode chunk (its later inputs are
         sampled in the step)."""
-        if kind is StepKind.PREFILL or self.draft_token_ids or self.num_sampled < self.num_tokens:
+        if kind is StepKind.PREFILL or self.num_sampled < self.num_tokens:
             return self.num_tokens
-        return 1
+        return 1 + len(self.draft_token_ids)
 
     @property
     def first_sampled(self) -> int:
@@ -92,6 +94,8 @@ class SchedulerOutput:
     preempted_req_ids: requests preempted while building this step (their pages are freed; they wait again).
     speculative: a step of speculative decoding (the runner's ``spec_step``: one draft-verify round, every
       sampling request gets new drafts); False: a plain step (a multi-step decode step: no drafts).
+    rounds: draft-verify rounds a verification step runs on device at most (step_program.py ``verify_rounds``);
+      verify_columns: their T columns (1 + the drafts each later round verifies) when rounds > 1, else 0.
     page_loads: pages read from the KV storage tier at admission, per rank (rank-local page id, the page's data
       [layers, page_size, width] in the cache's value dtype): the runner writes them into the cache before the
       step, which reads them as cached keys.
@@ -108,6 +112,8 @@ class SchedulerOutput:
     speculative: bool = False
     page_loads: tuple[tuple[tuple[int, Any], ...], ...] = ()
     kv_transfers: tuple[tuple[int, tuple[int, ...], Any], ...] = ()
+    rounds: int = 1
+    verify_columns: int = 0
 
     def all_requests(self) -> list[ScheduledRequest]:
         return [r for rank in self.requests for r in rank]
@@ -133,9 +139,12 @@ class RunnerOutput:
     logprobs: for requests that asked, per sampled token {token: logprob} (the sampled token included).
     draft_token_ids: tokens proposed for the next step (speculative decoding); verified when scheduled.
     draft_probs: the drafter's probability of each draft (DSpark's confidence, engine/speculative.py).
+    verified: for a verification step of several rounds, (drafts verified, drafts accepted) of each round a
+      request took part in; absent for one round (its counts follow from ``sampled`` and its drafts).
     """
 
     sampled: dict[int, list[int]]
     logprobs: dict[int, list[dict[int, float]]] = dataclasses.field(default_factory=dict)
     draft_token_ids: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     draft_probs: dict[int, list[float]] = dataclasses.field(default_factory=dict)
+    verified: dict[int, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)

@@ -3,7 +3,8 @@
 
 A record is a dict (``llm.stats.step_log``): kind ("prefill" | "decode"), engine ("prefill" | "decode" |
 "colocated"), t_dispatch (``time.perf_counter()`` as the step was dispatched, s), and per DP rank of that engine
-(lists of ints): rank_tokens (tokens computed; a multi-step decode chunk counts its iterations), rank_attention
+(lists of ints): rank_tokens (tokens computed; a multi-step decode chunk counts its iterations, a chunk of
+several draft-verify rounds its reserved positions), rank_attention
 (sum over its chunks of new x total tokens: the chunk's core-attention work, new queries over the keys up to its
 last), rank_kv_pages (pages held by sequences once the step's pages are allocated, before sequences that end as
 it commits release theirs: prefix-cache pages nobody holds are free to evict and not counted), rank_requests

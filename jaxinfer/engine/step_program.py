@@ -14,7 +14,8 @@ dropped by the host), and so is a row once it samples a stop token. The loop end
 does not compute iterations whose tokens would all be thrown away. With the XLA backend the latents of the earlier
 iterations are read from a per-layer window (AttentionMetadata.window_latents) and written after the program with the
 others, so an iteration computes what a one-token step over the written cache would; the host's work per step is
-then paid once per k tokens.
+then paid once per k tokens. Speculative decoding's verification steps likewise run up to k draft-verify rounds
+in one program (``verify_rounds``).
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.engine import packing
-from jaxinfer.engine.drafter import propose
+from jaxinfer.engine.drafter import Drafts, propose
 from jaxinfer.engine.head import head_sample
 from jaxinfer.engine.rejection_sampler import verify
-from jaxinfer.engine.sampler import advance, sample
+from jaxinfer.engine.sampler import advance, advance_columns, sample
 from jaxinfer.models.attention import AttentionBackend, AttentionMetadata, write_latents
+from kernels_pallas.mla import DecodeWindow
 
 
 def is_stop(token_ids: jax.Array, stop_ids: jax.Array) -> jax.Array:
@@ -107,54 +109,155 @@ class StepProgram:
     def spec_step(self):
         """The step of speculative decoding (MTP drafts; engine/drafter.py, engine/rejection_sampler.py):
         spec_step(state_leaves, layers, mtp_layers, tokens, load_total, load_evict, packed, layout, verifying,
-        num_drafts, screen) -> (output, Drafts [R, K], layers, (latents, slots) to write, tokens,
+        num_drafts, rounds, screen) -> (output, Drafts [R, K], layers, (latents, slots) to write, tokens,
         (load_total, load)).
 
         A prefill step (verifying=False) samples each row's next token as ``step`` does (a SampleOutput) and runs
         the MTP module over the chunk, the token after the chunk being ``next_ids`` (a host-known token) or the
         sample (-1). A verification step (verifying=True) scores every column of its rows (the last token and
         the drafts) and accepts a prefix of the drafts (a VerifyOutput); the MTP module then runs over the
-        accepted tokens. Both propose K drafts from the row's last token. To write: the MTP latents at the
-        step's slots, and the main layers' latents too when the backend does not write in the step."""
+        accepted tokens. Both propose K drafts from the row's last token. With rounds > 1 a verification step
+        runs up to that many draft-verify rounds (``verify_rounds``; its outputs get a leading [rounds] axis). To
+        write: the MTP latents at the step's slots, and the main layers' latents too when the backend does not
+        write in the step."""
         graphdef, treedef = self.model.graphdef, self.treedef
         backend = self.backend
         write_cache = backend.writes_in_step
         options = None if write_cache else {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
 
         @functools.partial(jax.jit, donate_argnums=((1, 3, 4) if write_cache else (3, 4)),
-                           static_argnums=(7, 8, 9), compiler_options=options)
+                           static_argnums=(7, 8, 9, 10), compiler_options=options)
         def step(state_leaves, layers, mtp_layers, tokens, load_total, load_evict, packed, layout, verifying,
-                 num_drafts, screen):
-            ids, src, positions, block_table, seqlens, slots, dest, _, next_ids, tensors = packing.unpack(
-                packed, layout)
+                 num_drafts, rounds, screen):
+            ids, src, positions, block_table, seqlens, slots, dest, stop_ids, next_ids, *reserve, tensors = (
+                packing.unpack(packed, layout))  # reserve: [slots of the reserved positions] with rounds > 1
             ids = jnp.where(src >= 0, tokens[jnp.maximum(src, 0)], ids)  # [R, T]
             model = nnx.merge(graphdef, jax.tree.unflatten(treedef, state_leaves))
             md = AttentionMetadata(positions, block_table, seqlens, slots)
-            r, t = ids.shape
-            h, layers, load = model.paged_hidden_states(ids, layers, md, backend)  # h [R, T, D]
-            if verifying:
-                first = t - jnp.sum(slots >= 0, axis=1)  # [R] (t for a padding row)
-                out = verify(model.head(h), ids, first, tensors)  # [R, T, V] logits -> VerifyOutput
-                anchor = jnp.minimum(first, t - 1) + out.num_accepted  # [R]
-                after = out.token_ids  # [R, T]: the token after each column, up to the anchor
-                last = jnp.take_along_axis(after, anchor[:, None], axis=1)[:, 0]  # [R]
-                n = self.max_rows * (num_drafts + 1)
+            if verifying and rounds > 1:
+                out, drafts, layers, latents, slots, last, load = self.verify_rounds(
+                    model, layers, mtp_layers[0], ids, md, reserve[0], tensors, stop_ids, num_drafts, rounds,
+                    load_total.shape)
+                n = self.max_rows * slots.shape[1]
             else:
-                out = head_sample(model, h[:, -1], tensors, screen)  # [R]
-                last = out.token_ids
-                after = jnp.concatenate([ids[:, 1:], jnp.where(next_ids >= 0, next_ids, last)[:, None]], axis=1)
-                anchor = jnp.full((r,), t - 1, jnp.int32)
-                n = self.prefill_capacity
-            drafts, mtp_latents = propose(model, h, after, mtp_layers[0], md, anchor, num_drafts)
+                r, t = ids.shape
+                h, layers, load = model.paged_hidden_states(ids, layers, md, backend)  # h [R, T, D]
+                if verifying:
+                    first = t - jnp.sum(slots >= 0, axis=1)  # [R] (t for a padding row)
+                    out = verify(model.head(h), ids, first, tensors)  # [R, T, V] logits -> VerifyOutput
+                    anchor = jnp.minimum(first, t - 1) + out.num_accepted  # [R]
+                    after = out.token_ids  # [R, T]: the token after each column, up to the anchor
+                    last = jnp.take_along_axis(after, anchor[:, None], axis=1)[:, 0]  # [R]
+                    n = self.max_rows * (num_drafts + 1)
+                else:
+                    out = head_sample(model, h[:, -1], tensors, screen)  # [R]
+                    last = out.token_ids
+                    after = jnp.concatenate([ids[:, 1:], jnp.where(next_ids >= 0, next_ids, last)[:, None]], axis=1)
+                    anchor = jnp.full((r,), t - 1, jnp.int32)
+                    n = self.prefill_capacity
+                drafts, mtp_latents, _ = propose(model, h, after, mtp_layers[0], md, anchor, num_drafts)
+                latents = (mtp_latents,) if write_cache else (*layers, mtp_latents)
             tokens = tokens.at[dest].set(last, mode="drop")
             load = jnp.broadcast_to(load, load_total.shape)
             load = jax.lax.with_sharding_constraint(load, self.batch)
             load_total = load_total + load - load_evict
-            latents = (mtp_latents,) if write_cache else (*layers, mtp_latents)
             writes = (tuple(self._pack(x, 0, n) for x in latents), self._pack(slots, -1, n))
             return out, drafts, (layers if write_cache else None), writes, tokens, (load_total, load)
 
         return step
+
+    def verify_rounds(self, model, layers, mtp_cache, ids, md: AttentionMetadata, reserve, tensors, stop_ids,
+                      num_drafts: int, rounds: int, load_shape: tuple[int, ...]):
+        """Up to ``rounds`` draft-verify rounds in one program (vLLM's multi-step scheduling for speculative
+        decoding: the host's work per step is paid once per program, not per round).
+
+        Round 0 is the step's own: ids [R, T] and md as a one-round verification step lays them out (a row's last
+        token and its drafts, right aligned; its first real column ``first``). Each later round verifies the
+        drafts the previous one proposed: [its last token, drafts 1 .. T - 1] at the T positions after the row's
+        accepted tokens (first = 0). reserve int32 [R, W] (W = rounds * T): the slots of the row's reserved
+        positions start, start + 1, ... (start: round 0's first real column; -1 past the reservation), so a
+        round's slots follow the accepted counts on device. A row takes part in a round while it has not sampled
+        a stop token (stop_ids [R, S], -1: none) and the round's T positions are reserved (the scheduler reserves
+        no more than the row may still sample). Tokens and penalty counts advance by each round's new tokens
+        (``advance_columns``), so output index o draws the keys it would in one-round steps.
+
+        Latents not yet in the cache live in windows from ``start`` (per layer [R, W, C+R] with the XLA backend;
+        the pallas backend writes each round's latents into the cache at once; the MTP module's always, as in a
+        one-round step), each round's columns written at their positions - start: a rejected draft's entry is
+        overwritten by the next round's, which starts at the position after the accepted ones.
+
+        Returns (VerifyOutput with a leading [rounds] axis, num_accepted -1 in rounds a row did not take part in;
+        the last round's Drafts of each row; layers (pallas) or None; latents to write (per layer [R, W, C+R]
+        (XLA), then the MTP module's); their slots [R, W] (-1 past the row's computed positions); each row's last
+        token [R]; expert load summed over the rounds)."""
+        backend = self.backend
+        write_cache = backend.writes_in_step
+        r, t = ids.shape
+        w = reserve.shape[1]
+        c = model.config
+        width = c.kv_lora_rank + c.qk_rope_head_dim
+        rows, cols = jnp.arange(r), jnp.arange(t)
+        real0 = md.slots >= 0  # [R, T]
+        live = jnp.any(real0, axis=1)  # [R]
+        first0 = jnp.where(live, t - jnp.sum(real0, axis=1), t)  # [R]: t for a padding row
+        start = jnp.take_along_axis(md.positions, jnp.minimum(first0, t - 1)[:, None], axis=1)[:, 0]  # [R]
+        reserved = jnp.sum(reserve >= 0, axis=1)  # [R] positions reserved
+        windows = None if write_cache else tuple(jnp.zeros((r, w, width), model.dtype) for _ in layers)
+        mtp_window = jnp.zeros((r, w + num_drafts - 1, width), model.dtype)
+        out_shapes = jax.eval_shape(verify, jax.ShapeDtypeStruct((r, t, c.vocab_size), jnp.float32), ids, first0,
+                                    tensors)
+        outs = jax.tree.map(lambda x: jnp.zeros((rounds, *x.shape), x.dtype), out_shapes)  # [rounds, R, ...]
+        outs = dataclasses.replace(outs, num_accepted=jnp.full((rounds, r), -1, jnp.int32))  # rounds not run
+        no_drafts = Drafts(jnp.zeros((r, num_drafts), jnp.int32), jnp.zeros((r, num_drafts), jnp.float32))
+
+        def body(carry):
+            j, off, ids, active, layers, windows, mtp_window, tensors, outs, drafts, last, load_sum = carry
+            first = jnp.where(active, jnp.where(j == 0, first0, 0), t)  # [R]: t where the row sits out
+            idx = off[:, None] + cols[None, :] - first[:, None]  # [R, T]: the columns' window offsets
+            real = cols[None, :] >= first[:, None]  # [R, T]
+            slots = jnp.where(real, jnp.take_along_axis(reserve, jnp.clip(idx, 0, w - 1), axis=1), -1)
+            round_md = AttentionMetadata(positions=jnp.maximum(start[:, None] + idx, 0), block_table=md.block_table,
+                                         seqlens=jnp.where(active, start + off + t - first, 0), slots=slots)
+            if write_cache:
+                h, layers, load = model.paged_hidden_states(ids, layers, round_md, backend)
+            else:
+                windowed = dataclasses.replace(round_md, window_latents=windows, window_start=start,
+                                               window_length=off)
+                h, new, load = model.paged_hidden_states(ids, cache, windowed, backend)
+                at = jnp.where(real, idx, w)  # out of range: dropped
+                windows = tuple(x.at[rows[:, None], at].set(y.astype(x.dtype), mode="drop")
+                                for x, y in zip(windows, new))
+            out = verify(model.head(h), ids, first, tensors)  # [R, T, V] logits -> VerifyOutput
+            acc = out.num_accepted  # [R]
+            anchor = jnp.minimum(first, t - 1) + acc  # [R]
+            after = out.token_ids  # [R, T]
+            new_last = jnp.take_along_axis(after, anchor[:, None], axis=1)[:, 0]  # [R]
+            new_drafts, _, mtp_window = propose(model, h, after, mtp_cache, round_md, anchor, num_drafts,
+                                                window=DecodeWindow(mtp_window, start, off))
+            made = (cols[None, :] >= first[:, None]) & (cols[None, :] <= anchor[:, None])  # [R, T]: new tokens
+            stopped = jnp.any(made[..., None] & (after[..., None] == stop_ids[:, None, :]), axis=(1, 2))  # [R]
+            count = jnp.where(active, acc + 1, 0)  # [R]
+            tensors = advance_columns(tensors, after, first, count)
+            off = off + count
+            out = dataclasses.replace(out, num_accepted=jnp.where(active, acc, -1))
+            outs = jax.tree.map(lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, j, 0), outs, out)
+            drafts = jax.tree.map(lambda new, old: jnp.where(active[:, None], new, old), new_drafts, drafts)
+            last = jnp.where(active, new_last, last)
+            ids = jnp.concatenate([last[:, None], drafts.token_ids[:, :t - 1]], axis=1)  # the next round's
+            load_sum = load_sum + jnp.broadcast_to(load, load_shape)
+            active = active & ~stopped & (off + t <= reserved)
+            return j + 1, off, ids, active, layers, windows, mtp_window, tensors, outs, drafts, last, load_sum
+
+        def more(carry):
+            return (carry[0] < rounds) & jnp.any(carry[3])
+
+        cache = layers  # the XLA backend's: only read
+        carry = (jnp.int32(0), jnp.zeros((r,), jnp.int32), ids, live, layers if write_cache else None, windows,
+                 mtp_window, tensors, outs, no_drafts, jnp.zeros((r,), jnp.int32), jnp.zeros(load_shape, jnp.int32))
+        _, off, _, _, layers, windows, mtp_window, _, outs, drafts, last, load = jax.lax.while_loop(more, body, carry)
+        slots = jnp.where(jnp.arange(w)[None, :] < off[:, None], reserve, -1)  # [R, W]: computed positions only
+        latents = (mtp_window[:, :w],) if write_cache else (*windows, mtp_window[:, :w])
+        return outs, drafts, (layers if write_cache else None), latents, slots, last, load
 
     def decode_loop(self, model, layers, tokens, ids, md: AttentionMetadata, dest, tensors,
                     load_shape: tuple[int, ...], stop_ids, stopped, screen):

@@ -560,6 +560,46 @@ def test_draft_verification_rolls_back_rejected_tokens():
     assert (a.output_token_ids, a.finish_reason) == expected_outputs(a, 256)
 
 
+def test_draft_rounds_on_device_reserve_and_roll_back():
+    """Speculative decoding with num_scheduler_steps = 3 (see "Decode"): a verification step reserves the chunk's
+    first round (last token and drafts) and 2 rounds of T = K + 1 = 4 positions, within the tokens it may still
+    sample; the runner returns what its rounds accepted, with (drafts, accepted) per round, and the update rolls
+    the other reserved positions back and counts every round. Reaching max_tokens in the last reservation
+    finishes with "length" at the update. A constrained sequence (structured output) reserves one round."""
+    sched = make(num_pages=32, num_scheduler_steps=3, speculative=True, num_drafts=3)
+    a = sched.add(seq(0, 6, max_tokens=20))
+    out = sched.schedule()                                          # prefill: samples the token at position 6
+    n = a.num_tokens                                                # 7
+    drafts = [fake_token(0, n + j) for j in range(3)]
+    sched.update_from_output(out, RunnerOutput(fake_result(out).sampled, draft_token_ids={0: drafts}))
+    out = sched.schedule()
+    (r,) = out.requests[0]
+    assert (out.rounds, out.verify_columns) == (3, 4)
+    assert (r.start, r.num_tokens, r.num_sampled, r.draft_token_ids) == (n - 1, 4 + 2 * 4, 12, tuple(drafts))
+    assert r.num_input_tokens(out.kind) == 4 and a.num_computed_tokens == n + 11 and len(a.pages) == -(-(n + 11) // S)
+    tokens = [fake_token(0, n + j) for j in range(7)]               # rounds accepting 3, 1 and 0 drafts
+    new = [fake_token(0, n + 7 + j) for j in range(3)]
+    (u,) = sched.update_from_output(out, RunnerOutput({0: tokens}, draft_token_ids={0: new},
+                                                      verified={0: [(3, 3), (3, 1), (3, 0)]}))
+    assert (u.num, u.num_drafts, u.num_accepted, u.rounds) == (7, 9, 4, ((3, 3), (3, 1), (3, 0)))
+    assert a.num_computed_tokens == n + 6 == a.num_tokens - 1 and a.num_placeholders == 0
+    assert a.output_token_ids[-7:] == tokens and a.draft_token_ids == tuple(new) and not a.is_finished
+    assert (a.num_draft_tokens, a.num_accepted_tokens) == (9, 4)
+    out = sched.schedule()                                          # 20 - 8 outputs left: 12 reserved
+    (r,) = out.requests[0]
+    assert (r.num_tokens, r.draft_token_ids) == (12, tuple(new)) and not a.is_finished
+    sched.update_from_output(out, RunnerOutput(fake_result(out).sampled, verified={0: [(3, 3)] * 3}))
+    assert (a.output_token_ids, a.finish_reason) == expected_outputs(a, 256) and a.num_output_tokens == 20
+    sched = make(num_pages=32, num_scheduler_steps=3, speculative=True, num_drafts=3)
+    b = sched.add(Sequence(1, [1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True,
+                                                        structured_outputs=StructuredOutputsParams(regex="[a-z]+"))))
+    out = sched.schedule()
+    sched.update_from_output(out, RunnerOutput(fake_result(out).sampled, draft_token_ids={1: [4, 5, 6]}))
+    out = sched.schedule()
+    (r,) = out.requests[0]
+    assert (out.rounds, r.num_tokens, r.draft_token_ids) == (1, 4, (4, 5, 6)) and b.num_placeholders == 4
+
+
 def test_draft_verification_within_max_tokens():
     """Drafts are cut to the tokens a sequence may still sample; "length" is decided once the accepted count is
     known (a rejected draft must not finish a sequence early)."""
@@ -588,7 +628,9 @@ def test_confidence_verification_falls_back_to_plain_steps_under_load():
     free): 32 decoding sequences whose drafts are not confident enough for one more column per row (plain: 32 / 40
     = 0.8 tokens per unit, T = 2: 32 * 1.6 / 72 = 0.71) get a plain multi-step decode step (4 tokens each, drafts
     dropped); a lone sequence then speculates again from the mean confidence of the earlier drafts (T = 2:
-    1.6 / 10 beats 1 / 9): it computes one token and drafts; its confident drafts are verified."""
+    1.6 / 10 beats 1 / 9): it computes one token and drafts, then, in the same step's 3 later rounds on device, 3
+    x T = 2 more positions (reserved: 7); its confident drafts are then verified (T = 4: 4 + 3 x 4 positions, or
+    the tokens it may still sample if fewer)."""
     sched = make(num_pages=256, num_scheduler_steps=4, max_num_seqs=32, max_num_batched_tokens=256,
                  speculative=True, confidence_verify=True, num_drafts=3,
                  step_cost=StepCost(knee=8, fixed=0, mtp=0))
@@ -608,15 +650,16 @@ def test_confidence_verification_falls_back_to_plain_steps_under_load():
         assert not out.speculative
     out = sched.schedule()
     (r,) = out.requests[0]
-    assert out.speculative and (r.num_tokens, r.draft_token_ids) == (1, ())
+    assert out.speculative and (r.num_tokens, r.draft_token_ids) == (7, ()) and out.rounds == 4
     a = seqs[0]
     good = [fake_token(0, a.num_tokens + j) for j in range(3)]      # the tokens after its placeholder
     sched.update_from_output(out, RunnerOutput(fake_result(out).sampled, draft_token_ids={0: good},
                                                draft_probs={0: [0.9, 0.7, 0.4]}))
+    left = 30 - a.num_output_tokens
     out = sched.schedule()
     (r,) = out.requests[0]
-    assert out.speculative and (r.num_tokens, r.draft_token_ids) == (4, tuple(good))
-    sched.update_from_output(out, fake_result(out))                 # all three accepted, plus one
+    assert out.speculative and (r.num_tokens, r.draft_token_ids, out.verify_columns) == (min(16, left), tuple(good), 4)
+    sched.update_from_output(out, fake_result(out))                 # every round accepted all
     run_all(sched)
     assert all((s.output_token_ids, s.finish_reason) == expected_outputs(s, 256) for s in seqs)
 
@@ -624,8 +667,9 @@ def test_confidence_verification_falls_back_to_plain_steps_under_load():
 def test_confidence_rule_probes_after_plain_steps():
     """A lone sequence whose first drafts are unlikely (c = 0.05 each: plain 1 / 9 beats T = 2's 1.05 / 10 under knee
     8 + positions) decodes in plain steps, and the mean confidence stays 0.05; after PROBE_AFTER_PLAIN_STEPS plain
-    steps one round computes its last token and drafts afresh (a perfect draft would pay: 2 / 10 > 1 / 9), and
-    the new, confident drafts are verified. Under the CPU's costs, where no round pays, it never probes."""
+    steps one round computes its last token and drafts afresh (a perfect draft would pay: 2 / 10 > 1 / 9; a probe
+    is one round, not num_scheduler_steps), and the new, confident drafts are verified (in 2 rounds of T = 4: 8
+    positions reserved). Under the CPU's costs, where a lone round never pays, it never probes."""
     for cost, probes in [(StepCost(knee=8, fixed=0, mtp=0), True), (STEP_COSTS["cpu"], False)]:
         sched = make(num_scheduler_steps=2, max_num_seqs=1, speculative=True, confidence_verify=True, num_drafts=3,
                      step_cost=cost)
@@ -644,7 +688,7 @@ def test_confidence_rule_probes_after_plain_steps():
             sched.update_from_output(out, RunnerOutput(fake_result(out).sampled, **drafts))  # plain: no drafts
         plain = [(False, 2, ())] * PROBE_AFTER_PLAIN_STEPS
         if probes:
-            assert kinds == plain + [(True, 1, ()), (True, 4, proposed[-2])]
+            assert kinds == plain + [(True, 1, ()), (True, 8, proposed[-2])]
         else:
             assert kinds == plain + [(False, 2, ())] * 2
         run_all(sched)

@@ -104,19 +104,45 @@ def test_greedy_is_the_argmax_chain_under_preemption_and_prefix_caching(speculat
 def test_first_drafts_are_the_mtp_modules(greedy):
     """Every stored draft 1 (after prefills, recomputed prefills and verifications) is the argmax of the MTP
     module at the sequence's second-to-last token, computed by the cache-free ``Model.mtp_logits`` over the final
-    sequence (true hidden states, true next tokens), and its probability is that logit's softmax."""
+    sequence (true hidden states, true next tokens), and its probability is that logit's softmax. A step runs up to 8
+    rounds on device (LLM's default num_scheduler_steps on CPU), so these are each step's last round's drafts; the
+    drafts of its earlier rounds are checked against one-round steps' by the next test."""
     outs, _, drafts, _, mtp = greedy
     final = [p + c for p, c in zip(BATCH, token_ids(outs))]
     mtp = mtp.astype(np.float64)  # [B, T, V]: row t predicts token t + 2
     probs = np.exp(mtp - mtp.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
-    assert len(drafts) > 4 * 10
+    assert len(drafts) > 4 * 3
     for tokens, draft, draft_probs in drafts:
         (i,) = [i for i, s in enumerate(final) if tuple(s[:len(tokens)]) == tokens]
         n = len(tokens)  # draft 1 proposes token n, from h at n - 2 and token n - 1
         assert draft[0] == int(mtp[i, n - 2].argmax()), (i, n)
         assert draft_probs[0] == pytest.approx(probs[i, n - 2, draft[0]], rel=1e-4, abs=1e-6)
         assert len(draft) == len(draft_probs) == 3 and all(0 < p <= 1 for p in draft_probs)
+
+
+def test_rounds_on_device_verify_what_one_round_steps_verify(speculative, greedy):
+    """Several draft-verify rounds per step (num_scheduler_steps = 8, step_program.py ``verify_rounds``) against
+    one round per step (1), on the same engine, one sequence (no preemption; its prompt's pages cached in both):
+    the same greedy tokens (the checked ones), and the same drafts verified and accepted at every position, so the
+    rounds on device proposed the drafts one-round steps propose (the MTP module's latents of earlier rounds read
+    from its window, not the cache), in fewer steps."""
+    ref = token_ids(greedy[0])[:1]
+    scheduler = speculative.engine.scheduler
+    runs = {}
+    try:
+        for k in (8, 1):
+            scheduler.num_scheduler_steps = k
+            got = speculative.generate(BATCH[:1], GREEDY, use_tqdm=False)
+            assert token_ids(got) == ref, k
+            runs[k] = speculative.stats
+    finally:
+        scheduler.num_scheduler_steps = 8
+    many, one = runs[8], runs[1]
+    assert one.num_draft_tokens > 0 and one.num_accepted_tokens > 0
+    assert (many.num_drafts, many.num_draft_tokens, many.accepted_per_position) == (
+        one.num_drafts, one.num_draft_tokens, one.accepted_per_position)
+    assert many.steps < one.steps
 
 
 def test_stops_and_lengths_inside_an_accepted_run(speculative, greedy):
@@ -169,11 +195,22 @@ def test_confidence_verification_is_greedy_on_a_mesh(greedy):
     drafts verified than proposed."""
     ref = token_ids(greedy[0])
     llm = LLM(**{**KW, "mesh": "2x4"}, speculative_config=spec(3, "confidence"))
-    assert llm.engine.scheduler.step_cost == STEP_COSTS["cpu"]  # where no round pays: a cost model that verifies
+    assert llm.engine.scheduler.step_cost == STEP_COSTS["cpu"]  # where rounds hardly pay: a cost model that verifies
     llm.engine.scheduler.step_cost = StepCost(knee=256, fixed=0, mtp=0)
     got = llm.generate(BATCH[:2], dataclasses.replace(GREEDY, max_tokens=16), use_tqdm=False)
     assert token_ids(got) == [r[:16] for r in ref[:2]]
     assert 0 < llm.stats.num_draft_tokens < 3 * llm.stats.num_drafts
+
+
+def test_rounds_with_the_cache_written_in_the_step(greedy):
+    """attention_backend="pallas" (every round's latents written into the cache inside the step and read back by
+    mla_decode; off a GPU its XLA implementation of the same contract), several rounds per step: the same greedy
+    tokens."""
+    ref = token_ids(greedy[0])
+    llm = LLM(**KW, attention_backend="pallas", speculative_config=spec(3))
+    got = llm.generate(BATCH[:1], dataclasses.replace(GREEDY, max_tokens=24), use_tqdm=False)
+    assert token_ids(got) == [ref[0][:24]]
+    assert llm.stats.num_accepted_tokens > 0 and llm.stats.num_drafts > llm.stats.steps
 
 
 def test_confidence_rule():
@@ -193,15 +230,22 @@ def test_confidence_rule():
     assert verify_width([], 1, 3, POSITIONS_ONLY) == 0 and verify_width([[], []], 2, 3, POSITIONS_ONLY) == 0
     # A round's fixed cost: T = 4 makes 2.782 / (30 + 12) = 0.066 < 0.111
     assert verify_width([draft], 1, 3, StepCost(knee=8, fixed=30, mtp=0)) == 0
+    # ... shared by a step's rounds on device: 10 rounds pay 3 each, T = 2: 1.9 / 13 = 0.146, T = 4: 2.782 / 15
+    # = 0.185 > 0.111.
+    assert StepCost(knee=8, fixed=30, mtp=0).round(1, 4, 3, rounds=10) == 3 + 12
+    assert verify_width([draft], 1, 3, StepCost(knee=8, fixed=30, mtp=0), rounds=10) == 3
     # The MTP passes, mtp x (knee + rows T) + (K - 1) mtp (knee + rows): at mtp 0.25, T = 4 costs 15 + 4.5 = 19.5
     # (2.782 / 19.5 = 0.143 > 0.111); at mtp 0.5, 18 + 9 = 27 (0.103 < 0.111).
     assert verify_width([draft], 1, 3, StepCost(knee=8, fixed=0, mtp=0.25)) == 3
     assert verify_width([draft], 1, 3, StepCost(knee=8, fixed=0, mtp=0.5)) == 0
     assert StepCost(knee=8, fixed=1, mtp=0.5).round(2, 4, 3) == 1 + 1.5 * 16 + 2 * 0.5 * 10
-    # The platforms' constants: on a CPU even near-certain drafts do not pay (plain 1 / 3.3 = 0.30 against
-    # 3.94 / 29.2 = 0.135); on a GPU a lone sequence verifies all of them (1 / 129 against 3.94 / 161).
+    # The platforms' constants: on a CPU near-certain drafts do not pay in a step of one round (plain 1 / 4.9 =
+    # 0.204 against 3.94 / (87 + 7.9) = 0.042), barely in a step of 8 (3.94 / (87 / 8 + 7.9) = 0.210); on a GPU a
+    # lone sequence verifies all of them (1 / 129 against 3.94 / 161).
     assert step_cost("cpu") == STEP_COSTS["cpu"] and step_cost("cuda") == step_cost("gpu") == STEP_COSTS["gpu"]
     assert verify_width([[0.99] * 3], 1, 3, step_cost("cpu")) == 0
+    assert verify_width([[0.99] * 3], 1, 3, step_cost("cpu"), rounds=8) == 3
+    assert verify_width([[0.9, 0.7, 0.4]], 1, 3, step_cost("cpu"), rounds=8) == 0  # 2.78 / 18.8 = 0.148
     assert verify_width([[0.99] * 3], 1, 3, step_cost("gpu")) == 3
 
 

@@ -7,9 +7,11 @@ processed in numpy as the sampler does (temperature, then top-k keeping the valu
 marginalised to P(t2), P(t3) and P(t2, t3). It is never compared with the engine's non-speculative output.
 
 Samples: thousands of seeded requests (seed = base + i) of one prompt through ``jaxinfer.LLM`` with MTP drafts
-(K = 2) on a tiny random DeepSeek-V3 (vocabulary 16, one dense layer, an MoE MTP layer), max_tokens 4: the step
+(K = 2) on a tiny random DeepSeek-V3 (vocabulary 16, one dense layer, an MoE MTP layer), max_tokens 5: the step
 after the prefill verifies two drafts, so t2 is decided at the verification's first column and t3 at its second
-(accepted draft, recovered token after a rejection, or the next round after an early rejection). Pearson's
+(accepted draft, recovered token after a rejection), or, after an early rejection, by the step's second
+draft-verify round on device (LLM's default num_scheduler_steps on CPU is 8; the step reserves 4 positions, so a
+second round of 3 runs exactly when the first accepted nothing; step_program.py ``verify_rounds``). Pearson's
 chi-square with cells merged to expected counts >= 5 (tests/chi_square.py, scipy's p-value)
 at significance 1e-3 per distribution; the seeds are fixed, so the test is deterministic. The same samples must
 reject the exact distribution of a wrong temperature (0.8 for samples at 1; 1 without top-k for samples at 0.7
@@ -103,11 +105,11 @@ def empirical(tokens: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def generate(llm: LLM, temperature: float, top_k: int, seed_base: int) -> np.ndarray:
-    params = [SamplingParams(temperature=temperature, top_k=top_k, seed=seed_base + i, max_tokens=4,
+    params = [SamplingParams(temperature=temperature, top_k=top_k, seed=seed_base + i, max_tokens=5,
                              ignore_eos=True) for i in range(N)]
     outs = llm.generate([PROMPT] * N, params, use_tqdm=False)
     tokens = np.array([o.outputs[0].token_ids for o in outs])
-    assert tokens.shape == (N, 4)
+    assert tokens.shape == (N, 5)
     return tokens
 
 
