@@ -60,7 +60,9 @@ def compare(args) -> None:
             outs, _, _ = timed(llm, batch, params)
             tokens[name] = [o.outputs[0].token_ids for o in outs]
             llm.wait_for_compilations()
-        same = all(t == tokens["plain"] for t in tokens.values())
+        same = all(t == tokens["plain"] for t in tokens.values()) or [  # else where each engine first differs
+            (name, next((i, j) for i, (a, b) in enumerate(zip(t, tokens["plain"])) for j, (x, y) in enumerate(zip(a, b))
+                        if x != y)) for name, t in tokens.items() if t != tokens["plain"]]
         decode = {name: [] for name in engines}
         stats = {}
         for r in range(args.rounds):
@@ -86,18 +88,19 @@ def compare(args) -> None:
                     f"{list(s.accepted_per_position)} (rates "
                     f"{', '.join(f'{a / max(1, s.num_drafts):.3f}' for a in s.accepted_per_position)}), mean "
                     f"acceptance length {s.mean_acceptance_length:.2f}; {s.steps} steps")
-            if name == "all":  # every decode step is a round (confidence mixes in plain multi-step steps)
-                per_round = spec / max(1, round_count(s))
+            if name == "all":  # every decode step verifies (confidence mixes in plain multi-step steps)
+                per_round = spec / max(1, round_count(s, b))
                 cost = per_round / per_token
                 line += (f"; round {per_round * 1e3:.2f} ms = {cost:.2f} plain token-steps, ceiling "
                          f"x{s.mean_acceptance_length / cost:.2f}")
             print(line, flush=True)
 
 
-def round_count(stats) -> int:
-    """Draft-verify rounds of a call: its decode steps (each verifies), i.e. all steps but the one prefill step
-    (these prompts of six words fit one)."""
-    return stats.steps - 1
+def round_count(stats, batch: int) -> float:
+    """Draft-verify rounds of a call, per sequence: a decode step runs up to num_scheduler_steps rounds on device,
+    each sequence taking part in a round counts it in ``num_drafts`` (these rows run in lockstep: their rounds
+    are the program's)."""
+    return stats.num_drafts / batch
 
 
 def knee(args) -> None:
@@ -121,79 +124,53 @@ def knee(args) -> None:
           "positions")
 
 
-def device_times(llm, batch, params) -> tuple[dict[str, list[float]], float]:
-    """Runs ``generate`` with every call of the engine's step programs timed to completion (block_until_ready
-    before and after: device time plus the call's launch, without overlap); returns ({"plain" | "round": seconds
-    per call of a decode step}, host seconds per step: EngineStats.host_s / steps of an untimed call after a
-    warm-up)."""
-    import jax
-
-    program = llm.engine.runner.program
-    times = {"plain": [], "round": []}
-    calls = {name: getattr(program, name) for name in ("step", "spec_step")}
-
-    def timer(name, fn):
-        def timed_call(*args):
-            jax.block_until_ready(args)
-            t0 = time.perf_counter()
-            out = jax.block_until_ready(fn(*args))
-            verifying = name == "spec_step" and args[8]
-            decode = name == "step" and args[6].columns[0][2] == (1,)  # ids [R, 1]: a decode step
-            if verifying or decode:
-                times["round" if verifying else "plain"].append(time.perf_counter() - t0)
-            return out
-        return timed_call
-
-    llm.generate(batch, params, use_tqdm=False)  # compiles
-    llm.generate(batch, params, use_tqdm=False)
-    host = llm.stats.host_s / llm.stats.steps
-    program.__dict__.update({name: timer(name, fn) for name, fn in calls.items()})  # shadows the cached programs
-    try:
-        llm.generate(batch, params, use_tqdm=False)
-    finally:
-        for name in calls:
-            program.__dict__.pop(name)
-    return times, host
-
-
 def costs(args) -> None:
-    """Fits engine/speculative.py's StepCost on this machine: plain multi-step decode iterations of B rows (time =
-    a + b * B: b is the position-time, knee = a / b), and draft-verify rounds with K = 1 and K = 3 (every draft
-    verified, T = K + 1) against round(B, T, K) = fixed + (1 + mtp) (knee + B T) + (K - 1) mtp (knee + B), the
-    round's host work per step included in fixed (a round waits for it)."""
+    """Fits engine/speculative.py's StepCost on this machine from decode wall times (``timed``: the host's work
+    included, as a step waits for it or overlaps it), the engines alternating within each batch size (the
+    machine's speed drifts by more than the differences measured), ``--rounds`` calls each after one that
+    compiles, medians: plain multi-step decode iterations of B rows (decode time / tokens per row = a + b * B: b
+    is the position-time, knee = a / b), and draft-verify rounds with K = 1 and K = 3 (every draft verified, T = K
+    + 1) in LLM's default steps of num_scheduler_steps = m rounds on device (decode time / rounds per row),
+    against round(B, T, K, m) = fixed / m + (1 + mtp) (knee + B T) + (K - 1) mtp (knee + B). Prints the fitted
+    StepCost and, per measured round, the model's value beside the measured one."""
     import jaxinfer
     import numpy as np
+    from jaxinfer.engine.speculative import StepCost
 
     params = jaxinfer.SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     batches = [int(x) for x in args.batch_sizes.split(",")]
-    plain = jaxinfer.LLM(mesh="1x1", enable_prefix_caching=False)
-    k_steps = plain.config.num_scheduler_steps
-    xs, ys = [], []
+    engines = {0: jaxinfer.LLM(mesh="1x1", enable_prefix_caching=False)}
+    for k in (1, 3):
+        engines[k] = jaxinfer.LLM(mesh="1x1", enable_prefix_caching=False,
+                                  speculative_config={"method": "mtp", "num_speculative_tokens": k})
+    k_steps = engines[0].config.num_scheduler_steps
+    per = {}  # (K, B) -> seconds per plain iteration (K = 0) or per round
     for b in batches:
-        times, _ = device_times(plain, prompts(b), params)
-        per_iteration = statistics.median(times["plain"]) / k_steps
-        xs.append(b)
-        ys.append(per_iteration)
-        print(f"plain B={b}: {per_iteration * 1e3:.3f} ms per iteration", flush=True)
-    slope, intercept = np.polyfit(xs, ys, 1)
+        batch = prompts(b)
+        samples = {k: [] for k in engines}
+        for llm in engines.values():
+            timed(llm, batch, params)  # compiles
+        for r in range(args.rounds):
+            for k in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+                decode = timed(engines[k], batch, params)[2]
+                samples[k].append(decode / (round_count(engines[k].stats, b) if k else args.max_tokens - 1))
+        for k in engines:
+            per[k, b] = statistics.median(samples[k])
+        print(f"B={b}: plain {per[0, b] * 1e3:.3f} ms per iteration; rounds of {k_steps} per step: K=1 "
+              f"{per[1, b] * 1e3:.3f} ms, K=3 {per[3, b] * 1e3:.3f} ms", flush=True)
+    slope, intercept = np.polyfit(batches, [per[0, b] for b in batches], 1)
     knee = max(intercept / slope, 0.0)
     print(f"plain iteration = {intercept * 1e3:.3f} ms + {slope * 1e3:.3f} ms x rows: position-time "
           f"{slope * 1e3:.3f} ms, knee {knee:.2f} positions", flush=True)
-    rows = []  # (B, T, K, round time in position-times)
-    for k in (1, 3):
-        llm = jaxinfer.LLM(mesh="1x1", enable_prefix_caching=False,
-                           speculative_config={"method": "mtp", "num_speculative_tokens": k})
-        for b in batches:
-            times, host = device_times(llm, prompts(b), params)
-            per_round = statistics.median(times["round"])
-            rows.append((b, k + 1, k, (per_round + host) / slope))
-            print(f"round K={k} B={b}: {per_round * 1e3:.3f} ms + host {host * 1e3:.3f} ms = "
-                  f"{rows[-1][3]:.1f} position-times", flush=True)
-    # round - (knee + B T) = fixed + mtp * ((knee + B T) + (K - 1) (knee + B)): linear in (fixed, mtp).
-    a = np.array([[1.0, (knee + b * t) + (k - 1) * (knee + b)] for b, t, k, _ in rows])
+    rows = [(b, k + 1, k, per[k, b] / slope) for k in (1, 3) for b in batches]  # (B, T, K, position-times)
+    # round - (knee + B T) = fixed / m + mtp * ((knee + B T) + (K - 1) (knee + B)): linear in (fixed, mtp).
+    a = np.array([[1.0 / k_steps, (knee + b * t) + (k - 1) * (knee + b)] for b, t, k, _ in rows])
     y = np.array([r - (knee + b * t) for b, t, k, r in rows])
     (fixed, mtp), *_ = np.linalg.lstsq(a, y, rcond=None)
-    print(f"StepCost(knee={knee:.2f}, fixed={fixed:.1f}, mtp={mtp:.3f})")
+    cost = StepCost(knee, fixed, mtp)
+    print(f"StepCost(knee={knee:.2f}, fixed={fixed:.1f}, mtp={mtp:.3f}); rounds, model against measured "
+          "(position-times): " + ", ".join(f"K={k} B={b} {cost.round(b, t, k, k_steps):.1f} / {r:.1f}"
+                                            for b, t, k, r in rows))
 
 
 def main() -> None:
