@@ -1,7 +1,7 @@
 """MTP speculative decoding on the embedded model: decode tokens/s with and without it, acceptance per draft
 position, and the cost of a draft-verify round in plain decode steps.
 
-    python benchmarks/speculative.py [--batch-sizes 1,32] [--k 3] [--rounds 5] [--max-tokens 128]
+    python benchmarks/speculative.py [--batch-sizes 1,32] [--k 3] [--rounds 5] [--max-tokens 128] [--scheduler-steps k]
     python benchmarks/speculative.py --knee    # a decode step's time against its positions
     python benchmarks/speculative.py --costs   # fits the confidence rule's StepCost (engine/speculative.py)
 
@@ -47,7 +47,7 @@ def timed(llm, batch, params):
 def compare(args) -> None:
     import jaxinfer
 
-    common = dict(mesh="1x1", enable_prefix_caching=False)
+    common = dict(mesh="1x1", enable_prefix_caching=False, num_scheduler_steps=args.scheduler_steps)
     engines = {"plain": jaxinfer.LLM(**common)}
     for verify in args.verify.split(","):
         engines[verify] = jaxinfer.LLM(**common, speculative_config={
@@ -183,6 +183,9 @@ def main() -> None:
     p.add_argument("--knee", action="store_true")
     p.add_argument("--knee-batches", default="1,2,4,8,16,32,64")
     p.add_argument("--costs", action="store_true")
+    p.add_argument("--scheduler-steps", type=int, default=None,
+                   help="num_scheduler_steps of every engine (plain iterations / rounds per step; default the "
+                        "platform's: 8 on CPU, 1 on GPU)")
     args = p.parse_args()
     knee(args) if args.knee else costs(args) if args.costs else compare(args)
 

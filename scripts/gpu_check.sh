@@ -15,7 +15,9 @@
 #      speed-of-light, warp-stall and occupancy sections for the headline FP8 GEMM and one MLA decode (every variant
 #      of each), where ncu runs (it cannot read counters on gVisor);
 #   6. a tiling sweep of both FP8 kernels on two goal shapes (kernels_fp8.py --cases tuning --tilings ...);
-#   7. the engine (embedded model through LLM(): Pallas MLA decode over the paged cache, FP8 compute);
+#   7. the engine (embedded model through LLM(): Pallas MLA decode over the paged cache, FP8 compute), then MTP
+#      speculative decoding against plain decoding at batch 1 and 32, 4 rounds (or iterations) per step: a round's
+#      cost in plain token-steps says whether verification columns are nearly free here (issue 31's speed-up);
 #   8. with what is left of the budget, the full FlashMLA and DeepGEMM sweeps with the default kernels.
 # Steps 3-6 skip the new variants when step 2 hung (rc 124).
 # Usage on the GPU machine (offline, preinstalled jax 0.11): OUT=<dir> bash scripts/gpu_check.sh
@@ -97,6 +99,8 @@ for b in (1, 32):
     dt = time.perf_counter() - t0
     print(f'embedded model bf16, batch {b}: {b * 64 / dt:.1f} tok/s, text {outs[0].outputs[0].text[:60]!r}', flush=True)
 "
+step engine.txt 90 python benchmarks/speculative.py --batch-sizes 1,32 --verify all,confidence --rounds 3 \
+  --max-tokens 64 --scheduler-steps 4
 step bench.log 60 python benchmarks/kernels_mla.py --out "$OUT/bench_sweep.txt"
 step bench.log 120 python benchmarks/kernels_fp8.py --out "$OUT/bench_sweep.txt"
 echo "total $SECONDS s" >> "$OUT/env.txt"

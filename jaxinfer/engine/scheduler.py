@@ -48,10 +48,11 @@ rank has prefill work that fits, else a DECODE step over all ranks.
   token and the drafts, and it samples up to 1 + drafts tokens. With ``speculative`` (the runner drafts) a
   decode step is a draft-verify round (``SchedulerOutput.speculative``): a sequence without drafts computes
   one token and gets drafts. With k > 1 the step runs up to k rounds on device (``SchedulerOutput.rounds``,
-  step_program.py ``verify_rounds``): a chunk then reserves the positions of its first round (its last token
-  and drafts) and of k - 1 rounds of T columns (``SchedulerOutput.verify_columns``: 1 + the drafts a round
-  verifies), within what it may still sample, and the update rolls back the positions the rounds did not
-  accept. A constrained sequence reserves one round (its masks are the host's). With ``verify="confidence"``
+  step_program.py ``verify_rounds``; one program per shape, whatever the chunks reserve): a chunk then reserves
+  the positions of its first round (its last token and drafts) and of k - 1 rounds of T columns
+  (``SchedulerOutput.verify_columns``: 1 + the drafts a round verifies), within what it may still sample, and the
+  update rolls back the positions the rounds did not accept. A constrained sequence reserves one round (its
+  masks are the host's). With ``verify="confidence"``
   every sequence verifies the number of drafts worth the step's cost (engine/speculative.py ``verify_width``,
   over all ranks; a sequence without drafts counts with the mean confidences of recent drafts); when that number
   is 0 the step is a plain multi-step decode step instead (no drafting, drafts dropped): the rule's cost model
@@ -524,6 +525,7 @@ class Scheduler:
             plan.speculative = self.speculative and width != 0
             if plan.speculative and self.num_scheduler_steps > 1 and not probe:  # rounds on device (see "Decode")
                 plan.verify_columns = 1 + (self.num_drafts if width is None else width)
+                plan.rounds = self.num_scheduler_steps
             columns = self._known_columns()
             for rank in range(self.num_ranks):
                 self._schedule_decode(rank, plan, width, columns)
@@ -659,8 +661,6 @@ class Scheduler:
                 first_round = min(n, 1 + len(drafts))
                 later = bool(rounds) and n > first_round
                 out.append(_Chunk(seq, n, n, drafts[:first_round - 1], rounds=later))
-                if later:
-                    plan.rounds = self.num_scheduler_steps
 
     def _prefill_chunk(self, seq: Sequence, n: int) -> _Chunk:
         return _Chunk(seq, n, int(seq.num_computed_tokens + n == seq.num_tokens))
@@ -814,10 +814,8 @@ class Scheduler:
         loads = tuple(tuple(dict(rank).items()) for rank in self._loads) if any(self._loads) else ()
         self._loads = [[] for _ in range(self.num_ranks)]
         kv_in, self._kv_in = tuple(self._kv_in), []
-        multi = plan.rounds > 1
         return SchedulerOutput(plan.kind, tuple(requests), new, finished, tuple(s.seq_id for s in plan.preempted),
-                               plan.speculative, loads, kv_in, rounds=plan.rounds,
-                               verify_columns=plan.verify_columns if multi else 0)
+                               plan.speculative, loads, kv_in, rounds=plan.rounds, verify_columns=plan.verify_columns)
 
     def _at_length_limit(self, seq: Sequence) -> bool:
         return seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len

@@ -597,7 +597,7 @@ def test_draft_rounds_on_device_reserve_and_roll_back():
     sched.update_from_output(out, RunnerOutput(fake_result(out).sampled, draft_token_ids={1: [4, 5, 6]}))
     out = sched.schedule()
     (r,) = out.requests[0]
-    assert (out.rounds, r.num_tokens, r.draft_token_ids) == (1, 4, (4, 5, 6)) and b.num_placeholders == 4
+    assert (out.rounds, r.num_tokens, r.draft_token_ids) == (3, 4, (4, 5, 6)) and b.num_placeholders == 4
 
 
 def test_draft_verification_within_max_tokens():

@@ -145,6 +145,36 @@ def test_rounds_on_device_verify_what_one_round_steps_verify(speculative, greedy
     assert many.steps < one.steps
 
 
+def test_penalties_and_logprobs_across_rounds(speculative, greedy):
+    """Greedy with frequency, presence and repetition penalties and logprobs=2, K = 3 drafts in steps of several
+    rounds on device (the rounds' outputs counted before the next round's columns): every token is the argmax of
+    the cache-free logits (``Model.logits`` over the final sequence, float64) after vLLM's penalties over the
+    prompt and the earlier outputs (tests/engine/test_rejection_sampler.py ``ref_penalties``), and its logprobs
+    are the raw logits' log-softmax (the chosen token's and the top 2)."""
+    from test_rejection_sampler import ref_penalties
+
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, frequency_penalty=0.5,
+                            presence_penalty=0.3, repetition_penalty=1.2, logprobs=2)
+    (out,) = speculative.generate(BATCH[:1], params, use_tqdm=False)
+    got = list(out.outputs[0].token_ids)
+    assert len(got) == 24 and speculative.stats.num_accepted_tokens > 0
+    assert speculative.stats.num_drafts > speculative.stats.steps  # several rounds per step
+    prompt = BATCH[0]
+    logits = speculative.engine.model.logits(np.array([prompt + got]))[0].astype(np.float64)  # [L, V]
+    vocab = logits.shape[-1]
+    in_prompt = np.bincount(prompt, minlength=vocab) > 0
+    for o, token in enumerate(got):
+        row = logits[len(prompt) - 1 + o]
+        counts = np.bincount(np.array(got[:o], int), minlength=vocab)
+        assert token == int(np.argmax(ref_penalties(row, counts, in_prompt, params))), o
+        logp = row - row.max() - np.log(np.exp(row - row.max()).sum())
+        entry = out.outputs[0].logprobs[o]
+        top = np.argsort(-logp)[:2]
+        assert set(entry) == {token, *map(int, top)}, o
+        for t, value in entry.items():
+            assert value == pytest.approx(logp[t], abs=2e-4), (o, t)
+
+
 def test_stops_and_lengths_inside_an_accepted_run(speculative, greedy):
     """One call, one setting per prompt: stop tokens, max_tokens, n = 2 and a stop string that fall inside
     verified runs of drafts end the output where greedy decoding ends it (the greedy tokens cut at the first
