@@ -4,6 +4,7 @@ position, and the cost of a draft-verify round in plain decode steps.
     python benchmarks/speculative.py [--batch-sizes 1,32] [--k 3] [--rounds 5] [--max-tokens 128] [--scheduler-steps k]
     python benchmarks/speculative.py --knee    # a decode step's time against its positions
     python benchmarks/speculative.py --costs   # fits the confidence rule's StepCost (engine/speculative.py)
+    python benchmarks/speculative.py --rounds-ab [--scheduler-steps 8]   # rounds on device against one per step
 
 LLM's defaults (bfloat16, the default multi-step decode, one CPU device), greedy, EOS ignored, prefix caching
 off. Prompts: the first words of the first line of stdlib docstrings (the embedded model was trained on Python's
@@ -103,6 +104,39 @@ def round_count(stats, batch: int) -> float:
     return stats.num_drafts / batch
 
 
+def rounds_ab(args) -> None:
+    """Rounds on device against one round per step: one speculative engine (K = --k, verify="all"), its
+    scheduler's num_scheduler_steps switched between 1 and --scheduler-steps (default 8) before each call, --rounds
+    alternating pairs per batch size; per setting the decode time, steps, rounds per sequence, time per round and
+    the host's and the waits' shares (EngineStats.host_s, wait_s), and the per-pair ratio."""
+    import jaxinfer
+
+    params = jaxinfer.SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    llm = jaxinfer.LLM(mesh="1x1", enable_prefix_caching=False, speculative_config={
+        "method": "mtp", "num_speculative_tokens": args.k})
+    scheduler, many = llm.engine.scheduler, args.scheduler_steps or 8
+    for b in [int(x) for x in args.batch_sizes.split(",")]:
+        batch = prompts(b)
+        runs = {1: [], many: []}
+        for k in runs:  # compiles
+            scheduler.num_scheduler_steps = k
+            timed(llm, batch, params)
+        for r in range(args.rounds):
+            for k in ((1, many) if r % 2 == 0 else (many, 1)):
+                scheduler.num_scheduler_steps = k
+                decode = timed(llm, batch, params)[2]
+                s = llm.stats
+                runs[k].append((decode, s.host_s, s.wait_s, s.steps, round_count(s, b)))
+        for k, rows in runs.items():
+            decode, host, wait, steps, rounds = (statistics.median(x) for x in zip(*rows))
+            print(f"B={b}, {k} round(s) per step: decode {decode * 1e3:.1f} ms, {steps:.0f} steps, {rounds:.1f} "
+                  f"rounds per sequence, {decode / rounds * 1e3:.2f} ms per round; host {host * 1e3:.1f} ms, "
+                  f"waiting {wait * 1e3:.1f} ms", flush=True)
+        ratios = [a[0] / b_[0] for a, b_ in zip(runs[1], runs[many])]
+        print(f"B={b}: {many} rounds per step x{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+              f" against one", flush=True)
+
+
 def knee(args) -> None:
     """A plain decode step (num_scheduler_steps=1) of B rows for B in --knee-batches: per-step time against its
     positions, and the least-squares line time = a + b * positions (knee = a / b positions)."""
@@ -185,9 +219,10 @@ def main() -> None:
     p.add_argument("--costs", action="store_true")
     p.add_argument("--scheduler-steps", type=int, default=None,
                    help="num_scheduler_steps of every engine (plain iterations / rounds per step; default the "
-                        "platform's: 8 on CPU, 1 on GPU)")
+                        "platform's: 8 on CPU, 1 on GPU; with --rounds-ab the rounds against one, default 8)")
+    p.add_argument("--rounds-ab", action="store_true")
     args = p.parse_args()
-    knee(args) if args.knee else costs(args) if args.costs else compare(args)
+    knee(args) if args.knee else costs(args) if args.costs else rounds_ab(args) if args.rounds_ab else compare(args)
 
 
 if __name__ == "__main__":

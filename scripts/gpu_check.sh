@@ -17,7 +17,8 @@
 #   6. a tiling sweep of both FP8 kernels on two goal shapes (kernels_fp8.py --cases tuning --tilings ...);
 #   7. the engine (embedded model through LLM(): Pallas MLA decode over the paged cache, FP8 compute), then MTP
 #      speculative decoding against plain decoding at batch 1 and 32, 4 rounds (or iterations) per step: a round's
-#      cost in plain token-steps says whether verification columns are nearly free here (issue 31's speed-up);
+#      cost in plain token-steps says whether verification columns are nearly free here (issue 31's speed-up),
+#      and 4 rounds per step on device against one;
 #   8. with what is left of the budget, the full FlashMLA and DeepGEMM sweeps with the default kernels.
 # Steps 3-6 skip the new variants when step 2 hung (rc 124).
 # Usage on the GPU machine (offline, preinstalled jax 0.11): OUT=<dir> bash scripts/gpu_check.sh
@@ -101,6 +102,8 @@ for b in (1, 32):
 "
 step engine.txt 90 python benchmarks/speculative.py --batch-sizes 1,32 --verify all,confidence --rounds 3 \
   --max-tokens 64 --scheduler-steps 4
+step engine.txt 60 python benchmarks/speculative.py --rounds-ab --batch-sizes 1,32 --rounds 3 --max-tokens 64 \
+  --scheduler-steps 4
 step bench.log 60 python benchmarks/kernels_mla.py --out "$OUT/bench_sweep.txt"
 step bench.log 120 python benchmarks/kernels_fp8.py --out "$OUT/bench_sweep.txt"
 echo "total $SECONDS s" >> "$OUT/env.txt"
