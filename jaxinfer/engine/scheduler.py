@@ -52,14 +52,13 @@ rank has prefill work that fits, else a DECODE step over all ranks.
   the positions of its first round (its last token and drafts) and of k - 1 rounds of T columns
   (``SchedulerOutput.verify_columns``: 1 + the drafts a round verifies), within what it may still sample, and the
   update rolls back the positions the rounds did not accept. A constrained sequence reserves one round (its
-  masks are the host's). With ``verify="confidence"``
-  every sequence verifies the number of drafts worth the step's cost (engine/speculative.py ``verify_width``,
-  over all ranks; a sequence without drafts counts with the mean confidences of recent drafts); when that number
-  is 0 the step is a plain multi-step decode step instead (no drafting, drafts dropped): the rule's cost model
-  (``step_cost``) found that a round costs more than the tokens it returns (engine/speculative.py
-  ``STEP_COSTS``). After
-  ``PROBE_AFTER_PLAIN_STEPS`` plain steps in a row, where perfect drafts would pay, one round verifying one draft
-  refreshes every sequence's drafts (a stale estimate is never final; a probe runs one round, not k).
+  masks are the host's). With ``verify="confidence"`` every sequence verifies the number of drafts worth the
+  step's cost (engine/speculative.py ``verify_width``, over all ranks; a sequence without drafts counts with the
+  mean confidences of recent drafts); when that number is 0 the step is a plain multi-step decode step instead
+  (no drafting, drafts dropped): the rule's cost model (``step_cost``, engine/speculative.py ``STEP_COSTS``)
+  found that a round costs more than the tokens it returns. After ``PROBE_AFTER_PLAIN_STEPS`` plain steps in a
+  row, where one round of perfect drafts would pay, one round verifying one draft refreshes every sequence's
+  drafts (a stale estimate is never final; a probe runs one round, not k).
 - Known tokens. Outputs the host appends without sampling (structured output's forced tokens, ``append_outputs``)
   are computed by the sequence's next step as one chunk, which then samples the token after them (a decode
   sequence's chunk covers its last token and the appended ones; a waiting sequence computes them in its prefill).
