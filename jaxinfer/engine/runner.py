@@ -216,33 +216,28 @@ class ModelRunner:
         out = step.output
         verifying = isinstance(out, VerifyOutput)
         single = out.token_ids.ndim == 1  # one iteration: the fields get the [k = 1] axis of a multi-step step
-        rounds = verifying and out.token_ids.ndim == 3  # [rounds, R, T]
+        one_round = verifying and out.token_ids.ndim == 2  # [R, T]: the fields get the [rounds = 1] axis
 
         def host(x):
             x = to_host(x)
-            if rounds:  # [rounds, R, T, ...] -> [rounds x T, R, ...]: a row's rounds' columns as its iterations
-                x = np.moveaxis(x, 1, 2)
+            if verifying:  # [rounds, R, T, ...] -> [rounds x T, R, ...]: a row's rounds' columns as its iterations
+                x = np.moveaxis(x[None] if one_round else x, 1, 2)
                 return x.reshape(-1, *x.shape[2:])
-            if verifying:  # [R, T, ...] -> [T, R, ...]: a row's columns as its iterations
-                return np.swapaxes(x, 0, 1)
             return x[None] if single else x
 
         token_ids = host(out.token_ids)  # [k, R]
         verified = {}
-        if rounds:  # round i's columns first .. first + accepted (first: T - n in round 0, then 0), while it ran
-            accepted = to_host(out.num_accepted)  # [rounds, R], -1: the row sat the round out
-            t = out.token_ids.shape[2]
+        if verifying:  # round i's columns first .. first + accepted (first: T - n in round 0, then 0), while it ran
+            accepted = to_host(out.num_accepted).reshape(-1, token_ids.shape[1])  # [rounds, R], -1: sat it out
+            t = out.token_ids.shape[-1]
             cols = {}
             for row, req_id, _ in step.sampled:
                 n0 = step.first_columns[row]
-                took = [int(a) for a in accepted[:, row] if a >= 0]
-                cols[row] = [i * t + c for i, a in enumerate(took)
-                             for c in range(t - n0 if i == 0 else 0, (t - n0 if i == 0 else 0) + a + 1)]
-                verified[req_id] = [(n0 - 1 if i == 0 else t - 1, a) for i, a in enumerate(took)]
-        elif verifying:  # a row of n real columns (its last n of T): the first 1 + accepted of them
-            t = token_ids.shape[0]
-            accepted = to_host(out.num_accepted)
-            cols = {row: range(t - n, t - n + 1 + int(accepted[row])) for row, _, n in step.sampled}
+                cols[row], verified[req_id] = [], []
+                for i, a in enumerate(int(a) for a in accepted[:, row] if a >= 0):
+                    first = t - n0 if i == 0 else 0
+                    cols[row].extend(i * t + c for c in range(first, first + a + 1))
+                    verified[req_id].append((n0 - 1 if i == 0 else t - 1, a))
         else:  # a decode chunk of n tokens owns its row's first n iterations; any other sampling chunk the one
             cols = {row: range(n) for row, _, n in step.sampled}
         tokens = {req_id: [int(token_ids[i, row]) for i in cols[row]] for row, req_id, _ in step.sampled}

@@ -652,13 +652,13 @@ class Scheduler:
             masked = seq.params.structured_outputs is not None
             one = plan.speculative or masked
             want = 1 + len(drafts) if drafts else (1 if one else min(left, self.num_scheduler_steps))
-            rounds = plan.verify_columns and not masked
+            rounds = bool(plan.verify_columns) and not masked
             if rounds:  # later rounds of T positions, within what it may sample
                 want = min(want + (self.num_scheduler_steps - 1) * plan.verify_columns, left)
             n = self._grow(seq, want, plan)
             if n:
                 first_round = min(n, 1 + len(drafts))
-                later = bool(rounds) and n > first_round
+                later = rounds and n > first_round
                 out.append(_Chunk(seq, n, n, drafts[:first_round - 1], rounds=later))
 
     def _prefill_chunk(self, seq: Sequence, n: int) -> _Chunk:

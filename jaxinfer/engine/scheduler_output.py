@@ -139,8 +139,8 @@ class RunnerOutput:
     logprobs: for requests that asked, per sampled token {token: logprob} (the sampled token included).
     draft_token_ids: tokens proposed for the next step (speculative decoding); verified when scheduled.
     draft_probs: the drafter's probability of each draft (DSpark's confidence, engine/speculative.py).
-    verified: for a verification step of several rounds, (drafts verified, drafts accepted) of each round a
-      request took part in; absent for one round (its counts follow from ``sampled`` and its drafts).
+    verified: for a verification step, (drafts verified, drafts accepted) of each round a request took part in;
+      absent, a step's one round counts as ``sampled`` and its drafts say.
     """
 
     sampled: dict[int, list[int]]

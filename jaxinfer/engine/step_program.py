@@ -209,6 +209,7 @@ class StepProgram:
         outs = jax.tree.map(lambda x: jnp.zeros((rounds, *x.shape), x.dtype), out_shapes)  # [rounds, R, ...]
         outs = dataclasses.replace(outs, num_accepted=jnp.full((rounds, r), -1, jnp.int32))  # rounds not run
         no_drafts = Drafts(jnp.zeros((r, num_drafts), jnp.int32), jnp.zeros((r, num_drafts), jnp.float32))
+        cache = layers  # the XLA backend's: only read
 
         def body(carry):
             j, off, ids, active, layers, windows, mtp_window, tensors, outs, drafts, last, load_sum = carry
@@ -251,7 +252,6 @@ class StepProgram:
         def more(carry):
             return (carry[0] < rounds) & jnp.any(carry[3])
 
-        cache = layers  # the XLA backend's: only read
         carry = (jnp.int32(0), jnp.zeros((r,), jnp.int32), ids, live, layers if write_cache else None, windows,
                  mtp_window, tensors, outs, no_drafts, jnp.zeros((r,), jnp.int32), jnp.zeros(load_shape, jnp.int32))
         _, off, _, _, layers, windows, mtp_window, _, outs, drafts, last, load = jax.lax.while_loop(more, body, carry)
