@@ -5,6 +5,7 @@ position, and the cost of a draft-verify round in plain decode steps.
     python benchmarks/speculative.py --knee    # a decode step's time against its positions
     python benchmarks/speculative.py --costs   # fits the confidence rule's StepCost (engine/speculative.py)
     python benchmarks/speculative.py --rounds-ab [--scheduler-steps 8]   # rounds on device against one per step
+    python benchmarks/speculative.py --async-ab [--scheduler-steps k]    # async scheduling against applied steps
 
 LLM's defaults (bfloat16, the default multi-step decode, one CPU device), greedy, EOS ignored, prefix caching
 off. Prompts: the first words of the first line of stdlib docstrings (the embedded model was trained on Python's
@@ -19,6 +20,7 @@ rounds; verify="confidence" also runs plain multi-step steps when no draft is wo
 """
 
 import argparse
+import dataclasses
 import inspect
 import json
 import os
@@ -104,37 +106,62 @@ def round_count(stats, batch: int) -> float:
     return stats.num_drafts / batch
 
 
-def rounds_ab(args) -> None:
-    """Rounds on device against one round per step: one speculative engine (K = --k, verify="all"), its
-    scheduler's num_scheduler_steps switched between 1 and --scheduler-steps (default 8) before each call, --rounds
-    alternating pairs per batch size; per setting the decode time, steps, rounds per sequence, time per round and
-    the host's and the waits' shares (EngineStats.host_s, wait_s), and the per-pair ratio."""
+def ab(args, settings: dict, label: str) -> None:
+    """One speculative engine (K = --k, verify="all") under two settings (name -> a function that applies it to
+    the LLM), switched before each call, --rounds alternating pairs per batch size after a call of each that
+    compiles; per setting the decode time, steps, rounds per sequence, time per round and the host's and the
+    waits' shares (EngineStats.host_s, wait_s), the per-pair ratio (the second setting's speed over the first's),
+    and whether the two gave the same tokens."""
     import jaxinfer
 
     params = jaxinfer.SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     llm = jaxinfer.LLM(mesh="1x1", enable_prefix_caching=False, speculative_config={
         "method": "mtp", "num_speculative_tokens": args.k})
-    scheduler, many = llm.engine.scheduler, args.scheduler_steps or 8
+    if args.scheduler_steps:
+        llm.engine.scheduler.num_scheduler_steps = args.scheduler_steps
+    names = list(settings)
     for b in [int(x) for x in args.batch_sizes.split(",")]:
         batch = prompts(b)
-        runs = {1: [], many: []}
-        for k in runs:  # compiles
-            scheduler.num_scheduler_steps = k
-            timed(llm, batch, params)
+        runs, tokens = {name: [] for name in names}, {}
+        for name in names:  # compiles
+            settings[name](llm)
+            tokens[name] = [o.outputs[0].token_ids for o in timed(llm, batch, params)[0]]
         for r in range(args.rounds):
-            for k in ((1, many) if r % 2 == 0 else (many, 1)):
-                scheduler.num_scheduler_steps = k
+            for name in (names if r % 2 == 0 else names[::-1]):
+                settings[name](llm)
                 decode = timed(llm, batch, params)[2]
                 s = llm.stats
-                runs[k].append((decode, s.host_s, s.wait_s, s.steps, round_count(s, b)))
-        for k, rows in runs.items():
+                runs[name].append((decode, s.host_s, s.wait_s, s.steps, round_count(s, b)))
+        for name, rows in runs.items():
             decode, host, wait, steps, rounds = (statistics.median(x) for x in zip(*rows))
-            print(f"B={b}, {k} round(s) per step: decode {decode * 1e3:.1f} ms, {steps:.0f} steps, {rounds:.1f} "
-                  f"rounds per sequence, {decode / rounds * 1e3:.2f} ms per round; host {host * 1e3:.1f} ms, "
-                  f"waiting {wait * 1e3:.1f} ms", flush=True)
-        ratios = [a[0] / b_[0] for a, b_ in zip(runs[1], runs[many])]
-        print(f"B={b}: {many} rounds per step x{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
-              f" against one", flush=True)
+            print(f"B={b}, {name}: decode {decode * 1e3:.1f} ms, {steps:.0f} steps, {rounds:.1f} rounds per "
+                  f"sequence, {decode / rounds * 1e3:.2f} ms per round; host {host * 1e3:.1f} ms, waiting "
+                  f"{wait * 1e3:.1f} ms", flush=True)
+        ratios = [a[0] / b_[0] for a, b_ in zip(runs[names[0]], runs[names[1]])]
+        print(f"B={b}: {label} x{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}); the same "
+              f"tokens: {tokens[names[0]] == tokens[names[1]]}", flush=True)
+
+
+def rounds_ab(args) -> None:
+    """Rounds on device against one round per step (``ab``): the scheduler's num_scheduler_steps switched between
+    1 and --scheduler-steps (default 8)."""
+    many = args.scheduler_steps or 8
+
+    def steps(k):
+        return lambda llm: setattr(llm.engine.scheduler, "num_scheduler_steps", k)
+
+    ab(args, {"1 round per step": steps(1), f"{many} rounds per step": steps(many)},
+       f"{many} rounds per step against one")
+
+
+def async_ab(args) -> None:
+    """Async scheduling against every step applied before the next is built (``ab``: the engine's
+    EngineConfig.async_scheduling switched), at --scheduler-steps rounds per step (default the platform's)."""
+
+    def overlap(on):
+        return lambda llm: setattr(llm.engine, "config", dataclasses.replace(llm.engine.config, async_scheduling=on))
+
+    ab(args, {"applied steps": overlap(False), "async": overlap(True)}, "async against applied steps")
 
 
 def knee(args) -> None:
@@ -221,8 +248,11 @@ def main() -> None:
                    help="num_scheduler_steps of every engine (plain iterations / rounds per step; default the "
                         "platform's: 8 on CPU, 1 on GPU; with --rounds-ab the rounds against one, default 8)")
     p.add_argument("--rounds-ab", action="store_true")
+    p.add_argument("--async-ab", action="store_true")
     args = p.parse_args()
-    knee(args) if args.knee else costs(args) if args.costs else rounds_ab(args) if args.rounds_ab else compare(args)
+    run = (knee if args.knee else costs if args.costs else rounds_ab if args.rounds_ab else async_ab if args.async_ab
+           else compare)
+    run(args)
 
 
 if __name__ == "__main__":

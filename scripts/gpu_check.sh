@@ -18,7 +18,8 @@
 #   7. the engine (embedded model through LLM(): Pallas MLA decode over the paged cache, FP8 compute), then MTP
 #      speculative decoding against plain decoding at batch 1 and 32, 4 rounds (or iterations) per step: a round's
 #      cost in plain token-steps says whether verification columns are nearly free here (issue 31's speed-up),
-#      and 4 rounds per step on device against one;
+#      4 rounds per step on device against one, and async speculative steps against applied ones (one round per
+#      step, the GPU's default);
 #   8. with what is left of the budget, the full FlashMLA and DeepGEMM sweeps with the default kernels.
 # Steps 3-6 skip the new variants when step 2 hung (rc 124).
 # Usage on the GPU machine (offline, preinstalled jax 0.11): OUT=<dir> bash scripts/gpu_check.sh
@@ -104,6 +105,8 @@ step engine.txt 90 python benchmarks/speculative.py --batch-sizes 1,32 --verify 
   --max-tokens 64 --scheduler-steps 4
 step engine.txt 60 python benchmarks/speculative.py --rounds-ab --batch-sizes 1,32 --rounds 3 --max-tokens 64 \
   --scheduler-steps 4
+step engine.txt 45 python benchmarks/speculative.py --async-ab --batch-sizes 1,32 --rounds 3 --max-tokens 64 \
+  --scheduler-steps 1
 step bench.log 60 python benchmarks/kernels_mla.py --out "$OUT/bench_sweep.txt"
 step bench.log 120 python benchmarks/kernels_fp8.py --out "$OUT/bench_sweep.txt"
 echo "total $SECONDS s" >> "$OUT/env.txt"

@@ -78,6 +78,9 @@ class EngineConfig:
       Needs enable_prefix_caching. An unwritable directory: a warning, and the engine runs without the tier.
     kv_cache_max_bytes: the tier's bound (LRU by file mtime; it may be exceeded by one page per writer); None:
       unbounded. Needs kv_cache_dir; below one page: ValueError when the engine is built.
+    async_scheduling: schedule and dispatch step n + 1 before step n's tokens reach the host (vLLM v1's async
+      scheduling; speculative verifications follow their step in flight on device); False: apply every step
+      before the next is built (for measurements and debugging; outputs do not change).
 
     Raises ValueError naming the field for an invalid value.
     """
@@ -106,6 +109,7 @@ class EngineConfig:
     compile_ahead: bool | None = None
     kv_cache_dir: str | os.PathLike | None = None
     kv_cache_max_bytes: int | None = None
+    async_scheduling: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
@@ -122,10 +126,11 @@ class EngineConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 kind = "a positive integer" if least == 1 else f"an integer >= {least}"
                 raise ValueError(f"{name} must be {kind}{' or None' if optional else ''}, got {value!r}")
-        for name in ("enable_prefix_caching", "fp8_compute", "greedy_screening", "compile_ahead"):
+        required = ("enable_prefix_caching", "async_scheduling")
+        for name in (*required, "fp8_compute", "greedy_screening", "compile_ahead"):
             value = getattr(self, name)
-            if not isinstance(value, bool) and not (value is None and name != "enable_prefix_caching"):
-                raise ValueError(f"{name} must be True or False{'' if name == 'enable_prefix_caching' else ' or None'}"
+            if not isinstance(value, bool) and not (value is None and name not in required):
+                raise ValueError(f"{name} must be True or False{'' if name in required else ' or None'}"
                                  f", got {value!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")

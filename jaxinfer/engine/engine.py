@@ -110,7 +110,7 @@ class LLMEngine:
                                   greedy_screening=config.greedy_screening, num_drafts=self.num_drafts,
                                   prefill_block=self.scheduler.prefill_block, compile_ahead=config.compile_ahead,
                                   max_pages=-(-config.max_model_len // self.scheduler.page_size),
-                                  kv_store=self.kv_store)
+                                  kv_store=self.kv_store, max_model_len=config.max_model_len)
         self.grammars = (Grammars(self.tokenizer.to_json(), self.model.config.vocab_size, eos)
                          if self.tokenizer else None)
         self.stats = EngineStats(accepted_per_position=[0] * self.num_drafts)
@@ -310,11 +310,13 @@ class LLMEngine:
         self.stats.steps += 1
         self.stats.scheduled_tokens += out.num_scheduled_tokens
         self.stats.prefill_tokens += out.num_scheduled_tokens if out.kind == "prefill" else 0
-        # Drafts are verified by the next step, and penalties count every token, so such steps are applied before
-        # the next is built (a constrained sequence waits for its own tokens instead: scheduler.py "Constrained
-        # sequences").
-        sync = out.speculative or any(self._seqs[r.req_id][0].params.uses_penalties
-                                      for r in out.all_requests() if r.num_sampled and r.req_id in self._seqs)
+        # Applied before the next step is built: every step without async scheduling; a speculative step whose
+        # drafts verify="confidence" weighs by their probabilities (verify="all"'s next verification follows it
+        # on device: scheduler.py "Speculative steps in flight"); a step sampling for penalties, which count every
+        # token (a constrained sequence waits for its own tokens instead: scheduler.py "Constrained sequences").
+        sync = (not self.config.async_scheduling or out.speculative and self.scheduler.confidence_verify
+                or any(self._seqs[r.req_id][0].params.uses_penalties
+                       for r in out.all_requests() if r.num_sampled and r.req_id in self._seqs))
         return _Dispatched(out, handle, sync)
 
     def _apply(self, step: _Dispatched) -> None:

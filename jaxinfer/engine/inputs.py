@@ -32,7 +32,7 @@ import numpy as np
 from jaxinfer.engine.sampler import SamplingTensors, token_counts
 from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.engine.buckets import bucket, known_columns
-from jaxinfer.engine.scheduler_output import ScheduledRequest, SchedulerOutput, StepKind
+from jaxinfer.engine.scheduler_output import PLACEHOLDER, ScheduledRequest, SchedulerOutput, StepKind
 
 # Stop ids a multi-step decode step checks on device per row (SamplingParams.stop_tokens: EOS first, then
 # stop_token_ids): a row with more is checked for the first ones only, which is safe (the host's stop check
@@ -61,13 +61,13 @@ class RequestState:
 @dataclasses.dataclass(frozen=True)
 class StepInputs:
     """Host arrays of one step (``arrays``: ids, src, positions, block_table, seqlens, slots, dest, stop_ids, and
-    with speculative decoding next_ids, each [rows, ...]), the sampling tensors, and the (row, request id, tokens
-    sampled at most) of every sampling row. verifying: a speculative decoding step that verifies drafts
-    (step_program.spec_step); its rows' real columns are their last ``tokens sampled at most`` ones. blocks: a
-    prefill step in query blocks (``first_block`` the last array). rounds: draft-verify rounds at most
-    (SchedulerOutput.rounds; with rounds > 1 ``reserve`` [rows, rounds x T], the slots of each row's reserved
-    positions, joins the arrays); first_columns: each verification row's real columns in the first round (1 + its
-    drafts), by row."""
+    with speculative decoding next_ids, follow and left, each [rows, ...]), the sampling tensors, and the (row,
+    request id, tokens sampled at most) of every sampling row. verifying: a speculative decoding step that verifies
+    drafts (step_program.spec_step); its rows' real columns are their last ``tokens sampled at most`` ones, but
+    for rows following their step in flight (``follow`` >= 0: the device lays them out again,
+    ``StepProgram.follow_in_flight``, and may sample more or fewer). blocks: a prefill step in query blocks
+    (``first_block`` the last array). rounds: draft-verify rounds at most (SchedulerOutput.rounds; with rounds > 1
+    ``reserve`` [rows, rounds x T], the slots of each row's reserved positions, joins the arrays)."""
 
     arrays: list[np.ndarray]
     tensors: SamplingTensors
@@ -75,7 +75,6 @@ class StepInputs:
     verifying: bool = False
     blocks: bool = False
     rounds: int = 1
-    first_columns: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 def step_shape(out: SchedulerOutput, num_pages: dict[int, int], min_prefill_t: int, prefill_capacity: int,
@@ -124,11 +123,13 @@ class InputBatch:
       (engine/drafter.py). prefill_block: None, or Q: prefill steps are laid out in query blocks of Q columns
       (kernels_pallas/mla/query_blocks.py; ``first_block`` joins the arrays) with block tables max_pages wide
       (the engine passes None with speculative decoding: its drafter shifts tokens within a row).
+      max_model_len: the engine's (the tokens a row following its step in flight may still sample).
     """
 
     def __init__(self, *, ranks: int, max_rows: int, page_size: int, min_prefill_t: int, prefill_capacity: int,
                  num_scheduler_steps: int, eos_token_id: int | None, vocab_size: int, engine_seed: int,
-                 max_logprobs: int, num_drafts: int = 0, prefill_block: int | None = None, max_pages: int = 0):
+                 max_logprobs: int, num_drafts: int = 0, prefill_block: int | None = None, max_pages: int = 0,
+                 max_model_len: int = 1 << 30):
         self.ranks = ranks
         self.max_rows = max_rows
         self.page_size = page_size
@@ -142,8 +143,10 @@ class InputBatch:
         self.num_drafts = num_drafts
         self.prefill_block = prefill_block
         self.max_pages = max_pages
+        self.max_model_len = max_model_len
         self.requests: dict[int, RequestState] = {}
         self._feed: dict[int, int] = {}  # req_id -> buffer slot of its token sampled by the last dispatched step
+        self._feed_speculative = False  # that step was speculative: its drafts and rollback are in the buffer too
 
     def update_states(self, out: SchedulerOutput) -> None:
         """Applies a step's request changes: drops finished and preempted requests, registers new ones, extends
@@ -174,9 +177,11 @@ class InputBatch:
                          for r in out.all_requests()}
         rows, t, pages = step_shape(out, num_pages, self.min_prefill_t, self.prefill_capacity, self.prefill_block,
                                     self.max_pages)
-        if out.speculative and out.kind is StepKind.DECODE:  # the last token and the most drafts of a row
-            t = out.verify_columns or min(bucket(max(r.num_input_tokens(out.kind) for r in out.all_requests())),
-                                          self.num_drafts + 1)
+        if out.speculative and out.kind is StepKind.DECODE:  # the last token and the most drafts of a row (all
+            # of them for a row following its step in flight: the device lays it out, step_program.py)
+            t = out.verify_columns or (self.num_drafts + 1 if any(
+                self._follows(r, self.requests[r.req_id]) for r in out.all_requests()) else min(
+                bucket(max(r.num_input_tokens(out.kind) for r in out.all_requests())), self.num_drafts + 1))
         return rows, t, pages
 
     def build(self, out: SchedulerOutput, allowed: dict[int, np.ndarray] | None = None) -> StepInputs:
@@ -216,8 +221,9 @@ class InputBatch:
         dest = np.full((n_rows,), self.ranks * self.max_rows, np.int32)  # out of range: dropped
         stop_ids = np.full((n_rows, DEVICE_STOP_IDS), -1, np.int32)  # [rows, S]: -1 matches no token
         next_ids = np.full((n_rows,), -1, np.int32)  # speculative prefill: the token after the chunk, if known
+        follow = np.full((n_rows,), -1, np.int32)  # a verification after its step in flight: that step's slot
+        left = np.zeros((n_rows,), np.int32)  # ... and the tokens it may still sample, as the host counts them
         reserve = np.full((n_rows, rounds * t), -1, np.int32)  # several rounds: slots of the reserved positions
-        first_columns = {}
         params = [_PAD_PARAMS] * n_rows
         states: list[RequestState | None] = [None] * n_rows
         steps = np.zeros((n_rows,), np.int64)
@@ -251,6 +257,14 @@ class InputBatch:
                                            + list(r.draft_token_ids))
                 else:
                     ids[row, t - n_in:] = self._input_ids(state, r, end, src, row, t - 1)
+                if verifying and self._follows(r, state):  # laid out again on device (step_program.py)
+                    follow[row] = self._feed[r.req_id]
+                    o = r.first_sampled - len(state.prompt_token_ids)  # outputs before its first sample
+                    left[row] = min(state.params.max_tokens - o, self.max_model_len - r.first_sampled)
+                elif PLACEHOLDER in r.draft_token_ids:
+                    raise RuntimeError(f"request {r.req_id}: drafts proposed on device by a step not in flight")
+                elif decode and not verifying and src[row, t - 1] >= 0 and self._feed_speculative:
+                    raise RuntimeError(f"request {r.req_id}: a plain step after its speculative step in flight")
                 if not blocked:
                     positions[row, t - n_in:] = range(r.start, end)
                     block_table[row, : len(state.pages)] = state.pages
@@ -260,7 +274,6 @@ class InputBatch:
                         slots[row, t - n_in:] = at[:n_in]
                         if rounds > 1:
                             reserve[row, :n] = at
-                        first_columns[row] = n_in
                     else:
                         slots[row, slice(0, n) if multi else slice(t - n, t)] = at
                     seqlens[row] = end
@@ -275,7 +288,7 @@ class InputBatch:
                     stop_ids[row, : len(stops)] = stops
                 elif out.speculative and not decode:  # a prefill chunk short of the end: its next token is known
                     next_ids[row] = (state.prompt_token_ids + state.output_token_ids)[end]
-        self._feed = feed
+        self._feed, self._feed_speculative = feed, out.speculative
         words = None
         if allowed is not None:  # [rows, T or 1, W]: a verification row's columns decide its next tokens, each
             # with its mask; all-allowed rows where a row has none
@@ -289,8 +302,14 @@ class InputBatch:
         if blocked:
             arrays.append(first_block)
         if out.speculative:
-            arrays += [next_ids, reserve] if rounds > 1 else [next_ids]
-        return StepInputs(arrays, tensors, sampled, verifying, blocked, rounds, first_columns)
+            arrays += [next_ids, follow, left, reserve] if rounds > 1 else [next_ids, follow, left]
+        return StepInputs(arrays, tensors, sampled, verifying, blocked, rounds)
+
+    def _follows(self, r: ScheduledRequest, state: RequestState) -> bool:
+        """Whether the chunk of a speculative step follows its request's step in flight: that step was
+        speculative and its tokens have not been fetched (the chunk's last token comes from the buffer)."""
+        return (self._feed_speculative and r.req_id in self._feed
+                and len(state.prompt_token_ids) + len(state.output_token_ids) <= r.start)
 
     def _input_ids(self, state: RequestState, r: ScheduledRequest, end: int, src: np.ndarray, row: int,
                    col: int) -> list[int]:

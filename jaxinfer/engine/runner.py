@@ -2,7 +2,8 @@
 engine step").
 
 It owns the device state of serving: the paged latent cache (per layer [R * pages_per_rank, 64, 1, C+R]), the
-token buffer that carries sampled tokens from one step to the next on device, and the expert-load window; and its
+token buffer that carries sampled tokens from one step to the next on device (and, with speculative decoding, the
+drafts and rollbacks: ``drafted``), and the expert-load window; and its
 own per-request state (inputs.InputBatch), updated from each SchedulerOutput: it never reads the scheduler's
 objects. ``execute`` dispatches a step and returns at once; ``fetch`` waits for its tokens.
 """
@@ -38,15 +39,16 @@ from jaxinfer.parallel.multihost import global_array, to_host
 
 @dataclasses.dataclass
 class InFlight:
-    """A dispatched step: the (row, request id, tokens sampled) of every sampling row, the device outputs
+    """A dispatched step: the (row, request id, tokens sampled at most) of every sampling row, the device outputs
     (a SampleOutput, or a VerifyOutput for a verification step: with a leading [rounds] axis for several rounds),
-    the drafts it proposed (or None), and a verification row's real columns in its first round."""
+    the drafts it proposed (or None), and each verification row's real columns in its first round ([R], on
+    device: a row following its step in flight is laid out there)."""
 
     sampled: list[tuple[int, int, int]]
     logprobs_width: dict[int, int]
     output: SampleOutput | VerifyOutput
     drafts: Drafts | None = None
-    first_columns: dict[int, int] = dataclasses.field(default_factory=dict)
+    columns: jax.Array | None = None
 
 
 class ModelRunner:
@@ -75,6 +77,7 @@ class ModelRunner:
         compile the others in a background thread (``_block_steps``).
       kv_store: the KV storage tier (kv/page_store.py) or None: pages move between it and the cache through
         ``page_io`` (``execute`` places a step's ``page_loads``; ``store_pages`` copies registered pages out).
+      max_model_len: the engine's (InputBatch).
     """
 
     def __init__(self, model, num_pages_per_rank: int, *, attention_backend: str, max_num_seqs: int = 64,
@@ -82,7 +85,7 @@ class ModelRunner:
                  engine_seed: int = 0, max_logprobs: int = 20, expert_load_window: int = 1000,
                  num_scheduler_steps: int = 1, eos_token_id: int | None = None, greedy_screening: bool = False,
                  num_drafts: int = 0, prefill_block: int | None = None, max_pages: int = 0,
-                 compile_ahead: bool = True, kv_store: PageStore | None = None):
+                 compile_ahead: bool = True, kv_store: PageStore | None = None, max_model_len: int = 1 << 30):
         self.model = model
         self.backend = BACKENDS[attention_backend]
         self.greedy_screening = greedy_screening
@@ -92,7 +95,7 @@ class ModelRunner:
                                  prefill_capacity=prefill_capacity, num_scheduler_steps=num_scheduler_steps,
                                  eos_token_id=eos_token_id, vocab_size=model.config.vocab_size,
                                  engine_seed=engine_seed, max_logprobs=max_logprobs, num_drafts=num_drafts,
-                                 prefill_block=prefill_block, max_pages=max_pages)
+                                 prefill_block=prefill_block, max_pages=max_pages, max_model_len=max_model_len)
         self.num_drafts = num_drafts
         self.compile_ahead = compile_ahead
         self._batch = NamedSharding(model.mesh, P(BATCH_AXES))
@@ -106,6 +109,9 @@ class ModelRunner:
         self.page_io = PageIO(kv_store, num_pages_per_rank, model.dtype) if kv_store is not None else None
         self.num_pages_per_rank = num_pages_per_rank
         self.tokens = global_array(np.zeros(ranks * max_rows, np.int32), self._batch)
+        # Speculative decoding: each row's drafts, positions not accepted and stop, by token-buffer slot (spec_step)
+        self.drafted = (global_array(np.zeros((ranks * max_rows, num_drafts + 2), np.int32), self._batch)
+                        if num_drafts else None)
         load_shape = (ranks, model.config.num_moe_layers, model.config.n_routed_experts)
         self.load = ExpertLoadWindow(load_shape, self._batch, expert_load_window)
 
@@ -127,7 +133,8 @@ class ModelRunner:
     def program(self) -> StepProgram:
         return StepProgram(self.model, self._state_leaves[1], backend=self.backend,
                            ranks=self.inputs.ranks, max_rows=self.inputs.max_rows,
-                           prefill_capacity=self.inputs.prefill_capacity, batch_sharding=self._batch)
+                           prefill_capacity=self.inputs.prefill_capacity, batch_sharding=self._batch,
+                           page_size=self.inputs.page_size)
 
     def refresh_state(self) -> None:
         """Reads the model state again at the next step (after it was changed in place, e.g. rebalanced experts).
@@ -149,8 +156,7 @@ class ModelRunner:
         widths = {req_id: self.inputs.requests[req_id].params.logprobs for _, req_id, _ in step.sampled}
         packed = global_array(packed, self._batch)
         if out.speculative:
-            return InFlight(step.sampled, widths, *self._run_spec(packed, layout, step.verifying, step.rounds),
-                            step.first_columns)
+            return InFlight(step.sampled, widths, *self._run_spec(packed, layout, step.verifying, step.rounds))
         return InFlight(step.sampled, widths, self._run(packed, layout, step.blocks))
 
     def gather_pages(self, rank: int, pages: list[int]) -> jax.Array:
@@ -197,10 +203,11 @@ class ModelRunner:
         return out
 
     def _run_spec(self, packed: jax.Array, layout: packing.Layout, verifying: bool, rounds: int):
-        """``_run`` for speculative decoding (StepProgram.spec_step): returns (samples, drafts)."""
-        out, drafts, layers, (latents, slots), self.tokens, (total, load) = self.program.spec_step(
-            self._state_leaves[0], self.layers, self.mtp_layers, self.tokens, self.load.total, self.load.evicted(),
-            packed, layout, verifying, self.num_drafts, rounds, self.head_screen)
+        """``_run`` for speculative decoding (StepProgram.spec_step): returns (samples, drafts, round 0's columns)."""
+        step = self.program.spec_step
+        out, drafts, layers, (latents, slots), self.tokens, self.drafted, columns, (total, load) = step(
+            self._state_leaves[0], self.layers, self.mtp_layers, self.tokens, self.drafted, self.load.total,
+            self.load.evicted(), packed, layout, verifying, self.num_drafts, rounds, self.head_screen)
         self.load.push(total, load)
         if self.backend.writes_in_step:
             self.layers = layers
@@ -208,7 +215,7 @@ class ModelRunner:
         else:
             written = self.program.write(self.layers + self.mtp_layers, latents, slots)
             self.layers, self.mtp_layers = written[:len(self.layers)], written[len(self.layers):]
-        return out, drafts
+        return out, drafts, columns
 
     def fetch(self, step: InFlight) -> RunnerOutput:
         """Waits for a dispatched step; returns its sampled tokens (and logprobs) by request id, and records them
@@ -230,11 +237,12 @@ class ModelRunner:
         if verifying:  # round i's columns first .. first + accepted (first: T - n in round 0, then 0), while it ran
             accepted = to_host(out.num_accepted).reshape(-1, token_ids.shape[1])  # [rounds, R], -1: sat it out
             t = out.token_ids.shape[-1]
+            columns = to_host(step.columns)  # [R]
             cols = {}
             for row, req_id, _ in step.sampled:
-                n0 = step.first_columns[row]
+                n0 = int(columns[row])  # 0: a row following its step in flight whose sequence had ended
                 cols[row], verified[req_id] = [], []
-                for i, a in enumerate(int(a) for a in accepted[:, row] if a >= 0):
+                for i, a in enumerate(int(a) for a in accepted[:, row] if a >= 0 and n0):
                     first = t - n0 if i == 0 else 0
                     cols[row].extend(i * t + c for c in range(first, first + a + 1))
                     verified[req_id].append((n0 - 1 if i == 0 else t - 1, a))

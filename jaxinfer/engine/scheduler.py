@@ -59,6 +59,16 @@ rank has prefill work that fits, else a DECODE step over all ranks.
   found that a round costs more than the tokens it returns. After ``PROBE_AFTER_PLAIN_STEPS`` plain steps in a
   row, where one round of perfect drafts would pay, one round verifying one draft refreshes every sequence's
   drafts (a stale estimate is never final; a probe runs one round, not k).
+- Speculative steps in flight (async scheduling; verify="all": the confidence rule needs the drafts'
+  probabilities, so that engine applies each speculative step first). A sequence whose speculative step is in
+  flight is scheduled again before that step is applied: its chunk verifies the drafts that step proposes on
+  device (``PLACEHOLDER`` drafts) at the positions it would have if that step computed all it reserved, within
+  the tokens it may still sample counted so (at least one position). The device lays the chunk out again as
+  this scheduler would have with the step applied (step_program.py ``follow_in_flight``): it starts as many
+  positions earlier as that step left unused, and may sample as many more tokens (its pages cover them). The
+  update places the chunk's outputs that many positions earlier (``Sequence.rollbacks_at_commit``) and takes
+  up to that many more tokens; "length" is decided at each update on the known outputs. A plain step waits for
+  the update of a speculative step in flight.
 - Known tokens. Outputs the host appends without sampling (structured output's forced tokens, ``append_outputs``)
   are computed by the sequence's next step as one chunk, which then samples the token after them (a decode
   sequence's chunk covers its last token and the appended ones; a waiting sequence computes them in its prefill).
@@ -643,9 +653,13 @@ class Scheduler:
                 if n:
                     out.append(_Chunk(seq, n, int(seq.num_computed_tokens + n == seq.num_tokens)))
                 continue
-            # Tokens it may still sample (>= 1: commit finishes a sequence that reaches either limit).
+            if seq.rollbacks_at_commit and not plan.speculative:
+                continue  # a plain step needs the exact positions of its speculative step in flight: after it
+            # Tokens it may still sample (>= 1: commit finishes a sequence that reaches either limit, but for one
+            # following its step in flight, which the device lays out again: see "Speculative steps in flight").
             left = max(1, min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens))
-            drafts = seq.draft_token_ids[:left - 1 if width is None else min(left - 1, width)]
+            known = seq.draft_token_ids or (PLACEHOLDER,) * seq.num_device_drafts  # or proposed in flight
+            drafts = known[:left - 1 if width is None else min(left - 1, width)]
             if width == 0:  # a plain step: the drafts are dropped (the next speculative step drafts again)
                 seq.draft_token_ids, seq.draft_probs = (), ()
             # A round drafts after 1 token; a constrained sequence's next token needs a mask from its last one.
@@ -762,6 +776,7 @@ class Scheduler:
         seq.num_preemptions += 1
         seq.draft_token_ids = ()
         seq.draft_probs = ()
+        seq.num_device_drafts = 0
         seq.unsent_token_ids = []
         self.waiting[seq.rank].appendleft(seq)
 
@@ -804,9 +819,13 @@ class Scheduler:
                 seq.num_computed_tokens += c.num_tokens
                 self._register_full_pages(seq)
                 seq.output_token_ids.extend([PLACEHOLDER] * c.num_sampled)
+                in_flight = bool(seq.rollbacks_at_commit)  # a step of its own whose update may roll back
+                if self.speculative and c.num_sampled:  # (see "Speculative steps in flight")
+                    seq.rollbacks_at_commit.append((seq.num_rolled_back, in_flight and plan.speculative))
+                    seq.num_device_drafts = self.num_drafts if plan.speculative else 0
                 if c.drafts or c.rounds:
                     seq.draft_token_ids = ()           # verified by this step; the length check waits for update
-                elif c.num_sampled and self._at_length_limit(seq):
+                elif c.num_sampled and not in_flight and self._at_length_limit(seq):
                     self.finish(seq, "length", keep_pending=True)  # update still fills its last tokens
             requests.append(tuple(rank_requests))
         # One entry per page, the last: a page loaded, released and evicted in this same step could be loaded again.
@@ -816,8 +835,12 @@ class Scheduler:
         return SchedulerOutput(plan.kind, tuple(requests), new, finished, tuple(s.seq_id for s in plan.preempted),
                                plan.speculative, loads, kv_in, rounds=plan.rounds, verify_columns=plan.verify_columns)
 
-    def _at_length_limit(self, seq: Sequence) -> bool:
-        return seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
+    def _at_length_limit(self, seq: Sequence, known: bool = False) -> bool:
+        """Whether its outputs reach max_tokens or its tokens max_model_len, placeholders counted (unless
+        ``known``: the tokens of steps in flight not counted)."""
+        pending = seq.num_placeholders if known else 0
+        return (seq.num_output_tokens - pending >= seq.params.max_tokens
+                or seq.num_tokens - pending >= self.max_model_len)
 
     # ---- results ------------------------------------------------------------------------------------------
     def update_from_output(self, output: SchedulerOutput, result: RunnerOutput) -> list[TokenUpdate]:
@@ -828,32 +851,43 @@ class Scheduler:
         stores the next drafts. Requests finished since the step was scheduled are skipped. Returns one
         TokenUpdate per sequence whose outputs changed.
 
-        Raises ValueError for a missing token (fewer than the step sampled, without drafts) or a rollback that
-        is not the sequence's newest step (a draft step must be applied before the next step is scheduled).
+        Raises ValueError for a missing token (fewer than the step sampled, without drafts) or a rollback that a
+        later step in flight does not follow (one scheduled by a scheduler that is not ``speculative``).
         """
         updates = []
         for r in output.all_requests():
             seq = self._seqs.get(r.req_id)
             if seq is None or r.num_sampled == 0:
                 continue
-            # Its first placeholder: the output after the chunk's last known token (drafts are not outputs yet).
-            first = r.first_sampled - seq.num_prompt_tokens
+            # Its first placeholder: the output after the chunk's last known token (drafts are not outputs yet),
+            # as many earlier as positions of its steps before were rolled back since it was committed. A chunk that
+            # followed its step in flight was laid out again on device: it samples up to that many more (or fewer).
+            base, follows = seq.rollbacks_at_commit.popleft() if seq.rollbacks_at_commit else (0, False)
+            shift = seq.num_rolled_back - base if follows else 0
+            first = r.first_sampled - shift - seq.num_prompt_tokens
             outputs = seq.output_token_ids
             if first >= len(outputs) or outputs[first] != PLACEHOLDER:
                 continue                               # dropped: the sequence stopped at an earlier token
             tokens = result.sampled.get(r.req_id, ())
-            verifies = bool(r.draft_token_ids) or r.num_sampled > 1 and output.rounds > 1  # may roll back
-            if len(tokens) < r.num_sampled and not verifies or len(tokens) > r.num_sampled:
+            verifies = bool(r.draft_token_ids) or r.num_sampled > 1 and output.rounds > 1 or follows  # rolls back
+            most = r.num_sampled + max(shift, 0)
+            if len(tokens) < r.num_sampled and not verifies or len(tokens) > most:
                 raise ValueError(f"{len(tokens)} sampled tokens for seq {r.req_id}, its step samples "
-                                 f"{r.num_sampled}")
-            if not tokens:
+                                 f"{r.num_sampled if most == r.num_sampled else f'up to {most}'}")
+            if not tokens and not follows:  # (a following one finds its sequence ended by length or a stop)
                 raise ValueError(f"no sampled token for seq {r.req_id}")
-            rejected = r.num_sampled - len(tokens)
-            if rejected:
-                if first + r.num_sampled != len(outputs):
-                    raise ValueError(f"seq {r.req_id}: drafts rolled back after a later step was scheduled")
-                del outputs[first + len(tokens):]
-                seq.num_computed_tokens -= rejected
+            rejected = r.num_sampled - len(tokens)  # < 0: positions it took from those the step before left
+            if rejected:  # its placeholders now (a later speculative step's follow them on device)
+                end = first + r.num_sampled
+                if end != len(outputs) and not seq.rollbacks_at_commit:
+                    raise ValueError(f"seq {r.req_id}: drafts rolled back after a later step was scheduled that "
+                                     f"does not follow them (a plain step)")
+                if any(t != PLACEHOLDER for t in outputs[first:end]):
+                    raise ValueError(f"seq {r.req_id}: outputs {first} .. {end - 1} are not this step's placeholders")
+                outputs[first + min(len(tokens), r.num_sampled):end] = [PLACEHOLDER] * max(0, -rejected)
+                seq.num_rolled_back += rejected
+                if seq.status is SequenceStatus.RUNNING:  # (a preempted one computes again from 0)
+                    seq.num_computed_tokens -= rejected
             num = 0
             for j, token in enumerate(tokens):
                 if first + j >= len(outputs):
@@ -873,14 +907,17 @@ class Scheduler:
             drafts, accepted = sum(d for d, _ in rounds), sum(a for _, a in rounds)
             seq.num_draft_tokens += drafts
             seq.num_accepted_tokens += accepted
+            later = bool(seq.rollbacks_at_commit)  # a later step of its own, in flight, verifies the drafts
             if seq.status is SequenceStatus.RUNNING:
-                if verifies and self._at_length_limit(seq):
+                if self._at_length_limit(seq, known=True):  # a verification's (later steps' tokens dropped)
                     self.finish(seq, "length")
                 else:
                     self._register_full_pages(seq)
-                    seq.draft_token_ids = tuple(result.draft_token_ids.get(r.req_id, ()))
-                    seq.draft_probs = tuple(result.draft_probs.get(r.req_id, ()))
-                    self._observe(seq.draft_probs)
+                    if not later:
+                        seq.num_device_drafts = 0
+                        seq.draft_token_ids = tuple(result.draft_token_ids.get(r.req_id, ()))
+                        seq.draft_probs = tuple(result.draft_probs.get(r.req_id, ()))
+                        self._observe(seq.draft_probs)
             updates.append(TokenUpdate(seq, first, num, drafts, accepted, tuple(rounds)))
             self._drop_if_complete(seq)
         return updates

@@ -16,6 +16,10 @@ from typing import Any
 
 from jaxinfer.engine.sampling_params import SamplingParams
 
+# A token sampled (or a draft proposed) on device whose value the host does not know yet: a step in flight computes
+# it (Scheduler.schedule; the runner reads it from the device's buffers).
+PLACEHOLDER = -1
+
 
 class StepKind(str, enum.Enum):
     """Every step is either a prefill step or a decode step over all DP ranks (DeepSeek's two phases)."""
@@ -45,7 +49,11 @@ class NewRequest:
 class ScheduledRequest:
     """Compute positions [start, start + num_tokens) of request ``req_id`` this step.
 
-    start: the request's computed tokens before the step (its KV lives in positions [0, start)).
+    start: the request's computed tokens before the step (its KV lives in positions [0, start)); for a chunk
+      following its speculative step in flight (``draft_token_ids`` placeholders, or a verification whose last
+      token that step samples), as if that step computed every position it reserved: the device moves the chunk
+      back by the positions it did not, and may then sample as many more (scheduler.py "Speculative steps in
+      flight").
     num_sampled: tokens the step samples for it: 0 for a prefill chunk short of the request's last token; 1 for
       a prefill chunk reaching it; for a decode step without drafts, one per iteration (multi-step decode: the
       chunk computes its last token, then each token it samples itself, ``num_tokens`` iterations); with drafts,
@@ -56,7 +64,8 @@ class ScheduledRequest:
       reaches the request's last token, else 0: such a chunk computes known tokens, like a prefill chunk.
     new_page_ids: pages appended to the request's block table by this step (rank-local ids; its whole table for
       a ``NewRequest``).
-    draft_token_ids: speculative tokens verified in this step (the inputs at positions start + 1 ...).
+    draft_token_ids: speculative tokens verified in this step (the inputs at positions start + 1 ...);
+      ``PLACEHOLDER`` for drafts the step in flight proposes on device.
     new_token_ids: outputs the host appended since the runner last heard of the request (structured output's
       forced tokens, Scheduler.append_outputs); the runner appends them to its own copy before the step.
     """

@@ -17,14 +17,15 @@ before the next sample: see scheduler.py). A preempted sequence goes back to WAI
 
 from __future__ import annotations
 
+import collections
 import enum
 from collections.abc import Sequence as _Seq
 
 from jaxinfer.engine.sampling_params import SamplingParams
+from jaxinfer.engine.scheduler_output import PLACEHOLDER
 from jaxinfer.kv.prefix_cache import page_hashes
 
 
-PLACEHOLDER = -1  # an output token sampled on device whose value the host does not know yet (Scheduler.schedule)
 
 
 class SequenceStatus(enum.Enum):
@@ -69,6 +70,13 @@ class Sequence:
         self.draft_probs: tuple[float, ...] = ()    # the drafter's probability of each draft (DSpark)
         self.num_draft_tokens = 0       # drafts verified (speculative decoding)
         self.num_accepted_tokens = 0    # drafts accepted
+        # Async speculative steps (Scheduler "Decode"): drafts the step in flight proposes on device, positions
+        # rolled back so far (net), and per step in flight (oldest first) that count at its commit and whether it
+        # follows the step before it on device: its placeholders sit as many positions earlier as were rolled back
+        # since.
+        self.num_device_drafts = 0
+        self.num_rolled_back = 0
+        self.rollbacks_at_commit: collections.deque[tuple[int, bool]] = collections.deque()
         self.finish_reason: str | None = None
         self.error: str | None = None
         self._hashes: list[int] = []     # chained page hashes of the leading full pages of all_token_ids

@@ -46,11 +46,11 @@ class StepProgram:
 
     backend: the attention backend (models/attention.py): "pallas" reads the cache written inside the step; "xla"
     writes it afterwards in a second program (``write``). ranks, max_rows: the token buffer's layout (slot rank *
-    max_rows + row); prefill_capacity: a prefill step's tokens per rank at most.
+    max_rows + row); prefill_capacity: a prefill step's tokens per rank at most; page_size: a KV page's positions.
     """
 
     def __init__(self, model, treedef, *, backend: AttentionBackend, ranks: int, max_rows: int,
-                 prefill_capacity: int, batch_sharding):
+                 prefill_capacity: int, batch_sharding, page_size: int = 64):
         self.model = model
         self.treedef = treedef
         self.backend = backend
@@ -58,6 +58,7 @@ class StepProgram:
         self.max_rows = max_rows
         self.prefill_capacity = prefill_capacity
         self.batch = batch_sharding
+        self.page_size = page_size
         self.vocab_size = model.config.vocab_size
 
     @functools.cached_property
@@ -108,9 +109,9 @@ class StepProgram:
     @functools.cached_property
     def spec_step(self):
         """The step of speculative decoding (MTP drafts; engine/drafter.py, engine/rejection_sampler.py):
-        spec_step(state_leaves, layers, mtp_layers, tokens, load_total, load_evict, packed, layout, verifying,
-        num_drafts, rounds, screen) -> (output, Drafts [R, K], layers, (latents, slots) to write, tokens,
-        (load_total, load)).
+        spec_step(state_leaves, layers, mtp_layers, tokens, drafted, load_total, load_evict, packed, layout,
+        verifying, num_drafts, rounds, screen) -> (output, Drafts [R, K], layers, (latents, slots) to write,
+        tokens, drafted, a verification row's real columns in its first round [R], (load_total, load)).
 
         A prefill step (verifying=False) samples each row's next token as ``step`` does (a SampleOutput) and runs
         the MTP module over the chunk, the token after the chunk being ``next_ids`` (a host-known token) or the
@@ -119,25 +120,39 @@ class StepProgram:
         accepted tokens. Both propose K drafts from the row's last token. With rounds > 1 a verification step
         runs up to that many draft-verify rounds (``verify_rounds``; its outputs get a leading [rounds] axis). To
         write: the MTP latents at the step's slots, and the main layers' latents too when the backend does not
-        write in the step."""
+        write in the step.
+
+        drafted int32 [ranks * max_rows, K + 2], a buffer like ``tokens`` (slot rank * max_rows + row): each
+        sampling row's drafts, its positions not accepted (reserved minus computed) and whether it sampled a stop
+        token (1 / 0), so that the next
+        verification, dispatched before this step's results reach the host, follows on device
+        (``follow_in_flight``)."""
         graphdef, treedef = self.model.graphdef, self.treedef
         backend = self.backend
         write_cache = backend.writes_in_step
         options = None if write_cache else {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
 
-        @functools.partial(jax.jit, donate_argnums=((1, 3, 4) if write_cache else (3, 4)),
-                           static_argnums=(7, 8, 9, 10), compiler_options=options)
-        def step(state_leaves, layers, mtp_layers, tokens, load_total, load_evict, packed, layout, verifying,
-                 num_drafts, rounds, screen):
-            ids, src, positions, block_table, seqlens, slots, dest, stop_ids, next_ids, *reserve, tensors = (
-                packing.unpack(packed, layout))  # reserve: [slots of the reserved positions] with rounds > 1
+        @functools.partial(jax.jit, donate_argnums=((1, 3, 4, 5) if write_cache else (3, 4, 5)),
+                           static_argnums=(8, 9, 10, 11), compiler_options=options)
+        def step(state_leaves, layers, mtp_layers, tokens, drafted, load_total, load_evict, packed, layout,
+                 verifying, num_drafts, rounds, screen):
+            (ids, src, positions, block_table, seqlens, slots, dest, stop_ids, next_ids, follow, left, *reserve,
+             tensors) = packing.unpack(packed, layout)  # reserve: [slots of the reserved positions] with rounds > 1
             ids = jnp.where(src >= 0, tokens[jnp.maximum(src, 0)], ids)  # [R, T]
             model = nnx.merge(graphdef, jax.tree.unflatten(treedef, state_leaves))
             md = AttentionMetadata(positions, block_table, seqlens, slots)
+            columns = jnp.zeros(ids.shape[:1], jnp.int32)  # [R] a verification row's real columns in round 0
+            if verifying:
+                reserved = jnp.sum((reserve[0] if reserve else slots) >= 0, axis=1)  # [R] as the host laid out
+                ids, md, reserve, tensors = self.follow_in_flight(drafted, follow, left, ids, md, reserve, tensors,
+                                                                  rounds)
+                slots = md.slots
+                columns = jnp.sum(slots >= 0, axis=1)
             if verifying and rounds > 1:
-                out, drafts, layers, latents, slots, last, load = self.verify_rounds(
+                out, drafts, layers, latents, slots, last, load, ended = self.verify_rounds(
                     model, layers, mtp_layers[0], ids, md, reserve[0], tensors, stop_ids, num_drafts, rounds,
                     load_total.shape)
+                unused = reserved - jnp.sum(slots >= 0, axis=1)  # [R]
                 n = self.max_rows * slots.shape[1]
             else:
                 r, t = ids.shape
@@ -148,23 +163,87 @@ class StepProgram:
                     anchor = jnp.minimum(first, t - 1) + out.num_accepted  # [R]
                     after = out.token_ids  # [R, T]: the token after each column, up to the anchor
                     last = jnp.take_along_axis(after, anchor[:, None], axis=1)[:, 0]  # [R]
+                    unused = reserved - jnp.where(columns > 0, out.num_accepted + 1, 0)  # [R]
+                    cols = jnp.arange(t)[None, :]
+                    made = (cols >= first[:, None]) & (cols <= anchor[:, None])  # [R, T]: its new tokens
+                    ended = jnp.any(made[..., None] & (after[..., None] == stop_ids[:, None, :]), axis=(1, 2))
                     n = self.max_rows * (num_drafts + 1)
                 else:
                     out = head_sample(model, h[:, -1], tensors, screen)  # [R]
                     last = out.token_ids
                     after = jnp.concatenate([ids[:, 1:], jnp.where(next_ids >= 0, next_ids, last)[:, None]], axis=1)
                     anchor = jnp.full((r,), t - 1, jnp.int32)
+                    unused = jnp.zeros((r,), jnp.int32)
+                    ended = is_stop(last, stop_ids)
                     n = self.prefill_capacity
                 drafts, mtp_latents, _ = propose(model, h, after, mtp_layers[0], md, anchor, num_drafts)
                 latents = (mtp_latents,) if write_cache else (*layers, mtp_latents)
             tokens = tokens.at[dest].set(last, mode="drop")
+            state = jnp.concatenate([drafts.token_ids, unused[:, None], ended[:, None].astype(jnp.int32)], axis=1)
+            drafted = drafted.at[dest].set(state, mode="drop")  # [rows, K + 2]
             load = jnp.broadcast_to(load, load_total.shape)
             load = jax.lax.with_sharding_constraint(load, self.batch)
             load_total = load_total + load - load_evict
             writes = (tuple(self._pack(x, 0, n) for x in latents), self._pack(slots, -1, n))
-            return out, drafts, (layers if write_cache else None), writes, tokens, (load_total, load)
+            return (out, drafts, (layers if write_cache else None), writes, tokens, drafted, columns,
+                    (load_total, load))
 
         return step
+
+    def follow_in_flight(self, drafted, follow, left, ids, md: AttentionMetadata, reserve: list, tensors,
+                         rounds: int):
+        """Lays out the rows of a verification step scheduled while their previous step was in flight (async
+        scheduling, scheduler.py "Decode"), as the scheduler would have with that step applied.
+
+        The host laid such a row out as if that step had accepted every position it reserved, its drafts unknown.
+        follow int32 [R]: the row's slot in ``drafted`` (that step's drafts, its reserved positions it did not
+        compute and whether it sampled a stop token: ``spec_step``), -1 for a row laid out from known values
+        (unchanged here). left int32 [R]: the
+        tokens the row may still sample as the host counted them. With s positions not computed, the row starts
+        s positions earlier and may sample left + s tokens: like the scheduler's ``_schedule_decode``, it verifies
+        min(K, left + s - 1) drafts in its first round, reserves up to rounds - 1 later rounds of T positions
+        within left + s (``rounds`` > 1) and within the positions the host's pages hold (its reservation + s),
+        and none once that step sampled a stop token (its sequence has ended). Its last token is the host's
+        (read from the token buffer); positions, slots (through the block table, which covers the host's
+        reservation), seqlens, reserved slots and sampling keys (``tensors.steps``: outputs before the row's first
+        sample) follow. Returns (ids, md, reserve, tensors)."""
+        r, t = ids.shape
+        k = drafted.shape[1] - 2
+        page = self.page_size
+        prev = drafted[jnp.maximum(follow, 0)]  # [R, K + 2]
+        on = follow >= 0  # [R]
+        shift = jnp.where(on, prev[:, k], 0)  # [R]
+        real = md.slots >= 0  # [R, T]
+        col = jnp.minimum(t - jnp.sum(real, axis=1), t - 1)[:, None]  # [R, 1]: the host's last-token column
+        last = jnp.take_along_axis(ids, col, axis=1)[:, 0]  # [R]
+        start = jnp.take_along_axis(md.positions, col, axis=1)[:, 0] - shift  # [R]: the last token's position
+        room = jnp.sum((reserve[0] if reserve else md.slots) >= 0, axis=1) + shift  # [R] positions paged
+        budget = left + shift  # [R] tokens it may still sample
+        num_drafts = jnp.clip(jnp.minimum(budget - 1, min(k, t - 1)), 0)  # [R]
+        n = jnp.clip(jnp.minimum(jnp.minimum(1 + num_drafts + (rounds - 1) * t, budget), room), 0)  # [R]
+        n = jnp.where(prev[:, k + 1] > 0, 0, n)
+        first = t - jnp.minimum(n, 1 + num_drafts)  # [R]: t when the row computes nothing
+        cols = jnp.arange(t)[None, :]
+        d = cols - first[:, None] - 1  # [R, T]: the draft index of each column
+        new_ids = jnp.where(d < 0, last[:, None], jnp.take_along_axis(prev[:, :k], jnp.clip(d, 0, k - 1), axis=1))
+        new_real = cols >= first[:, None]  # [R, T]
+
+        def slot_of(pos):  # [R, n] positions -> slots, through the block table
+            pages = jnp.take_along_axis(md.block_table, jnp.clip(pos // page, 0, md.block_table.shape[1] - 1), axis=1)
+            return pages * page + pos % page
+
+        pos = jnp.where(new_real, start[:, None] + cols - first[:, None], 0)  # [R, T]
+        md = dataclasses.replace(
+            md, positions=jnp.where(on[:, None], pos, md.positions),
+            slots=jnp.where(on[:, None], jnp.where(new_real, slot_of(pos), -1), md.slots),
+            seqlens=jnp.where(on, jnp.where(first < t, start + t - first, 0), md.seqlens))
+        if reserve:  # [R, W]: the reserved positions from the last token's on
+            w = reserve[0].shape[1]
+            at = start[:, None] + jnp.arange(w)[None, :]  # [R, W]
+            reserve = [jnp.where(on[:, None], jnp.where(jnp.arange(w)[None, :] < n[:, None], slot_of(at), -1),
+                                 reserve[0])]
+        ids = jnp.where(on[:, None] & new_real, new_ids, ids)
+        return ids, md, reserve, dataclasses.replace(tensors, steps=tensors.steps - shift)
 
     def verify_rounds(self, model, layers, mtp_cache, ids, md: AttentionMetadata, reserve, tensors, stop_ids,
                       num_drafts: int, rounds: int, load_shape: tuple[int, ...]):
@@ -189,7 +268,7 @@ class StepProgram:
         Returns (VerifyOutput with a leading [rounds] axis, num_accepted -1 in rounds a row did not take part in;
         the last round's Drafts of each row; layers (pallas) or None; latents to write (per layer [R, W, C+R]
         (XLA), then the MTP module's); their slots [R, W] (-1 past the row's computed positions); each row's last
-        token [R]; expert load summed over the rounds)."""
+        token [R]; expert load summed over the rounds; whether the row sampled a stop token [R])."""
         backend = self.backend
         write_cache = backend.writes_in_step
         r, t = ids.shape
@@ -212,7 +291,7 @@ class StepProgram:
         cache = layers  # the XLA backend's: only read
 
         def body(carry):
-            j, off, ids, active, layers, windows, mtp_window, tensors, outs, drafts, last, load_sum = carry
+            j, off, ids, active, layers, windows, mtp_window, tensors, outs, drafts, last, load_sum, ended = carry
             first = jnp.where(active, jnp.where(j == 0, first0, 0), t)  # [R]: t where the row sits out
             idx = off[:, None] + cols[None, :] - first[:, None]  # [R, T]: the columns' window offsets
             real = cols[None, :] >= first[:, None]  # [R, T]
@@ -247,17 +326,20 @@ class StepProgram:
             ids = jnp.concatenate([last[:, None], drafts.token_ids[:, :t - 1]], axis=1)  # the next round's
             load_sum = load_sum + jnp.broadcast_to(load, load_shape)
             active = active & ~stopped & (off + t <= reserved)
-            return j + 1, off, ids, active, layers, windows, mtp_window, tensors, outs, drafts, last, load_sum
+            return (j + 1, off, ids, active, layers, windows, mtp_window, tensors, outs, drafts, last, load_sum,
+                    ended | stopped)
 
         def more(carry):
             return (carry[0] < rounds) & jnp.any(carry[3])
 
         carry = (jnp.int32(0), jnp.zeros((r,), jnp.int32), ids, live, layers if write_cache else None, windows,
-                 mtp_window, tensors, outs, no_drafts, jnp.zeros((r,), jnp.int32), jnp.zeros(load_shape, jnp.int32))
-        _, off, _, _, layers, windows, mtp_window, _, outs, drafts, last, load = jax.lax.while_loop(more, body, carry)
+                 mtp_window, tensors, outs, no_drafts, jnp.zeros((r,), jnp.int32), jnp.zeros(load_shape, jnp.int32),
+                 jnp.zeros((r,), bool))
+        _, off, _, _, layers, windows, mtp_window, _, outs, drafts, last, load, ended = jax.lax.while_loop(
+            more, body, carry)
         slots = jnp.where(jnp.arange(w)[None, :] < off[:, None], reserve, -1)  # [R, W]: computed positions only
         latents = (mtp_window[:, :w],) if write_cache else (*windows, mtp_window[:, :w])
-        return outs, drafts, (layers if write_cache else None), latents, slots, last, load
+        return outs, drafts, (layers if write_cache else None), latents, slots, last, load, ended
 
     def decode_loop(self, model, layers, tokens, ids, md: AttentionMetadata, dest, tensors,
                     load_shape: tuple[int, ...], stop_ids, stopped, screen):

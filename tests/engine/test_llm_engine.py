@@ -191,7 +191,8 @@ def test_engine_config_is_llm_options():
                       seed=0, max_logprobs=20, num_redundant_experts=None, expert_load_window=1000,
                       rebalance_every_n_steps=None, num_scheduler_steps=None, greedy_screening=None,
                       compilation_cache=None, attention_backend=None, moe_path=None, speculative_config=None,
-                      prefill_layout="blocks", compile_ahead=None, kv_cache_dir=None, kv_cache_max_bytes=None)
+                      prefill_layout="blocks", compile_ahead=None, kv_cache_dir=None, kv_cache_max_bytes=None,
+                      async_scheduling=True)
     assert fields == documented
     assert list(inspect.signature(LLM).parameters)[:3] == ["model", "mesh", "dtype"]
     for name, bad in [("max_num_seqs", 0), ("num_kv_pages", 1), ("max_logprobs", -1), ("num_scheduler_steps", 2.0),
@@ -200,7 +201,8 @@ def test_engine_config_is_llm_options():
                       ("compilation_cache", ""), ("prefill_layout", "ragged"), ("compile_ahead", 1),
                       ("num_redundant_experts", -1), ("rebalance_every_n_steps", 0), ("seed", 1.5),
                       ("speculative_config", {"method": "mtp"}), ("speculative_config", "mtp"),
-                      ("kv_cache_dir", ""), ("kv_cache_dir", 3), ("kv_cache_max_bytes", 10 ** 9)]:
+                      ("kv_cache_dir", ""), ("kv_cache_dir", 3), ("kv_cache_max_bytes", 10 ** 9),
+                      ("async_scheduling", None)]:
         with pytest.raises(ValueError, match=name):
             EngineConfig(**{name: bad})
         with pytest.raises(ValueError, match=name):

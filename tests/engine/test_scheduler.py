@@ -1062,3 +1062,43 @@ def test_exchanges_keep_each_ranks_requests_and_never_raise_the_cost(data, num_r
     assert [exchanged.count(r) for r in range(num_ranks)] == [greedy.count(r) for r in range(num_ranks)]
     assert (_placement_cost(current, arrivals, exchanged, role)
             <= _placement_cost(current, arrivals, greedy, role) + 1e-9)
+
+
+def test_verification_follows_its_step_in_flight():
+    """Async speculative steps (see "Decode"): scheduled before the step in flight is applied, a verification
+    verifies the drafts that step proposes on device (PLACEHOLDER drafts) from the positions it would have if
+    that step accepted all it reserved. That step's update rolls its rejected positions back, the later step's
+    placeholders moving down with them; the later step, laid out again on device with the positions given back
+    (step_program.py ``follow_in_flight``), may sample as many more tokens, and its update fills them in.
+    "length" is decided on the known outputs, whatever is in flight."""
+    sched = make(num_pages=32, speculative=True, num_drafts=3, num_scheduler_steps=2)
+    a = sched.add(seq(0, 6, max_tokens=14))
+    prefill = sched.schedule()                                      # samples output 0 and drafts, on device
+    first = sched.schedule()                                        # before the prefill's update: 2 rounds
+    (r,) = first.requests[0]
+    assert (r.start, r.num_tokens, r.num_sampled, r.draft_token_ids) == (6, 8, 8, (PLACEHOLDER,) * 3)
+    t0 = fake_token(0, 6)
+    sched.update_from_output(prefill, RunnerOutput({0: [t0]}, draft_token_ids={0: [1, 2, 3]}))
+    assert a.draft_token_ids == () and a.output_token_ids == [t0] + [PLACEHOLDER] * 8  # verified in flight
+    second = sched.schedule()                                       # as if `first` computed its 8 positions
+    (r2,) = second.requests[0]
+    assert (r2.start, r2.num_tokens, r2.draft_token_ids) == (14, 5, (PLACEHOLDER,) * 3)  # 14 - 9 outputs left
+    assert a.num_computed_tokens == 19 and a.num_output_tokens == 14 and not a.is_finished
+    sched.update_from_output(first, RunnerOutput({0: [7, 8, 9, 10, 11]}, verified={0: [(3, 1), (3, 2)]}))
+    assert a.output_token_ids == [t0, 7, 8, 9, 10, 11] + [PLACEHOLDER] * 5 and a.num_computed_tokens == 16
+    # `second` starts 3 positions earlier on device, with 3 more tokens to sample: two full rounds
+    tokens = list(range(12, 20))
+    (u,) = sched.update_from_output(second, RunnerOutput({0: tokens}, draft_token_ids={0: [4, 5, 6]},
+                                                         verified={0: [(3, 3), (3, 3)]}))
+    assert (u.first, u.num) == (6, 8) and a.output_token_ids == [t0, 7, 8, 9, 10, 11] + tokens
+    assert a.num_computed_tokens == 19 == a.num_tokens - 1 and a.finish_reason == "length"
+    assert sched.schedule().finished_req_ids == (0,) and not sched.has_unfinished()
+    b = sched.add(seq(1, 6, max_tokens=5))
+    prefill = sched.schedule()
+    first = sched.schedule()                                        # outputs 1 .. 4, if it accepts all
+    sched.update_from_output(prefill, RunnerOutput({1: [t0]}, draft_token_ids={1: [1, 2, 3]}))
+    second = sched.schedule()                                       # in case it does not: one position
+    assert second.requests[0][0].num_sampled == 1 and b.num_output_tokens == 6 and not b.is_finished
+    sched.update_from_output(first, RunnerOutput({1: [7, 8, 9, 10]}, verified={1: [(3, 3)]}))
+    assert b.output_token_ids == [t0, 7, 8, 9, 10] and b.finish_reason == "length"  # `second`'s dropped
+    assert sched.update_from_output(second, RunnerOutput({1: []})) == [] and not sched.has_unfinished()

@@ -46,17 +46,21 @@ def token_ids(outs) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def speculative():
-    """K = 3 drafts, recording the drafts of every running sequence after each step: (its tokens, its drafts,
-    their probabilities) in ``llm.drafts``."""
+    """K = 3 drafts, recording the drafts every step proposed for a running sequence: (its tokens up to the
+    step's last, the drafts, their probabilities) in ``llm.drafts`` (a later step in flight verifies them on
+    device: its placeholders are not the sequence's tokens yet)."""
     llm = LLM(**KW, speculative_config=spec(3))
     scheduler, llm.drafts = llm.engine.scheduler, []
     update = scheduler.update_from_output
 
     def recording(output, result):
         updates = update(output, result)
-        llm.drafts.extend((tuple(u.seq.prompt_token_ids + u.seq.output_token_ids), u.seq.draft_token_ids,
-                           u.seq.draft_probs) for u in updates
-                          if u.seq.draft_token_ids and not u.seq.is_finished)
+        for u in updates:
+            drafts, seq = result.draft_token_ids.get(u.seq.seq_id), u.seq
+            if drafts and not seq.is_finished:
+                known = seq.output_token_ids[:seq.num_output_tokens - seq.num_placeholders]
+                llm.drafts.append((tuple(seq.prompt_token_ids + known), tuple(drafts),
+                                   tuple(result.draft_probs[seq.seq_id])))
         return updates
 
     scheduler.update_from_output = recording
@@ -143,6 +147,32 @@ def test_rounds_on_device_verify_what_one_round_steps_verify(speculative, greedy
     assert (many.num_drafts, many.num_draft_tokens, many.accepted_per_position) == (
         one.num_drafts, one.num_draft_tokens, one.accepted_per_position)
     assert many.steps < one.steps
+
+
+def test_async_steps_sample_what_applied_steps_sample(speculative, greedy):
+    """Async scheduling (each verification dispatched before the step in flight is applied, following its drafts
+    and rollback on device: step_program.py ``follow_in_flight``) against every step applied before the next
+    (``async_scheduling=False``), on the same engine, with steps of 8 rounds and of one: two seeded samples at
+    temperature 0.8 (rows with different accepted counts, so each row's positions and sampling keys move by its
+    own rollback) get the same tokens, and the same drafts are verified and accepted at every position."""
+    engine, scheduler = speculative.engine, speculative.engine.scheduler
+    config = engine.config
+    params = SamplingParams(n=2, temperature=0.8, top_k=50, seed=7, max_tokens=24, ignore_eos=True)
+    runs = {}
+    try:
+        for k in (8, 1):
+            scheduler.num_scheduler_steps = k
+            for overlap in (True, False):
+                engine.config = dataclasses.replace(config, async_scheduling=overlap)
+                got = speculative.generate(BATCH[:1], params, use_tqdm=False)
+                s = speculative.stats
+                runs[k, overlap] = token_ids(got), (s.num_drafts, s.num_draft_tokens, s.accepted_per_position)
+    finally:
+        scheduler.num_scheduler_steps, engine.config = 8, config
+    for k in (8, 1):
+        assert runs[k, True] == runs[k, False], k
+        tokens, (_, verified, accepted) = runs[k, True]
+        assert tokens[0] != tokens[1] and 0 < sum(accepted) < verified
 
 
 def test_penalties_and_logprobs_across_rounds(speculative, greedy):
