@@ -2,10 +2,10 @@
 engine step").
 
 It owns the device state of serving: the paged latent cache (per layer [R * pages_per_rank, 64, 1, C+R]), the
-token buffer that carries sampled tokens from one step to the next on device (and, with speculative decoding, the
-drafts and rollbacks: ``drafted``), and the expert-load window; and its
-own per-request state (inputs.InputBatch), updated from each SchedulerOutput: it never reads the scheduler's
-objects. ``execute`` dispatches a step and returns at once; ``fetch`` waits for its tokens.
+token buffer that carries sampled tokens from one step to the next on device (with speculative decoding also each
+row's drafts and unused positions: ``drafted``), and the expert-load window; and its own per-request state
+(inputs.InputBatch), updated from each SchedulerOutput: it never reads the scheduler's objects. ``execute``
+dispatches a step and returns at once; ``fetch`` waits for its tokens.
 """
 
 from __future__ import annotations

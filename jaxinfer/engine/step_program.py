@@ -193,20 +193,19 @@ class StepProgram:
     def follow_in_flight(self, drafted, follow, left, ids, md: AttentionMetadata, reserve: list, tensors,
                          rounds: int):
         """Lays out the rows of a verification step scheduled while their previous step was in flight (async
-        scheduling, scheduler.py "Decode"), as the scheduler would have with that step applied.
+        scheduling, scheduler.py "Speculative steps in flight") as the scheduler would have with that step applied.
 
-        The host laid such a row out as if that step had accepted every position it reserved, its drafts unknown.
+        The host laid such a row out as if that step had computed every position it reserved, its drafts unknown.
         follow int32 [R]: the row's slot in ``drafted`` (that step's drafts, its reserved positions it did not
         compute and whether it sampled a stop token: ``spec_step``), -1 for a row laid out from known values
-        (unchanged here). left int32 [R]: the
-        tokens the row may still sample as the host counted them. With s positions not computed, the row starts
-        s positions earlier and may sample left + s tokens: like the scheduler's ``_schedule_decode``, it verifies
-        min(K, left + s - 1) drafts in its first round, reserves up to rounds - 1 later rounds of T positions
-        within left + s (``rounds`` > 1) and within the positions the host's pages hold (its reservation + s),
-        and none once that step sampled a stop token (its sequence has ended). Its last token is the host's
-        (read from the token buffer); positions, slots (through the block table, which covers the host's
-        reservation), seqlens, reserved slots and sampling keys (``tensors.steps``: outputs before the row's first
-        sample) follow. Returns (ids, md, reserve, tensors)."""
+        (unchanged here). left int32 [R]: the tokens the row may still sample as the host counted them. With s
+        positions not computed, the row starts s positions earlier and may sample left + s tokens: like the
+        scheduler's ``_schedule_decode``, it verifies min(K, left + s - 1) drafts in its first round and reserves up
+        to rounds - 1 later rounds of T positions, within left + s and within the positions its pages hold (the
+        host's reservation + s); nothing once that step sampled a stop token (its sequence has ended). Its last
+        token is the host's (read from the token buffer); positions, slots (through the block table, which covers
+        the host's reservation), seqlens, reserved slots and sampling keys (``tensors.steps``: outputs before the
+        row's first sample) follow. Returns (ids, md, reserve, tensors)."""
         r, t = ids.shape
         k = drafted.shape[1] - 2
         page = self.page_size
