@@ -252,7 +252,8 @@ def test_confidence_verification_is_greedy_on_a_mesh(greedy):
     verification step sees (K + 1) x rows), with a cost model under which rounds pay (the CPU's says they never
     do; a pass costs 256 + positions, drafting free: a round of one draft pays from a first confidence of 1 / 257,
     all three once the second and third drafts are worth 2 more columns): the same greedy tokens, with fewer
-    drafts verified than proposed."""
+    drafts verified than proposed. Then, the same engine verifying every draft (verify="all": each verification
+    dispatched before the step in flight is applied, each rank's rows following it on device): the same tokens."""
     ref = token_ids(greedy[0])
     llm = LLM(**{**KW, "mesh": "2x4"}, speculative_config=spec(3, "confidence"))
     assert llm.engine.scheduler.step_cost == STEP_COSTS["cpu"]  # where rounds hardly pay: a cost model that verifies
@@ -260,6 +261,9 @@ def test_confidence_verification_is_greedy_on_a_mesh(greedy):
     got = llm.generate(BATCH[:2], dataclasses.replace(GREEDY, max_tokens=16), use_tqdm=False)
     assert token_ids(got) == [r[:16] for r in ref[:2]]
     assert 0 < llm.stats.num_draft_tokens < 3 * llm.stats.num_drafts
+    llm.engine.scheduler.confidence_verify = False
+    got = llm.generate(BATCH[:2], dataclasses.replace(GREEDY, max_tokens=16), use_tqdm=False)
+    assert token_ids(got) == [r[:16] for r in ref[:2]] and llm.stats.num_accepted_tokens > 0
 
 
 def test_rounds_with_the_cache_written_in_the_step(greedy):
