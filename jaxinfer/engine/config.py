@@ -80,7 +80,8 @@ class EngineConfig:
       unbounded. Needs kv_cache_dir; below one page: ValueError when the engine is built.
     async_scheduling: schedule and dispatch step n + 1 before step n's tokens reach the host (vLLM v1's async
       scheduling; speculative verifications follow their step in flight on device); False: apply every step
-      before the next is built (for measurements and debugging; outputs do not change).
+      before the next is built (for measurements and debugging; the same outputs, but for seeded speculative
+      samples where page pressure preempts differently: docs/architecture.md "Speculative decoding (MTP)").
 
     Raises ValueError naming the field for an invalid value.
     """

@@ -154,7 +154,8 @@ def test_async_steps_sample_what_applied_steps_sample(speculative, greedy):
     and rollback on device: step_program.py ``follow_in_flight``) against every step applied before the next
     (``async_scheduling=False``), on the same engine, with steps of 8 rounds and of one: two seeded samples at
     temperature 0.8 (rows with different accepted counts, so each row's positions and sampling keys move by its
-    own rollback) get the same tokens, and the same drafts are verified and accepted at every position."""
+    own rollback) get the same tokens, and the same drafts are verified and accepted at every position (their
+    pages fit: no preemption, which async steps' earlier reservations could cause where applied steps' do not)."""
     engine, scheduler = speculative.engine, speculative.engine.scheduler
     config = engine.config
     params = SamplingParams(n=2, temperature=0.8, top_k=50, seed=7, max_tokens=24, ignore_eos=True)
@@ -166,6 +167,7 @@ def test_async_steps_sample_what_applied_steps_sample(speculative, greedy):
                 engine.config = dataclasses.replace(config, async_scheduling=overlap)
                 got = speculative.generate(BATCH[:1], params, use_tqdm=False)
                 s = speculative.stats
+                assert s.preemptions == 0
                 runs[k, overlap] = token_ids(got), (s.num_drafts, s.num_draft_tokens, s.accepted_per_position)
     finally:
         scheduler.num_scheduler_steps, engine.config = 8, config
