@@ -310,11 +310,11 @@ class LLMEngine:
         self.stats.steps += 1
         self.stats.scheduled_tokens += out.num_scheduled_tokens
         self.stats.prefill_tokens += out.num_scheduled_tokens if out.kind == "prefill" else 0
-        # Applied before the next step is built: every step without async scheduling; a speculative step whose
-        # drafts verify="confidence" weighs by their probabilities (verify="all"'s next verification follows it
-        # on device: scheduler.py "Speculative steps in flight"); a step sampling for penalties, which count every
-        # token (a constrained sequence waits for its own tokens instead: scheduler.py "Constrained sequences").
-        sync = (not self.config.async_scheduling or out.speculative and self.scheduler.confidence_verify
+        # Applied before the next step is built: every step without async scheduling; a step sampling for
+        # penalties, which count every token (a constrained sequence waits for its own tokens instead: scheduler.py
+        # "Constrained sequences"; the next verification follows a speculative step on device: "Speculative steps
+        # in flight").
+        sync = (not self.config.async_scheduling
                 or any(self._seqs[r.req_id][0].params.uses_penalties
                        for r in out.all_requests() if r.num_sampled and r.req_id in self._seqs))
         return _Dispatched(out, handle, sync)

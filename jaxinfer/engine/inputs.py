@@ -177,11 +177,9 @@ class InputBatch:
                          for r in out.all_requests()}
         rows, t, pages = step_shape(out, num_pages, self.min_prefill_t, self.prefill_capacity, self.prefill_block,
                                     self.max_pages)
-        if out.speculative and out.kind is StepKind.DECODE:  # the last token and the most drafts of a row (all
-            # of them for a row following its step in flight: the device lays it out, step_program.py)
-            t = out.verify_columns or (self.num_drafts + 1 if any(
-                self._follows(r, self.requests[r.req_id]) for r in out.all_requests()) else min(
-                bucket(max(r.num_input_tokens(out.kind) for r in out.all_requests())), self.num_drafts + 1))
+        if out.speculative and out.kind is StepKind.DECODE:  # the last token and the most drafts a row verifies
+            t = out.verify_columns or min(bucket(max(r.num_input_tokens(out.kind) for r in out.all_requests())),
+                                          self.num_drafts + 1)
         return rows, t, pages
 
     def build(self, out: SchedulerOutput, allowed: dict[int, np.ndarray] | None = None) -> StepInputs:

@@ -59,16 +59,16 @@ rank has prefill work that fits, else a DECODE step over all ranks.
   found that a round costs more than the tokens it returns. After ``PROBE_AFTER_PLAIN_STEPS`` plain steps in a
   row, where one round of perfect drafts would pay, one round verifying one draft refreshes every sequence's
   drafts (a stale estimate is never final; a probe runs one round, not k).
-- Speculative steps in flight (async scheduling; verify="all": the confidence rule needs the drafts'
-  probabilities, so that engine applies each speculative step first). A sequence whose speculative step is in
-  flight is scheduled again before that step is applied: its chunk verifies the drafts that step proposes on
+- Speculative steps in flight (async scheduling). A sequence whose speculative step is in flight is scheduled
+  again before that step is applied (verify="confidence" weighs its drafts, not known yet, with the mean
+  confidence of recent drafts, as a sequence without drafts; a plain step waits for it): its chunk verifies
+  the drafts that step proposes on
   device (``PLACEHOLDER`` drafts) at the positions it would have if that step computed all it reserved, within
   the tokens it may still sample counted so (at least one position). The device lays the chunk out again as
   this scheduler would have with the step applied (step_program.py ``follow_in_flight``): it starts as many
   positions earlier as that step left unused, and may sample as many more tokens (its pages cover them). The
   update places the chunk's outputs that many positions earlier (``Sequence.rollbacks_at_commit``) and takes
-  up to that many more tokens; "length" is decided at each update on the known outputs. A plain step waits for
-  the update of a speculative step in flight.
+  up to that many more tokens; "length" is decided at each update on the known outputs.
 - Known tokens. Outputs the host appends without sampling (structured output's forced tokens, ``append_outputs``)
   are computed by the sequence's next step as one chunk, which then samples the token after them (a decode
   sequence's chunk covers its last token and the appended ones; a waiting sequence computes them in its prefill).
@@ -187,7 +187,7 @@ class _Plan:
     chunks: list[list[_Chunk]]
     preempted: list[Sequence] = dataclasses.field(default_factory=list)
     speculative: bool = False
-    verify_columns: int = 0  # T of a multi-round verification step (see "Decode")
+    verify_columns: int = 0  # T of a verification step: 1 + the drafts a round verifies (see "Decode")
     rounds: int = 1  # draft-verify rounds of a verification step at most
 
     def empty(self) -> bool:
@@ -532,9 +532,9 @@ class Scheduler:
             plan.kind = StepKind.DECODE
             width, probe = self._verify_width()
             plan.speculative = self.speculative and width != 0
-            if plan.speculative and self.num_scheduler_steps > 1 and not probe:  # rounds on device (see "Decode")
+            if plan.speculative:  # a round's columns; several rounds on device (see "Decode")
                 plan.verify_columns = 1 + (self.num_drafts if width is None else width)
-                plan.rounds = self.num_scheduler_steps
+                plan.rounds = self.num_scheduler_steps if self.num_scheduler_steps > 1 and not probe else 1
             columns = self._known_columns()
             for rank in range(self.num_ranks):
                 self._schedule_decode(rank, plan, width, columns)
@@ -666,7 +666,7 @@ class Scheduler:
             masked = seq.params.structured_outputs is not None
             one = plan.speculative or masked
             want = 1 + len(drafts) if drafts else (1 if one else min(left, self.num_scheduler_steps))
-            rounds = bool(plan.verify_columns) and not masked
+            rounds = plan.rounds > 1 and not masked
             if rounds:  # later rounds of T positions, within what it may sample
                 want = min(want + (self.num_scheduler_steps - 1) * plan.verify_columns, left)
             n = self._grow(seq, want, plan)
@@ -913,11 +913,12 @@ class Scheduler:
                     self.finish(seq, "length")
                 else:
                     self._register_full_pages(seq)
+                    probs = tuple(result.draft_probs.get(r.req_id, ()))
+                    self._observe(probs)
                     if not later:
                         seq.num_device_drafts = 0
                         seq.draft_token_ids = tuple(result.draft_token_ids.get(r.req_id, ()))
-                        seq.draft_probs = tuple(result.draft_probs.get(r.req_id, ()))
-                        self._observe(seq.draft_probs)
+                        seq.draft_probs = probs
             updates.append(TokenUpdate(seq, first, num, drafts, accepted, tuple(rounds)))
             self._drop_if_complete(seq)
         return updates

@@ -104,7 +104,7 @@ class SchedulerOutput:
     speculative: a step of speculative decoding (the runner's ``spec_step``: one draft-verify round, every
       sampling request gets new drafts); False: a plain step (a multi-step decode step: no drafts).
     rounds: draft-verify rounds a verification step runs on device at most (step_program.py ``verify_rounds``);
-      verify_columns: their T columns (1 + the drafts each later round verifies) when rounds > 1, else 0.
+      verify_columns: a verification step's T columns (1 + the drafts a round verifies at most), else 0.
     page_loads: pages read from the KV storage tier at admission, per rank (rank-local page id, the page's data
       [layers, page_size, width] in the cache's value dtype): the runner writes them into the cache before the
       step, which reads them as cached keys.
