@@ -26,8 +26,6 @@ from jaxinfer.engine.scheduler_output import PLACEHOLDER
 from jaxinfer.kv.prefix_cache import page_hashes
 
 
-
-
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -70,10 +68,10 @@ class Sequence:
         self.draft_probs: tuple[float, ...] = ()    # the drafter's probability of each draft (DSpark)
         self.num_draft_tokens = 0       # drafts verified (speculative decoding)
         self.num_accepted_tokens = 0    # drafts accepted
-        # Async speculative steps (Scheduler "Decode"): drafts the step in flight proposes on device, positions
-        # rolled back so far (net), and per step in flight (oldest first) that count at its commit and whether it
-        # follows the step before it on device: its placeholders sit as many positions earlier as were rolled back
-        # since.
+        # Async speculative steps (scheduler.py "Speculative steps in flight"): drafts the step in flight proposes
+        # on device, positions rolled back so far (net), and per step in flight (oldest first) that count at its
+        # commit and whether it follows the step before it on device: its placeholders sit as many positions
+        # earlier as were rolled back since.
         self.num_device_drafts = 0
         self.num_rolled_back = 0
         self.rollbacks_at_commit: collections.deque[tuple[int, bool]] = collections.deque()

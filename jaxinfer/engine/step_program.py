@@ -41,6 +41,15 @@ def is_stop(token_ids: jax.Array, stop_ids: jax.Array) -> jax.Array:
     return jnp.any(token_ids[:, None] == stop_ids, axis=1)
 
 
+def stops_in_run(after: jax.Array, first: jax.Array, anchor: jax.Array, stop_ids: jax.Array) -> jax.Array:
+    """after int32 [R, T] (a verification's token after each column), first / anchor int32 [R] (the row's first
+    real column and its last accepted one), stop_ids [R, S] -> bool [R]: a token the row sampled, after[first ..
+    anchor], is one of its stop tokens."""
+    cols = jnp.arange(after.shape[1])[None, :]
+    made = (cols >= first[:, None]) & (cols <= anchor[:, None])  # [R, T]
+    return jnp.any(made[..., None] & (after[..., None] == stop_ids[:, None, :]), axis=(1, 2))
+
+
 class StepProgram:
     """The step and write programs of one model and cache layout.
 
@@ -124,9 +133,8 @@ class StepProgram:
 
         drafted int32 [ranks * max_rows, K + 2], a buffer like ``tokens`` (slot rank * max_rows + row): each
         sampling row's drafts, its positions not accepted (reserved minus computed) and whether it sampled a stop
-        token (1 / 0), so that the next
-        verification, dispatched before this step's results reach the host, follows on device
-        (``follow_in_flight``)."""
+        token (1 / 0), so that the next verification, dispatched before this step's results reach the host,
+        follows on device (``follow_in_flight``)."""
         graphdef, treedef = self.model.graphdef, self.treedef
         backend = self.backend
         write_cache = backend.writes_in_step
@@ -164,9 +172,7 @@ class StepProgram:
                     after = out.token_ids  # [R, T]: the token after each column, up to the anchor
                     last = jnp.take_along_axis(after, anchor[:, None], axis=1)[:, 0]  # [R]
                     unused = reserved - jnp.where(columns > 0, out.num_accepted + 1, 0)  # [R]
-                    cols = jnp.arange(t)[None, :]
-                    made = (cols >= first[:, None]) & (cols <= anchor[:, None])  # [R, T]: its new tokens
-                    ended = jnp.any(made[..., None] & (after[..., None] == stop_ids[:, None, :]), axis=(1, 2))
+                    ended = stops_in_run(after, first, anchor, stop_ids)
                     n = self.max_rows * (num_drafts + 1)
                 else:
                     out = head_sample(model, h[:, -1], tensors, screen)  # [R]
@@ -313,8 +319,7 @@ class StepProgram:
             new_last = jnp.take_along_axis(after, anchor[:, None], axis=1)[:, 0]  # [R]
             new_drafts, _, mtp_window = propose(model, h, after, mtp_cache, round_md, anchor, num_drafts,
                                                 window=DecodeWindow(mtp_window, start, off))
-            made = (cols[None, :] >= first[:, None]) & (cols[None, :] <= anchor[:, None])  # [R, T]: new tokens
-            stopped = jnp.any(made[..., None] & (after[..., None] == stop_ids[:, None, :]), axis=(1, 2))  # [R]
+            stopped = stops_in_run(after, first, anchor, stop_ids)  # [R]
             count = jnp.where(active, acc + 1, 0)  # [R]
             tensors = advance_columns(tensors, after, first, count)
             off = off + count
