@@ -10,9 +10,10 @@ Workload: 64 prompts of random tokens, lengths log-uniform in [8, 1500] (seeded)
 (engine/step_log.py: sum over steps of the max over ranks / sum over steps of the mean) of prefill tokens and
 attention over the prefill steps and of KV pages and running requests over the decode steps, per engine; the mean
 running requests per rank over the decode steps (the requests goal is 1 + 1 / that mean: whole requests cannot
-split); step counts, and the wall time, TTFT and TPOT medians of a second run of the workload (the first, of
-other tokens of the same lengths, compiles every step shape). --simulate runs the engine's Scheduler alone with a fake
-model (every sampled token 11; the ranks, steps and step records are the engine's), seconds instead of minutes.
+split); the busiest rank's attention summed over the prefill steps (what the steps' attention costs, in millions
+of new x total tokens); step counts, and the wall time, TTFT and TPOT medians of a second run of the workload (the
+first, of other tokens of the same lengths, compiles every step shape). --simulate runs the engine's Scheduler
+alone with a fake model (every sampled token 11; the ranks, steps and step records are the engine's), seconds instead of minutes.
 On the 2-core machine the simulated devices share the cores: times show overheads, not speed-ups.
 
 --bounds prints, per workload, what the decode steps' KV pages imbalance can be at best on the decode engine's
@@ -157,7 +158,9 @@ def report(label: str, log: list[dict], times: dict | None) -> None:
         mean_requests = (statistics.mean(sum(r["rank_requests"]) / len(r["rank_requests"]) for r in decode)
                          if decode else 0.0)
         steps = {k: sum(r["kind"] == k for r in own) for k in ("prefill", "decode")}
+        busiest = sum(max(r["rank_attention"]) for r in own if r["kind"] == "prefill") / 1e6
         print(f"{label} [{engine}] " + " ".join(f"{k} {v:.3f}" for k, v in figures.items())
+              + (f" | busiest attention {busiest:.2f}M" if steps["prefill"] else "")
               + (f" | requests goal {1 + 1 / mean_requests:.3f} (mean {mean_requests:.2f}/rank)" if decode else "")
               + f" | steps {steps['prefill']} prefill, {steps['decode']} decode")
     if times:

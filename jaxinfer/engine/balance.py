@@ -30,7 +30,7 @@ busiest rank now, doubles every rank's rows, a cost the sum of squares does not 
 decode objectives, pairs of arrivals on two ranks are then exchanged while that lowers the total cost (a local
 search: largest first leaves the last ranks uneven where the sizes do not fit, e.g. 3, 3, 2, 2, 2 on two ranks as
 7 / 5 instead of 6 / 6; an exchange keeps every rank's requests, hence its decode rows). Each rank then queues its
-new requests in arrival order (FIFO). Pure numpy, no JAX.
+new requests (in the order engine/scheduler.py "Ranks" gives). Pure numpy, no JAX.
 
 Even so, requests of unequal lengths leave their ranks uneven as they finish: with whole requests a rank holds at
 least the largest one, and one placement for a request's life cannot follow the lengths the others leave

@@ -17,13 +17,15 @@ rank has prefill work that fits, else a DECODE step over all ranks.
   balance.py ``WEIGHTS`` for why not attention), a prompt's tokens on each rank less those its prefix cache
   holds or its prefills are computing there (a conversation's next turn returns to its history's rank unless that
   rank is loaded out of proportion), and less those of a sequence placed with it on that rank whose prompt starts
-  the same (the n samples of a prompt). Each rank queues its new sequences in arrival order, or on a prefill engine
+  the same (the n samples of a prompt). Each rank queues its new sequences in arrival order; on a prefill engine
   (``role`` "prefill", whose balancer evens attention as well as tokens) longest first: placement evens each
   rank's totals, and in that order every rank computes its long prompts in the same steps and its short ones
   together later, where arrival order put one rank's long prompt, whose attention grows with its square, beside
   another rank's short ones; handed over in that order, the decode engine's balancer also places the largest
   first (docs/benchmarks.md "Load balance (CPU)": shortest first evened the prefill steps as well, the decode
-  engine's KV pages worse, for a lower median time to first token).
+  engine's KV pages worse, for a lower median time to first token). Where the prefill steps are balanced (see
+  "Prefill balance") a co-located engine queues them shortest first: short prompts finish in the first steps
+  while the long ones' chunks spread over the steps under the attention cap.
 - Prefill (per rank, at most ``max_num_batched_tokens`` computed tokens): running sequences whose prefill is
   unfinished continue, oldest first; then waiting sequences are admitted FIFO while fewer than ``max_num_seqs``
   run. At admission the prefix cache ``match``es the full pages of the tokens but the last (always computed:
@@ -33,6 +35,11 @@ rank has prefill work that fits, else a DECODE step over all ranks.
   its rank is computing (a sibling sample, a shared system prompt) waits, and the sequences behind it go first:
   the page is registered when the step computing it is committed, so a later step matches it instead of
   computing it again (SGLang's in-batch prefix caching deprioritizes such requests the same way).
+- Prefill balance (several ranks, prefill in query blocks; engine/prefill_plan.py). Where the ranks' prefill work
+  spans several steps, a step's chunks are cut where a rank's attention (new x total tokens) or tokens would pass
+  limits common to all ranks: the least with which every rank still finishes in the steps and padded shapes the
+  work needs without them (planned over the sequences within ``PLAN_STEPS`` steps of work, in queue order). A cut
+  chunk is whole blocks; the rank then takes later sequences whose chunks fit, skipping those that do not.
 - Prefill shapes. The runner lays a prefill step out as a [rows, T] grid per rank, T the power of two >= the
   longest chunk (at least ``min_prefill_t``), rows the power of two >= the most chunks of a rank, within
   ``prefill_capacity`` (the power of two >= ``max_num_batched_tokens``) tokens per rank: a prefill step has one of
@@ -116,6 +123,7 @@ import dataclasses
 
 from jaxinfer.engine.balance import ROLES, WEIGHTS, Demand, assign
 from jaxinfer.engine.buckets import MIN_PREFILL_T, bucket, known_columns
+from jaxinfer.engine.prefill_plan import PLAN_STEPS, step_limits, take
 from jaxinfer.engine.scheduler_output import (NewRequest, RunnerOutput, ScheduledRequest, SchedulerOutput,
                                               StepKind)
 from jaxinfer.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
@@ -389,6 +397,8 @@ class Scheduler:
         order = range(len(arrivals))
         if WEIGHTS[self.role][1]:  # a prefill engine: longest first (see "Ranks")
             order = sorted(order, key=lambda i: -arrivals[i][0].num_tokens)
+        elif self.num_ranks > 1 and self.prefill_block:  # shortest first (see "Prefill balance")
+            order = sorted(order, key=lambda i: arrivals[i][0].num_tokens)
         for i in order:
             (seq, latents, n), rank = arrivals[i], ranks[i]
             seq.rank = rank
@@ -525,9 +535,10 @@ class Scheduler:
                  else _PrefillShape(self.prefill_capacity, self.min_prefill_t))
         admitted: list[Sequence] = []
         self._place_arrivals()
+        limits = self._prefill_limits()
         for rank in range(self.num_ranks):
             self._admit_transfers(rank, admitted)
-            self._schedule_prefill(rank, plan, shape, admitted)
+            self._schedule_prefill(rank, plan, shape, admitted, limits)
         if plan.empty() and self.role != "prefill":
             plan.kind = StepKind.DECODE
             width, probe = self._verify_width()
@@ -542,9 +553,34 @@ class Scheduler:
             return None
         return self._commit(plan, admitted)
 
+    def _prefill_limits(self) -> tuple[int, float] | None:
+        """(token quota, attention cap) of each rank's next prefill step, or None (see "Prefill balance")."""
+        if self.num_ranks == 1 or not self.prefill_block:
+            return None
+        horizon = self.max_num_batched_tokens * PLAN_STEPS
+        work = []
+        for rank in range(self.num_ranks):
+            items = [(s.num_computed_tokens, s.num_prefill_tokens - s.num_computed_tokens)
+                     for s in self.running[rank] if s.is_prefilling]
+            total = sum(m for _, m in items)
+            for seq in self.waiting[rank]:             # those within the plan's horizon
+                if total >= horizon:
+                    break
+                hit = 0
+                if self.enable_prefix_caching:
+                    hit = self.caches[rank].lookup(self._prompt_hashes(seq)) * self.page_size
+                items.append((hit, seq.num_tokens - hit))
+                total += seq.num_tokens - hit
+            work.append(items)
+        return step_limits(work, self.max_num_batched_tokens, self.prefill_block,
+                           self.prefill_capacity // self.prefill_block)
+
     def _schedule_prefill(self, rank: int, plan: _Plan, shape: _PrefillShape | _PrefillBlocks,
-                          admitted: list[Sequence]) -> None:
-        budget = self.max_num_batched_tokens
+                          admitted: list[Sequence], limits: tuple[int, float] | None = None) -> None:
+        budget, cap = self.max_num_batched_tokens, None
+        if limits is not None:
+            budget, cap = min(budget, limits[0]), limits[1]
+        block = self.prefill_block
         out = plan.chunks[rank]
         for seq in list(self.running[rank]):        # unfinished prefills first, oldest first
             if budget == 0:
@@ -554,11 +590,17 @@ class Scheduler:
             n = shape.fit(out, min(budget, seq.num_prefill_tokens - seq.num_computed_tokens))
             if n == 0:
                 break                                  # the step's grid is full
+            if cap is not None:
+                n = take(seq.num_computed_tokens, n, n, cap, block)
+                if n == 0:
+                    continue
             n = self._grow(seq, n, plan)
             if n:
                 shape.add(out, n)
                 out.append(self._prefill_chunk(seq, n))
                 budget -= n
+                if cap is not None:
+                    cap -= n * (seq.num_computed_tokens + n)
         queue = self.waiting[rank]
         pending = self._pending_hashes(rank) if queue else set()  # not at every decode-phase step
         i = 0                                          # the queue's head, past the sequences waiting for pending pages
@@ -573,6 +615,13 @@ class Scheduler:
                 i += 1                                 # its next page is being computed: a later step matches it
                 continue
             room = shape.fit(out, budget)
+            if room and cap is not None:
+                hit = (self.caches[rank].lookup(self._prompt_hashes(seq)) * self.page_size
+                       if self.enable_prefix_caching else 0)
+                room = take(hit, seq.num_tokens - hit, room, cap, block)
+                if room == 0:
+                    i += 1                             # over the step's attention cap: a later step takes it
+                    continue
             n = self._admit(seq, room) if room else 0
             if n == 0:
                 break                                  # FIFO: the head blocks the queue until pages free up
@@ -584,6 +633,8 @@ class Scheduler:
             shape.add(out, n)
             out.append(self._prefill_chunk(seq, n))
             budget -= n
+            if cap is not None:
+                cap -= n * (seq.num_computed_tokens + n)
 
     def _pending_hashes(self, rank: int) -> set[int]:
         """The page hashes of the prompts ``rank``'s unfinished prefills compute (empty without prefix caching)."""

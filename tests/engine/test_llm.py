@@ -40,6 +40,26 @@ def test_greedy_matches_transformers_generate(case, mesh, layout):
     assert alone == refs[:2]
 
 
+def test_prefill_limits_cut_a_long_prompt_and_keep_its_greedy_tokens(case):
+    """8 DP ranks, prefill in blocks of 64, 96 tokens per step: a 200-token prompt alone on its rank (the others
+    short) takes 96, 96, 8 tokens as it comes, in steps whose shapes hold 2, 2 and 1 blocks per rank
+    (engine/prefill_plan.py). Within them, the least attention cap (new x total) with the full quota is 10240: 96
+    (9216), then 64 cut to whole blocks (64 x 160), then 40 (8000); 96 x 192 would be 18432. The least token quota q
+    under that cap: a first chunk of q, then 64 (q + q needs 2q^2 <= 10240, leaving over 51 for the last step,
+    whose 200 keys allow 51), then 136 - q <= 51: q = 85, chunks 85, 64, 51 (7225, 9536, 10200). Greedy tokens
+    still equal transformers'."""
+    model_case = case[0]
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, model_case.cfg["vocab_size"], n).tolist() for n in (200, 10, 12, 14, 16, 18, 20, 22)]
+    llm = LLM(model_case.path, mesh="2x4", dtype="float32", num_kv_pages=16, max_num_batched_tokens=96,
+              prefill_layout="blocks")
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [_reference(model_case.model, p, GREEDY.max_tokens)
+                                                      for p in prompts]
+    prefill = [r["rank_tokens"] for r in llm.stats.step_log if r["kind"] == "prefill"]
+    assert sorted(zip(*prefill))[-1] == (85, 64, 51)
+
+
 def test_bad_requests_do_not_stop_the_others(case):
     model_case, prompts, refs = case
     llm = LLM(model_case.path, mesh="1x1", dtype="float32", num_kv_pages=16)

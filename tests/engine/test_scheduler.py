@@ -969,28 +969,88 @@ def test_a_prefill_engine_queues_arrivals_longest_first():
         assert chunks(step(sched)[0]) == first
 
 
-def test_prefill_engine_evens_tokens_and_attention_over_its_steps():
-    """DeepSeek's prefill load balancer on 4 ranks: 64 prompts of log-uniform lengths in [8, 1500] (the load
-    balance benchmark's workload), the imbalance (engine/step_log.py) of tokens and of attention over the prefill
-    steps. Queued in arrival order, the same placements gave tokens 1.05-1.07 and attention 1.30-1.51."""
+def _prefill_log(seed: int, role: str, ranks: int, capped: bool, monkeypatch) -> list[dict]:
+    """The prefill steps of an engine of ``role`` on ``ranks`` ranks over 64 prompts of log-uniform lengths in [8,
+    1500] (the load balance benchmark's workload), each record with the step's padded query blocks ("padded")."""
     import numpy as np
 
-    from jaxinfer.engine.step_log import imbalance, step_record
+    from jaxinfer.engine import scheduler as scheduler_module
+    from jaxinfer.engine.buckets import bucket
+    from jaxinfer.engine.step_log import step_record
+
+    if not capped:
+        monkeypatch.setattr(scheduler_module, "step_limits", lambda *args, **kwargs: None)
+    rng = np.random.default_rng(seed)
+    sched = Scheduler(ranks, 2049, max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=2048, page_size=64,
+                      prefill_block=64, role=role)
+    for i, n in enumerate(np.exp(rng.uniform(np.log(8), np.log(1500), 64)).astype(int)):
+        sched.add(Sequence(i, rng.integers(10, VOCAB, n).tolist(), SamplingParams(max_tokens=4)))
+    log = []
+    while sched.has_unfinished():
+        out, _ = step(sched)
+        if out.kind.value == "prefill":
+            log.append(step_record(out, sched, role, 0.0))
+            log[-1]["padded"] = bucket(max(sum(-(-r.num_tokens // 64) for r in rank) for rank in out.requests))
+        for s in [s for rank in sched.running for s in rank if not s.is_prefilling and not s.num_placeholders]:
+            if role == "prefill":
+                sched.finish(s, "handover")
+    monkeypatch.undo()
+    return log
+
+
+@pytest.mark.parametrize("role,ranks", [("prefill", 4), ("colocated", 8)])
+def test_prefill_steps_even_attention_within_their_shapes(role, ranks, monkeypatch):
+    """DeepSeek's prefill load balancer: the limits of each prefill step (engine/prefill_plan.py) lower the steps'
+    busiest attention and its imbalance (engine/step_log.py) with the same steps of the same padded shapes as the
+    work taken as it comes (the limits off). A prefill engine (4 ranks, longest first) meets the attention goal
+    (1.05) on these workloads; its tokens per step even out less (a rank held back by the cap computes more in a
+    later step). A co-located engine (8 ranks, shortest first) evens its tokens to the goal; one 1500-token prompt
+    is more attention than a rank's share of its two steps, so its attention stays above it."""
+    from jaxinfer.engine.step_log import imbalance
 
     for seed in range(3):
-        rng = np.random.default_rng(seed)
-        sched = Scheduler(4, 2049, max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=2048, page_size=64,
-                          prefill_block=64, role="prefill")
-        for i, n in enumerate(np.exp(rng.uniform(np.log(8), np.log(1500), 64)).astype(int)):
-            sched.add(Sequence(i, rng.integers(10, VOCAB, n).tolist(), SamplingParams(max_tokens=4)))
-        log = []
-        while sched.has_unfinished():
-            out, _ = step(sched)
-            log.append(step_record(out, sched, "prefill", 0.0))
-            for s in [s for rank in sched.running for s in rank if not s.is_prefilling and not s.num_placeholders]:
-                sched.finish(s, "handover")
-        assert imbalance(log, "rank_tokens", "prefill") <= 1.035
-        assert imbalance(log, "rank_attention", "prefill") <= 1.17
+        before = _prefill_log(seed, role, ranks, False, monkeypatch)
+        after = _prefill_log(seed, role, ranks, True, monkeypatch)
+        assert [r["padded"] for r in after] == [r["padded"] for r in before]
+        assert sum(sum(r["rank_tokens"]) for r in after) == sum(sum(r["rank_tokens"]) for r in before)
+        busiest = [sum(max(r["rank_attention"]) for r in log) for log in (before, after)]
+        assert busiest[1] < busiest[0]
+        assert imbalance(after, "rank_attention", "prefill") < imbalance(before, "rank_attention", "prefill")
+        if role == "prefill":
+            assert imbalance(after, "rank_attention", "prefill") <= 1.05
+        else:
+            assert imbalance(after, "rank_tokens", "prefill") <= 1.05
+
+
+def test_a_capped_chunk_is_the_most_whole_blocks_within_the_cap():
+    """``take`` against enumeration: the chunk is the item's whole rest within the quota if its attention fits,
+    else the most whole blocks whose attention n x (c + n) fits (0 if none)."""
+    import random
+
+    from jaxinfer.engine.prefill_plan import take
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        c, m, quota, block = rng.randrange(0, 300), rng.randrange(1, 300), rng.randrange(1, 300), rng.choice([1, 8, 16])
+        cap = rng.uniform(0, 1.2 * min(m, quota) * (c + min(m, quota)))
+        top = min(m, quota)
+        expected = top if top * (c + top) <= cap else max(
+            [n for n in range(0, top + 1, block) if n * (c + n) <= cap], default=0)
+        assert take(c, m, quota, cap, block) == expected, (c, m, quota, cap, block)
+
+
+def test_attention_cap_spreads_a_long_prompt_over_the_steps_its_shapes_allow():
+    """Hand-worked: 2 ranks, 128 tokens per step, blocks of 16. Rank 0 holds one 192-token prompt, rank 1 sixteen
+    of 16 tokens: two steps of 8 blocks each (rank 1 fills both). Cutting the long prompt at n1 tokens costs n1^2
+    then (192 - n1) x 192; over whole blocks the busiest step is least at n1 = 112: 80 x 192 = 15360 (n1 = 128:
+    16384). Rank 1's 16-token prompts (256 each) fit under any such cap."""
+    from jaxinfer.engine.prefill_plan import step_limits, take
+
+    quota, cap = step_limits([[(0, 192)], [(0, 16)] * 16], budget=128, block=16)
+    assert 15360 <= cap < 15360 + 36864 / 2 ** 12 + 1    # the bisection's span (the uncapped 192^2) / 2^12
+    assert take(0, 192, 128, cap, 16) == 112 and take(112, 80, 128, cap, 16) == 80
+    assert quota == 128                                  # rank 1 needs all its blocks in both steps
+    assert step_limits([[(0, 100)], [(0, 16)] * 4], budget=128, block=16) is None   # one step: nothing to even
 
 
 def test_handed_over_sequences_wait_for_pages_and_can_be_finished_while_waiting():
