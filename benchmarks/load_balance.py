@@ -13,8 +13,9 @@ running requests per rank over the decode steps (the requests goal is 1 + 1 / th
 split); the busiest rank's attention summed over the prefill steps (what the steps' attention costs, in millions
 of new x total tokens); step counts, and the wall time, TTFT and TPOT medians of a second run of the workload (the
 first, of other tokens of the same lengths, compiles every step shape). --simulate runs the engine's Scheduler
-alone with a fake model (every sampled token 11; the ranks, steps and step records are the engine's), seconds instead of minutes.
-On the 2-core machine the simulated devices share the cores: times show overheads, not speed-ups.
+alone with a fake model (every sampled token 11; the ranks, steps and step records are the engine's), seconds
+instead of minutes. On the 2-core machine the simulated devices share the cores: times show overheads, not
+speed-ups.
 
 --bounds prints, per workload, what the decode steps' KV pages imbalance can be at best on the decode engine's
 ranks (8 co-located, 4 with PD), for the requests decoding together from one step on (8 tokens a step): "whole

@@ -13,10 +13,11 @@ blocks a rank may have per step) and each step's shape as the work taken as it c
 blocks of its busiest rank). Within those S steps and shapes, each step taking a rank's items in queue order, a
 chunk cut to whole blocks where a limit is reached and the step filled from the items after it (``_fits`` is
 that plan), it finds by bisection the least attention cap under which every rank still finishes, then the least
-token quota under that cap. So no step computes more padded
-blocks than without the limits and there are no more steps; what moves is when each rank's tokens run: a rank
-held back by the cap computes fewer tokens in an early step and more in a later one, and the quota holds the
-others back alike where the shapes leave room (docs/benchmarks.md "Load balance (CPU)").
+token quota under that cap, and for the next step a quota no larger than the tokens the rank held back most by
+the cap computes in it, where the others can still finish (else the least with which they can). So no step
+computes more padded blocks than without the limits and there are no more steps; what moves is when each rank's
+tokens run: a rank held back by the cap computes fewer tokens in an early step and more in a later one, and the
+quota holds the others back alike where the shapes leave room (docs/benchmarks.md "Load balance (CPU)").
 
 The plan is made again at every step from what is left, so admissions that wait for pages, sequences added in
 between and the decode steps of a co-located engine only change the next plan. Pure Python, no JAX.
@@ -24,14 +25,26 @@ between and the decode steps of a co-located engine only change the next plan. P
 
 from __future__ import annotations
 
+import dataclasses
+
 from jaxinfer.engine.buckets import bucket
 
 # Steps of work a plan looks at: a longer queue is planned by its first PLAN_STEPS steps (the rest when it comes
 # closer), which bounds the host time of a plan (8 ranks of 8 prompts ~1 ms, 64 ranks of 64 ~10 ms here).
 PLAN_STEPS = 4
 
-# Bisection steps over the attention cap (within 2^-12 of the span above the least feasible cap).
+# Bisection steps of each limit (it is then within 2^-12 of its span above the least that fits).
 _BISECT = 12
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLimits:
+    """What each rank's next prefill step may compute at most: ``tokens``, ``attention`` (new x total tokens
+    summed over its chunks) and query ``blocks`` (the step's padded shape as planned)."""
+
+    tokens: int
+    attention: float
+    blocks: int
 
 
 def take(c: int, m: int, quota: int, cap: float, block: int) -> int:
@@ -64,12 +77,12 @@ def _step(items: list[list[int]], quota: int, cap: float, block: int, blocks: in
     return tokens
 
 
-def _fits(work: list[tuple[int, int]], limits: list[int], quota: int, cap: float, block: int) -> bool:
-    """Whether a rank's ``work`` ([computed, left] per item, in order) is done in len(limits) steps of at most
-    ``quota`` tokens, ``cap`` attention and ``limits[s]`` query blocks each."""
+def _fits(work: list[tuple[int, int]], limits: list[int], quotas: list[int], cap: float, block: int) -> bool:
+    """Whether a rank's ``work`` ([computed, left] per item, in order) is done in len(limits) steps, step s of at
+    most ``quotas[s]`` tokens, ``cap`` attention and ``limits[s]`` query blocks."""
     items = [list(w) for w in work]
     left = sum(m for _, m in work)
-    for blocks in limits:
+    for quota, blocks in zip(quotas, limits):
         if left == 0:
             return True
         left -= _step(items, quota, cap, block, blocks)
@@ -90,8 +103,8 @@ def _padded(work: list[list[tuple[int, int]]], steps: int, quota: int, block: in
 
 
 def step_limits(work: list[list[tuple[int, int]]], budget: int, block: int, blocks: int | None = None
-                ) -> tuple[int, float] | None:
-    """(token quota, attention cap) of each rank's next prefill step (see the module doc), or None to take the
+                ) -> StepLimits | None:
+    """The limits of each rank's next prefill step (see the module doc), or None to take the
     work as it comes (it fits in one step, needs more than 2 x PLAN_STEPS steps, or the limits found do not fit:
     the greedy plan is not monotone in them everywhere).
 
@@ -110,18 +123,28 @@ def step_limits(work: list[list[tuple[int, int]]], budget: int, block: int, bloc
         clipped.append(kept)
     high = float(max(sum(m * (c + m) for c, m in items) for items in clipped))  # no cap at all
     steps = max(-(-sum(m for _, m in items) // budget) for items in clipped)  # the steps the tokens need ...
-    while steps <= 2 * PLAN_STEPS and not all(_fits(items, [blocks] * steps, budget, high, block)
+    while steps <= 2 * PLAN_STEPS and not all(_fits(items, [blocks] * steps, [budget] * steps, high, block)
                                               for items in clipped):
         steps += 1                                     # ... and their chunks' blocks
     if steps <= 1 or steps > 2 * PLAN_STEPS:
         return None
     limits = _padded(clipped, steps, budget, block, blocks)
-    cap = _least(lambda x, items: _fits(items, limits, budget, x, block), clipped, high)
-    quota = _least(lambda x, items: _fits(items, limits, int(x), cap, block), clipped, float(budget))
-    quota = min(budget, int(quota))
-    if not all(_fits(items, limits, quota, cap, block) for items in clipped):
+    cap = _least(lambda x, items: _fits(items, limits, [budget] * steps, x, block), clipped, high)
+    quota = min(budget, int(_least(lambda x, items: _fits(items, limits, [int(x)] * steps, cap, block), clipped,
+                                   float(budget))))
+    # The next step's quota: no more than the rank the cap holds back most computes in it, where the others can
+    # still finish (their tokens then wait with its attention), else the least with which they can.
+    held = []
+    for items in clipped:
+        capped, free = ([list(w) for w in items] for _ in range(2))
+        tokens = _step(capped, quota, cap, block, limits[0])
+        if tokens < _step(free, quota, high, block, limits[0]):
+            held.append(tokens)
+    fits_first = lambda x, items: _fits(items, limits, [int(x)] + [quota] * (steps - 1), cap, block)  # noqa: E731
+    first = min(quota, max(int(_least(fits_first, clipped, float(quota))), min(held, default=quota)))
+    if not all(fits_first(first, items) for items in clipped):
         return None
-    return quota, cap
+    return StepLimits(first, cap, limits[0])
 
 
 def _least(fits, work: list[list[tuple[int, int]]], high: float) -> float:

@@ -36,10 +36,11 @@ rank has prefill work that fits, else a DECODE step over all ranks.
   the page is registered when the step computing it is committed, so a later step matches it instead of
   computing it again (SGLang's in-batch prefix caching deprioritizes such requests the same way).
 - Prefill balance (several ranks, prefill in query blocks; engine/prefill_plan.py). Where the ranks' prefill work
-  spans several steps, a step's chunks are cut where a rank's attention (new x total tokens) or tokens would pass
-  limits common to all ranks: the least with which every rank still finishes in the steps and padded shapes the
-  work needs without them (planned over the sequences within ``PLAN_STEPS`` steps of work, in queue order). A cut
-  chunk is whole blocks; the rank then takes later sequences whose chunks fit, skipping those that do not.
+  spans several steps, a step's chunks are cut where a rank's attention (new x total tokens), tokens or blocks
+  would pass limits common to all ranks: the least attention and tokens with which every rank still finishes in
+  the steps and padded shapes the work needs taken as it comes, and the step's shape as planned (planned over the
+  sequences within ``PLAN_STEPS`` steps of work, in queue order). A cut chunk is whole blocks; the rank then takes
+  later sequences whose chunks fit, skipping those that do not.
 - Prefill shapes. The runner lays a prefill step out as a [rows, T] grid per rank, T the power of two >= the
   longest chunk (at least ``min_prefill_t``), rows the power of two >= the most chunks of a rank, within
   ``prefill_capacity`` (the power of two >= ``max_num_batched_tokens``) tokens per rank: a prefill step has one of
@@ -123,7 +124,7 @@ import dataclasses
 
 from jaxinfer.engine.balance import ROLES, WEIGHTS, Demand, assign
 from jaxinfer.engine.buckets import MIN_PREFILL_T, bucket, known_columns
-from jaxinfer.engine.prefill_plan import PLAN_STEPS, step_limits, take
+from jaxinfer.engine.prefill_plan import PLAN_STEPS, StepLimits, step_limits, take
 from jaxinfer.engine.scheduler_output import (NewRequest, RunnerOutput, ScheduledRequest, SchedulerOutput,
                                               StepKind)
 from jaxinfer.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
@@ -536,6 +537,8 @@ class Scheduler:
         admitted: list[Sequence] = []
         self._place_arrivals()
         limits = self._prefill_limits()
+        if limits is not None:                         # the step's padded shape as planned
+            shape.capacity = min(shape.capacity, limits.blocks * self.prefill_block)
         for rank in range(self.num_ranks):
             self._admit_transfers(rank, admitted)
             self._schedule_prefill(rank, plan, shape, admitted, limits)
@@ -553,8 +556,8 @@ class Scheduler:
             return None
         return self._commit(plan, admitted)
 
-    def _prefill_limits(self) -> tuple[int, float] | None:
-        """(token quota, attention cap) of each rank's next prefill step, or None (see "Prefill balance")."""
+    def _prefill_limits(self) -> StepLimits | None:
+        """The limits of each rank's next prefill step, or None (see "Prefill balance")."""
         if self.num_ranks == 1 or not self.prefill_block:
             return None
         horizon = self.max_num_batched_tokens * PLAN_STEPS
@@ -576,10 +579,10 @@ class Scheduler:
                            self.prefill_capacity // self.prefill_block)
 
     def _schedule_prefill(self, rank: int, plan: _Plan, shape: _PrefillShape | _PrefillBlocks,
-                          admitted: list[Sequence], limits: tuple[int, float] | None = None) -> None:
+                          admitted: list[Sequence], limits: StepLimits | None = None) -> None:
         budget, cap = self.max_num_batched_tokens, None
         if limits is not None:
-            budget, cap = min(budget, limits[0]), limits[1]
+            budget, cap = min(budget, limits.tokens), limits.attention
         block = self.prefill_block
         out = plan.chunks[rank]
         for seq in list(self.running[rank]):        # unfinished prefills first, oldest first

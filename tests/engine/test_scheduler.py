@@ -1002,10 +1002,11 @@ def _prefill_log(seed: int, role: str, ranks: int, capped: bool, monkeypatch) ->
 def test_prefill_steps_even_attention_within_their_shapes(role, ranks, monkeypatch):
     """DeepSeek's prefill load balancer: the limits of each prefill step (engine/prefill_plan.py) lower the steps'
     busiest attention and its imbalance (engine/step_log.py) with the same steps of the same padded shapes as the
-    work taken as it comes (the limits off). A prefill engine (4 ranks, longest first) meets the attention goal
-    (1.05) on these workloads; its tokens per step even out less (a rank held back by the cap computes more in a
-    later step). A co-located engine (8 ranks, shortest first) evens its tokens to the goal; one 1500-token prompt
-    is more attention than a rank's share of its two steps, so its attention stays above it."""
+    work taken as it comes (the limits off), and meet the goal (1.05) for tokens. A prefill engine (4 ranks,
+    longest first) meets it for attention too on these workloads (its ranks' tokens wait with the rank the cap
+    holds back: without that, tokens 1.10 on seed 2). On a co-located engine (8 ranks, shortest first, two steps)
+    one 1500-token prompt is more attention than its rank's share of the steps' shapes allows, so its attention
+    stays above it."""
     from jaxinfer.engine.step_log import imbalance
 
     for seed in range(3):
@@ -1016,10 +1017,9 @@ def test_prefill_steps_even_attention_within_their_shapes(role, ranks, monkeypat
         busiest = [sum(max(r["rank_attention"]) for r in log) for log in (before, after)]
         assert busiest[1] < busiest[0]
         assert imbalance(after, "rank_attention", "prefill") < imbalance(before, "rank_attention", "prefill")
+        assert imbalance(after, "rank_tokens", "prefill") <= 1.05
         if role == "prefill":
             assert imbalance(after, "rank_attention", "prefill") <= 1.05
-        else:
-            assert imbalance(after, "rank_tokens", "prefill") <= 1.05
 
 
 def test_a_capped_chunk_is_the_most_whole_blocks_within_the_cap():
@@ -1046,10 +1046,11 @@ def test_attention_cap_spreads_a_long_prompt_over_the_steps_its_shapes_allow():
     16384). Rank 1's 16-token prompts (256 each) fit under any such cap."""
     from jaxinfer.engine.prefill_plan import step_limits, take
 
-    quota, cap = step_limits([[(0, 192)], [(0, 16)] * 16], budget=128, block=16)
+    limits = step_limits([[(0, 192)], [(0, 16)] * 16], budget=128, block=16)
+    cap = limits.attention
     assert 15360 <= cap < 15360 + 36864 / 2 ** 12 + 1    # the bisection's span (the uncapped 192^2) / 2^12
     assert take(0, 192, 128, cap, 16) == 112 and take(112, 80, 128, cap, 16) == 80
-    assert quota == 128                                  # rank 1 needs all its blocks in both steps
+    assert limits.tokens == 128 and limits.blocks == 8   # rank 1 needs all its blocks in both steps
     assert step_limits([[(0, 100)], [(0, 16)] * 4], budget=128, block=16) is None   # one step: nothing to even
 
 
