@@ -27,7 +27,8 @@ rank has prefill work that fits, else a DECODE step over all ranks.
   "Prefill balance") a co-located engine queues them shortest first: short prompts finish in the first steps
   while the long ones' chunks spread over the steps under the attention cap.
 - Prefill (per rank, at most ``max_num_batched_tokens`` computed tokens): running sequences whose prefill is
-  unfinished continue, oldest first; then waiting sequences are admitted FIFO while fewer than ``max_num_seqs``
+  unfinished continue, oldest first; then waiting sequences are admitted in queue order (FIFO but for the
+  "Ranks" order of sequences placed together and the skips of "Prefill balance") while fewer than ``max_num_seqs``
   run. At admission the prefix cache ``match``es the full pages of the tokens but the last (always computed:
   ``(num_tokens - 1) // page_size`` hashes) and the pages of the whole prefill are allocated, so an admitted
   prefill never needs pages and prefill steps never preempt; a waiting sequence whose pages are not available
@@ -381,7 +382,7 @@ class Scheduler:
 
     def _place_arrivals(self) -> None:
         """Gives the sequences added since the last step their ranks, all at once (engine/balance.py ``assign``,
-        weighted by the engine's role), and queues them there in arrival order."""
+        weighted by the engine's role), and queues them there (in arrival order, or by length: see "Ranks")."""
         if not self._arrivals:
             return
         arrivals, self._arrivals = self._arrivals, []
@@ -618,7 +619,7 @@ class Scheduler:
                 i += 1                                 # its next page is being computed: a later step matches it
                 continue
             room = shape.fit(out, budget)
-            if room and cap is not None:
+            if room and cap is not None:  # (pages the storage tier adds at admission are not counted here)
                 hit = (self.caches[rank].lookup(self._prompt_hashes(seq)) * self.page_size
                        if self.enable_prefix_caching else 0)
                 room = take(hit, seq.num_tokens - hit, room, cap, block)

@@ -719,7 +719,10 @@ def _check_step(sched: Scheduler, out, seqs: dict, before: list, tables: BlockTa
     previous = {r.req_id: set(() if r.req_id in new_ids else tables.tables[r.req_id]) for r in out.all_requests()}
     released = {p for rid in out.preempted_req_ids + out.finished_req_ids for p in tables.tables.get(rid, ())}
     tables.apply(out)
-    if out.kind == "prefill":
+    if out.kind == "prefill" and sched.prefill_block:
+        q = sched.prefill_block                # query blocks: a chunk takes ceil(n / q), a rank capacity // q
+        assert all(sum(-(-r.num_tokens // q) for r in rank) <= sched.prefill_capacity // q for rank in out.requests)
+    elif out.kind == "prefill":
         t = bucket(max(r.num_tokens for r in out.all_requests()), sched.min_prefill_t)
         assert max(map(len, out.requests)) * t <= sched.prefill_capacity
     for rank in range(sched.num_ranks):
@@ -794,7 +797,7 @@ def workloads(draw):
                 max_num_seqs=draw(st.integers(1, 4)), max_num_batched_tokens=draw(st.integers(1, 16)),
                 max_model_len=draw(st.integers(8, 40)), prefix=draw(st.booleans()),
                 min_prefill_t=draw(st.sampled_from([1, 2, 8])), steps=draw(st.sampled_from([1, 2, 4])),
-                forcing=draw(st.booleans()))
+                forcing=draw(st.booleans()), prefill_block=draw(st.sampled_from([None, 2, 4])))
 
 
 def force(sched: Scheduler, updates) -> None:
@@ -822,7 +825,8 @@ def test_random_workloads(w, overlap):
     sched = Scheduler(w["num_ranks"], 1 + need + w["extra_pages"], max_num_seqs=w["max_num_seqs"],
                       max_num_batched_tokens=w["max_num_batched_tokens"], max_model_len=L,
                       enable_prefix_caching=w["prefix"], page_size=S, eos_token_id=EOS,
-                      min_prefill_t=w["min_prefill_t"], num_scheduler_steps=w["steps"])
+                      min_prefill_t=w["min_prefill_t"], num_scheduler_steps=w["steps"],
+                      prefill_block=w["prefill_block"])
     seqs, in_flight, tables = {}, None, BlockTables()
     pending = sorted(enumerate(w["reqs"]), key=lambda x: x[1][0])
     for t in range(20_000):
