@@ -538,7 +538,7 @@ class Scheduler:
         admitted: list[Sequence] = []
         self._place_arrivals()
         limits = self._prefill_limits()
-        if limits is not None:                         # the step's padded shape as planned
+        if limits is not None:                         # each rank's blocks within the step's shape as planned
             shape.capacity = min(shape.capacity, limits.blocks * self.prefill_block)
         for rank in range(self.num_ranks):
             self._admit_transfers(rank, admitted)
@@ -570,14 +570,20 @@ class Scheduler:
             for seq in self.waiting[rank]:             # those within the plan's horizon
                 if total >= horizon:
                     break
-                hit = 0
-                if self.enable_prefix_caching:
-                    hit = self.caches[rank].lookup(self._prompt_hashes(seq)) * self.page_size
+                hit = self._held_tokens(seq, rank)
                 items.append((hit, seq.num_tokens - hit))
                 total += seq.num_tokens - hit
             work.append(items)
         return step_limits(work, self.max_num_batched_tokens, self.prefill_block,
                            self.prefill_capacity // self.prefill_block)
+
+    def _held_tokens(self, seq: Sequence, rank: int) -> int:
+        """The leading prompt tokens of the waiting ``seq`` that ``rank``'s prefix cache holds now (a lookup: no
+        references, no stats), what its admission would not compute (the storage tier's pages, read at admission,
+        are not counted)."""
+        if not self.enable_prefix_caching:
+            return 0
+        return self.caches[rank].lookup(self._prompt_hashes(seq)) * self.page_size
 
     def _schedule_prefill(self, rank: int, plan: _Plan, shape: _PrefillShape | _PrefillBlocks,
                           admitted: list[Sequence], limits: StepLimits | None = None) -> None:
@@ -619,9 +625,8 @@ class Scheduler:
                 i += 1                                 # its next page is being computed: a later step matches it
                 continue
             room = shape.fit(out, budget)
-            if room and cap is not None:  # (pages the storage tier adds at admission are not counted here)
-                hit = (self.caches[rank].lookup(self._prompt_hashes(seq)) * self.page_size
-                       if self.enable_prefix_caching else 0)
+            if room and cap is not None:
+                hit = self._held_tokens(seq, rank)
                 room = take(hit, seq.num_tokens - hit, room, cap, block)
                 if room == 0:
                     i += 1                             # over the step's attention cap: a later step takes it
