@@ -57,24 +57,24 @@ def take(c: int, m: int, quota: int, cap: float, block: int) -> int:
     return min(n, top - top % block)
 
 
-def _step(items: list[list[int]], quota: int, cap: float, block: int, blocks: int) -> int:
+def _step(items: list[list[int]], quota: int, cap: float, block: int, blocks: int) -> tuple[int, int]:
     """Takes one step's chunks from ``items`` ([computed, left] pairs, updated in place, in the rank's order)
     within ``quota`` tokens, ``cap`` attention and ``blocks`` query blocks (a chunk of n tokens takes ceil(n /
-    block)); returns its tokens."""
-    tokens, attention = 0, 0.0
+    block)); returns its (tokens, blocks)."""
+    tokens, attention, used = 0, 0.0, 0
     for item in items:
-        if tokens >= quota or blocks == 0:
+        if tokens >= quota or used == blocks:
             break
         c, m = item
         if m == 0:
             continue
-        n = take(c, min(m, blocks * block), quota - tokens, cap - attention, block)
+        n = take(c, min(m, (blocks - used) * block), quota - tokens, cap - attention, block)
         if n:
             item[0], item[1] = c + n, m - n
             tokens += n
             attention += n * (c + n)
-            blocks -= -(-n // block)
-    return tokens
+            used += -(-n // block)
+    return tokens, used
 
 
 def _fits(work: list[tuple[int, int]], limits: list[int], quotas: list[int], cap: float, block: int) -> bool:
@@ -85,7 +85,7 @@ def _fits(work: list[tuple[int, int]], limits: list[int], quotas: list[int], cap
     for quota, blocks in zip(quotas, limits):
         if left == 0:
             return True
-        left -= _step(items, quota, cap, block, blocks)
+        left -= _step(items, quota, cap, block, blocks)[0]
     return left == 0
 
 
@@ -96,9 +96,7 @@ def _padded(work: list[list[tuple[int, int]]], steps: int, quota: int, block: in
     for rank_work in work:
         items = [list(w) for w in rank_work]
         for s in range(steps):
-            before = [m for _, m in items]
-            _step(items, quota, float("inf"), block, blocks)
-            most[s] = max(most[s], sum(-(-(b - m) // block) for b, (_, m) in zip(before, items)))
+            most[s] = max(most[s], _step(items, quota, float("inf"), block, blocks)[1])
     return [min(bucket(m), blocks) for m in most]
 
 
@@ -137,8 +135,8 @@ def step_limits(work: list[list[tuple[int, int]]], budget: int, block: int, bloc
     held = []
     for items in clipped:
         capped, free = ([list(w) for w in items] for _ in range(2))
-        tokens = _step(capped, quota, cap, block, limits[0])
-        if tokens < _step(free, quota, high, block, limits[0]):
+        tokens = _step(capped, quota, cap, block, limits[0])[0]
+        if tokens < _step(free, quota, high, block, limits[0])[0]:
             held.append(tokens)
     fits_first = lambda x, items: _fits(items, limits, [int(x)] + [quota] * (steps - 1), cap, block)  # noqa: E731
     first = min(quota, max(int(_least(fits_first, clipped, float(quota))), min(held, default=quota)))
