@@ -165,7 +165,8 @@ def format_parts(result: dict) -> str:
     return "\n".join([
         f"parts (ms per step): {parts}",
         f"compute {result['compute_s'] * 1e3:.2f} ms, communication {result['communication_s'] * 1e3:.2f} ms "
-        f"per step; bound: {result['bound']}",
+        f"per step, of which the computation waits {result['communication_wait_s'] * 1e3:.2f} ms; bound: "
+        f"{result['bound']}",
         "memory (GB per GPU): " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in memory.items())
         + f"; headroom {result['memory']['headroom_bytes'] / 1e9:.1f}"])
 

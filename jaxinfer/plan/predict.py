@@ -18,8 +18,10 @@ latent cache, the expert dispatch / combine at the calibrated link rates (calibr
   move each token once per destination node over RDMA and once per destination GPU over NVLink (uniform routing:
   group-limited routing would only lower it).
 - dual-microbatch overlap (``dbo``): the step runs as two microbatches of half the tokens, each reading the
-  weights again, while the other's dispatch and combine run; the step takes the longer of its compute and its
-  communication, plus one MoE layer's shorter part (the pipeline's fill). In prefill the normal kernels hold
+  weights again, one computing while the other's dispatch or combine runs, stage by stage as DeepSeek's schedules
+  place them (overlap.py): a transfer is hidden by the compute its schedule puts beside it, and the step waits
+  for the rest. The MoE layers (the MTP module's too) run so; the dense layers, the head and the MTP module's
+  projection and head run as two microbatches in turn. In prefill the normal kernels hold
   ``Calibration.normal_sms`` SMs meanwhile: compute runs on the rest. Without it, compute plus communication.
 
 The step waits for the busiest expert GPU: routed-expert work is scaled by ``expert_imbalance`` (max / mean load;
@@ -36,6 +38,7 @@ import pathlib
 from jaxinfer.config import ModelConfig
 from jaxinfer.plan.calibration import DEFAULT, MEASURED, Calibration, ll_remote_share
 from jaxinfer.plan.hardware import Hardware, hardware as get_hardware
+from jaxinfer.plan.overlap import PROGRAMS, timeline
 from jaxinfer.plan.shapes import Shapes, dispatch_payload_bytes
 
 PHASES = ("decode", "prefill")
@@ -66,15 +69,19 @@ class _Step:
 
     by: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)   # (part, bound) -> seconds
     comm: dict[str, float] = dataclasses.field(default_factory=dict)
+    ops: dict[str, float] = dataclasses.field(default_factory=dict)  # the same seconds by overlap.OPS name
 
-    def add(self, part: str, seconds: float, bound: str) -> None:
+    def add(self, part: str, seconds: float, bound: str, op: str) -> None:
         self.by[part, bound] = self.by.get((part, bound), 0.0) + seconds
+        self.ops[op] = self.ops.get(op, 0.0) + seconds
 
     def add_comm(self, part: str, seconds: float) -> None:
         self.comm[part] = self.comm.get(part, 0.0) + seconds
+        self.ops[part] = self.ops.get(part, 0.0) + seconds
 
     def scaled(self, compute: float, comm: float) -> _Step:
-        return _Step({k: v * compute for k, v in self.by.items()}, {k: v * comm for k, v in self.comm.items()})
+        return _Step({k: v * compute for k, v in self.by.items()}, {k: v * comm for k, v in self.comm.items()},
+                     {k: v * (comm if k in self.comm else compute) for k, v in self.ops.items()})
 
     @property
     def compute(self) -> dict[str, float]:
@@ -127,7 +134,8 @@ def predict(model: str | pathlib.Path | ModelConfig = "deepseek-v3", hardware: s
 
     tok_s_per_gpu, tok_s_per_node (output tokens for decode, input tokens, cached ones included, for prefill),
     step_s, tpot_s (decode: step_s per token a request gains) or ttft_s (prefill: the steps a prompt takes),
-    bound (the resource bounding the step: "compute", "weights", "kv_cache" or "communication"), memory_per_gpu_bytes
+    bound (the resource taking the largest share of the step: "compute", "weights", "kv_cache", or "communication",
+    the time the computation waits for transfers: communication_wait_s), memory_per_gpu_bytes
     and memory (its parts: weights, kv_cache, buffers; headroom_bytes), parts (seconds per step of each part:
     attention projections, attention core, routed experts, shared experts, dense MLP, head, drafts; dispatch and
     combine), and the inputs as used. weight_bytes: bytes per weight of the products (1: FP8, as DeepSeek serves;
@@ -187,54 +195,70 @@ def predict(model: str | pathlib.Path | ModelConfig = "deepseek-v3", hardware: s
         """n layers' attention for ``rows`` computed tokens of ``requests`` requests (per GPU). A TP group
         computes its tp GPUs' tokens, each GPU with 1 / tp of the heads and weights: per GPU, rows tokens' FLOPs;
         each GPU reads the latents of all the group's requests."""
-        s.add(part or "attention_projections", *_times(n, rates.gemm(
-            2.0 * shapes.attention_params * rows, shapes.attention_params * weight_bytes / tp)))
+        for op, params in zip(("prepare", "core"), shapes.attention_params_split(absorbed=phase == "decode")):
+            s.add(part or "attention_projections", *_times(n, rates.gemm(2.0 * params * rows,
+                                                                         params * weight_bytes / tp)), op)
         if phase == "decode":
             cache = requests * tp * context_len * shapes.latent_width * KV_DTYPE_BYTES
             s.add(part or "attention_core", *_times(n, rates.mla(rows * shapes.decode_attention_flops(context_len),
-                                                                 cache)))
+                                                                 cache)), "core")
             return
         new, cached = prompt_len * (1.0 - cache_hit_rate), prompt_len * cache_hit_rate
         s.add(part or "attention_core", *_times(n, rates.mla(requests * shapes.prefill_attention_flops(new, cached),
-                                                             0.0)))
+                                                             0.0)), "core")
         if cached:
             s.add(part or "prefix_decompression", *_times(n, rates.gemm(shapes.decompress_flops(requests * cached),
-                                                                        0.0)))
+                                                                        0.0)), "prepare")
 
     def experts(s: _Step, n: int, rows: float, part: str = "") -> None:
         """n MoE layers' routed and shared experts and their dispatch / combine for ``rows`` tokens per GPU."""
         pairs = rows * cfg.num_experts_per_tok * imbalance   # (token, expert) pairs of the busiest expert GPU
         s.add(part or "routed_experts", *_times(n, rates.gemm(
-            2.0 * shapes.expert_params * pairs, experts_per_gpu * shapes.expert_params * weight_bytes)))
+            2.0 * shapes.expert_params * pairs, experts_per_gpu * shapes.expert_params * weight_bytes)), "experts")
         if shared:
-            s.add(part or "shared_experts", *_times(n, rates.gemm(2.0 * shared * rows, shared * weight_bytes)))
+            s.add(part or "shared_experts", *_times(n, rates.gemm(2.0 * shared * rows, shared * weight_bytes)),
+                  "shared")
         for name in ("dispatch", "combine"):
             fp8 = fp8_dispatch and name == "dispatch"
             s.add_comm(name, n * _comm_seconds(phase == "decode", name, rows, cfg, ep, gpn, hw, calibration, fp8))
 
-    def step_parts(rows: float, requests: float) -> _Step:
-        """The parts of a step (or of one microbatch) of ``rows`` computed tokens for ``requests`` requests."""
+    # The MTP module (an MoE layer behind a projection of [embedding; hidden], then the shared head). Decode: one
+    # pass per draft over the step's requests; prefill: one pass over the computed tokens, filling its cache, and
+    # the first draft after each prompt.
+    passes = (drafts if phase == "decode" else 1) if drafts else 0
+
+    def mtp_tokens(rows: float, requests: float) -> float:
+        return requests if phase == "decode" else rows
+
+    def step_parts(rows: float, requests: float, moe_layers: bool = True) -> _Step:
+        """The parts of a step (or of one microbatch) of ``rows`` computed tokens for ``requests`` requests; without
+        ``moe_layers``, its other parts (the dense layers, the head, the MTP module's projection and head)."""
         s = _Step()
-        attention(s, cfg.num_hidden_layers, rows, requests)
-        experts(s, shapes.num_moe_layers, rows)
+        attention(s, cfg.num_hidden_layers if moe_layers else shapes.num_dense_layers, rows, requests)
+        if moe_layers:
+            experts(s, shapes.num_moe_layers, rows)
+        if moe_layers and passes:
+            attention(s, passes, mtp_tokens(rows, requests), requests, part="mtp_drafts")
+            experts(s, passes, mtp_tokens(rows, requests), part="mtp_drafts")
         if shapes.num_dense_layers:
             s.add("dense_mlp", *_times(shapes.num_dense_layers, rates.gemm(
-                2.0 * shapes.dense_mlp_params * rows, shapes.dense_mlp_params * weight_bytes)))
+                2.0 * shapes.dense_mlp_params * rows, shapes.dense_mlp_params * weight_bytes)), "other")
         sampled = rows if phase == "decode" else requests  # prefill samples after each prompt's last token
-        s.add("head", *rates.gemm(2.0 * head * sampled, head * HEAD_DTYPE_BYTES))
-        if drafts:
-            # The MTP module (an MoE layer behind a projection of [embedding; hidden], then the shared head).
-            # Decode: one pass per draft over the step's requests; prefill: one pass over the computed tokens,
-            # filling its cache, and the first draft after each prompt.
-            passes, tokens = (drafts, requests) if phase == "decode" else (1, rows)
-            attention(s, passes, tokens, requests, part="mtp_drafts")
-            experts(s, passes, tokens, part="mtp_drafts")
-            s.add("mtp_drafts", *_times(passes, rates.gemm(2.0 * shapes.mtp_extra_params * tokens,
-                                                          shapes.mtp_extra_params * weight_bytes)))
-            s.add("mtp_drafts", *_times(passes, rates.gemm(2.0 * head * requests, head * HEAD_DTYPE_BYTES)))
+        s.add("head", *rates.gemm(2.0 * head * sampled, head * HEAD_DTYPE_BYTES), "other")
+        if passes:
+            s.add("mtp_drafts", *_times(passes, rates.gemm(2.0 * shapes.mtp_extra_params * mtp_tokens(rows, requests),
+                                                          shapes.mtp_extra_params * weight_bytes)), "other")
+            s.add("mtp_drafts", *_times(passes, rates.gemm(2.0 * head * requests, head * HEAD_DTYPE_BYTES)), "other")
         return s
 
-    if dbo:  # two microbatches of half the step each
+    def moe_layer(rows: float, requests: float, part: str = "") -> _Step:
+        """One MoE layer for ``rows`` computed tokens of ``requests`` requests (its ``ops``: overlap.OPS)."""
+        s = _Step()
+        attention(s, 1, rows, requests, part)
+        experts(s, 1, rows, part)
+        return s
+
+    if dbo:  # two microbatches of half the step each, overlapped stage by stage (overlap.py)
         sms = 1.0
         if phase == "prefill" and calibration.normal_sms:  # the normal kernels hold SMs while they overlap
             _check("hardware", hw.sms > calibration.normal_sms, f"{hw.name} has {hw.sms} SMs, the communication "
@@ -242,14 +266,19 @@ def predict(model: str | pathlib.Path | ModelConfig = "deepseek-v3", hardware: s
             sms = hw.sms / (hw.sms - calibration.normal_sms)
         steps = step_parts(rows / 2, requests / 2).scaled(2.0 * sms, 2.0)
         compute, comm = sum(steps.compute.values()), sum(steps.comm.values())
-        step = max(compute, comm) + min(compute, comm) / max(shapes.num_moe_layers, 1)  # + the pipeline's fill
+        mtp = moe_layer(mtp_tokens(rows / 2, requests / 2), requests / 2, "mtp_drafts")
+        layers = ([moe_layer(rows / 2, requests / 2).scaled(sms, 1.0).ops] * shapes.num_moe_layers
+                  + [mtp.scaled(sms, 1.0).ops] * passes)
+        serial = sum(step_parts(rows / 2, requests / 2, moe_layers=False).compute.values()) * 2.0 * sms
+        step = serial + timeline(PROGRAMS[phase], layers)
+        waits = max(step - compute, 0.0)  # the compute stream waiting for transfers the schedule does not hide
     else:
         steps = step_parts(rows, requests)
         compute, comm = sum(steps.compute.values()), sum(steps.comm.values())
-        step = compute + comm
+        step, waits = compute + comm, comm
     parts = {**steps.compute, **steps.comm}
-    # Overlapped, the longer of compute and communication bounds the step; in series, the largest share of it.
-    resources = steps.resources() if dbo and compute >= comm else dict(steps.resources(), communication=comm)
+    # The resource taking the largest share of the step: communication counts what the compute stream waits for it.
+    resources = dict(steps.resources(), communication=waits)
     bound = max(resources, key=resources.get)
 
     memory = _memory(cfg, shapes, phase, experts_per_gpu, tp, drafts, requests, rows, context_len, prompt_len,
@@ -260,7 +289,7 @@ def predict(model: str | pathlib.Path | ModelConfig = "deepseek-v3", hardware: s
            + f"), {hw.name} has {hw.hbm_gb:g} GB: fewer requests or tokens per GPU, or more GPUs")
     out = dict(phase=phase, step_s=step, bound=bound, memory_per_gpu_bytes=total,
                memory=dict(memory, headroom_bytes=hw.hbm_bytes - total),
-               parts=parts, compute_s=compute, communication_s=comm)
+               parts=parts, compute_s=compute, communication_s=comm, communication_wait_s=waits)
     if phase == "decode":
         gained = sum(mtp_acceptance ** j for j in range(drafts + 1)) if drafts else 1.0  # tokens per step
         out.update(tok_s_per_gpu=requests_per_gpu * gained / step, tpot_s=step / gained, tokens_per_step=gained)

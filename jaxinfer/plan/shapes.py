@@ -45,6 +45,15 @@ class Shapes:
         o = heads * c.v_head_dim * c.hidden_size
         return q + kv_a + kv_b + o
 
+    def attention_params_split(self, absorbed: bool) -> tuple[int, int]:
+        """attention_params before the attention core and after it: absorbed (decode), kv_b's key half is applied
+        to the queries before the core and its value half to the core's output after it; expanded (prefill), kv_b
+        decompresses keys and values before the core. After the core: that and the o projection."""
+        c = self.config
+        heads = c.num_attention_heads
+        after = heads * c.v_head_dim * c.hidden_size + (c.kv_lora_rank * heads * c.v_head_dim if absorbed else 0)
+        return self.attention_params - after, after
+
     @property
     def dense_mlp_params(self) -> int:
         return 3 * self.config.hidden_size * self.config.intermediate_size

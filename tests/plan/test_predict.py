@@ -32,6 +32,14 @@ def test_parameter_counts_are_deepseek_v3s():
     assert abs(total + 58 * 256 * 7168 - 671e9) / 671e9 < 1e-3
 
 
+def test_attention_params_before_and_after_the_core():
+    # absorbed (decode): q_a + q_b + kv_a + kv_b's key half 512 x 128 x 128 before; its value half + o after
+    assert V3.attention_params_split(absorbed=True) == (11_010_048 + 37_748_736 + 4_128_768 + 8_388_608,
+                                                        8_388_608 + 117_440_512)
+    # expanded (prefill): kv_b decompresses keys and values before the core; o after
+    assert V3.attention_params_split(absorbed=False) == (V3.attention_params - 117_440_512, 117_440_512)
+
+
 def test_bytes_per_token():
     assert V3.kv_bytes_per_token() == 61 * (512 + 64) * 2 == 70_272          # the bf16 latent cache
     assert dispatch_payload_bytes(7168, fp8=True) == 7168 + 56 * 4 == 7392   # e4m3 + a float32 scale per 128
