@@ -91,7 +91,7 @@ def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, d
     path ("auto": the cheapest for this shape, dtype and backend by models/moe_cost.py; all compute the same
     per-token products, each expert output rounded to ``dtype``, so a token's result does not depend on the batch
     it is in or the path beyond the float rounding of the weighted sum):
-      gather: per assignment, a matvec with its expert's weight matrices, indexed in place.
+      gather: per assignment, a matvec with its expert's weight matrices, indexed in place (in slot order).
       dense: every token through every slot, masked by the combine weights: [M, S, I].
       capacity: each slot's assignments scattered into a [S, C, D] buffer, C the smallest of
         ``moe_cost.capacity_buckets`` that holds the busiest slot (lax.switch over the buckets), three batched
@@ -128,15 +128,25 @@ def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, d
         # CPU step programs compile (engine/step_program.py): with it, the conversion of every slot's bf16 weights
         # is hoisted out of the loop and runs in full each call (130 vs 4.5 ms for 16 assignments on 64 slots of
         # [512, 1024]).
-        safe = jnp.maximum(ids, 0).reshape(-1)  # [M*K]; assignments with id -1 get weight 0 below
+        # Several rows: the assignments in slot order, so that one expert's run one after another (reading its
+        # weights while the caches still hold them) and the slots' weights are read in ascending order (decode
+        # steps of 8-32 rows: 21-29% less time per token on h1024_e64k8 at 8 rows, docs/benchmarks.md
+        # "Routed-expert paths (CPU)"). Each assignment's products are the same either way.
         w = jnp.where(ids < 0, 0.0, weights).reshape(-1)  # [M*K]
+        safe = jnp.minimum(flat_ids, num_slots - 1)  # [M*K]; other ranks' assignments get weight 0 below
+        order = jnp.argsort(flat_ids, stable=True) if m > 1 else None  # [M*K]
+        if order is not None:
+            safe = safe[order]
+
+        def row_of(n):  # [D]: the row of the n-th assignment computed
+            return xd[n // k] if order is None else xd[order[n] // k]
 
         def down(n, gate, up):  # [D]: expert safe[n]'s output from its gate and up products [I]
             act = jax.nn.silu(gate.astype(dtype)) * up.astype(dtype)  # [I]
             return jnp.dot(act, _slot_weight(params, "down_proj", safe[n], dtype).T, **f32)
 
-        def assignment(n):  # [D]: expert safe[n] on row n // k
-            row = xd[n // k]  # [D]
+        def assignment(n):  # [D]: expert safe[n] on its row
+            row = row_of(n)  # [D]
             gate = jnp.dot(row, _slot_weight(params, "gate_proj", safe[n], dtype).T, **f32)
             up = jnp.dot(row, _slot_weight(params, "up_proj", safe[n], dtype).T, **f32)
             return down(n, gate, up)
@@ -150,13 +160,15 @@ def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, d
             out = []
             for n in range(m * k):
                 ws = [_slot_weight(params, name, safe[n], dtype) for name in ("gate_proj", "up_proj")]
-                gate, up = matmul_nt_many(xd[n // k][None], ws)  # 2 x [1, I] float32
+                gate, up = matmul_nt_many(row_of(n)[None], ws)  # 2 x [1, I] float32
                 out.append(down(n, gate[0], up[0]))
             out = jnp.stack(out)  # [M*K, D]
         elif m * k <= GATHER_UNROLL:
             out = jnp.stack([assignment(n) for n in range(m * k)])  # [M*K, D]
         else:
             out = jax.lax.scan(lambda c, n: (c, assignment(n)), None, jnp.arange(m * k))[1]  # [M*K, D]
+        if order is not None:
+            out = jnp.zeros_like(out).at[order].set(out)  # [M*K, D] in assignment order
         out = out.astype(dtype).astype(jnp.float32)  # rounded like the other paths' expert outputs
         return (out * w[:, None]).reshape(m, k, -1).sum(1)
     if path == "dense":
