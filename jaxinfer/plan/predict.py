@@ -71,7 +71,7 @@ class _Step:
     comm: dict[str, float] = dataclasses.field(default_factory=dict)
     ops: dict[str, float] = dataclasses.field(default_factory=dict)  # the same seconds by overlap.OPS name
 
-    def add(self, part: str, seconds: float, bound: str, op: str) -> None:
+    def add(self, part: str, seconds: float, bound: str, op: str = "other") -> None:
         self.by[part, bound] = self.by.get((part, bound), 0.0) + seconds
         self.ops[op] = self.ops.get(op, 0.0) + seconds
 
@@ -230,25 +230,23 @@ def predict(model: str | pathlib.Path | ModelConfig = "deepseek-v3", hardware: s
     def mtp_tokens(rows: float, requests: float) -> float:
         return requests if phase == "decode" else rows
 
-    def step_parts(rows: float, requests: float, moe_layers: bool = True) -> _Step:
-        """The parts of a step (or of one microbatch) of ``rows`` computed tokens for ``requests`` requests; without
-        ``moe_layers``, its other parts (the dense layers, the head, the MTP module's projection and head)."""
+    def step_parts(rows: float, requests: float) -> _Step:
+        """The parts of a step (or of one microbatch) of ``rows`` computed tokens for ``requests`` requests."""
         s = _Step()
-        attention(s, cfg.num_hidden_layers if moe_layers else shapes.num_dense_layers, rows, requests)
-        if moe_layers:
-            experts(s, shapes.num_moe_layers, rows)
-        if moe_layers and passes:
+        attention(s, cfg.num_hidden_layers, rows, requests)
+        experts(s, shapes.num_moe_layers, rows)
+        if passes:
             attention(s, passes, mtp_tokens(rows, requests), requests, part="mtp_drafts")
             experts(s, passes, mtp_tokens(rows, requests), part="mtp_drafts")
         if shapes.num_dense_layers:
             s.add("dense_mlp", *_times(shapes.num_dense_layers, rates.gemm(
-                2.0 * shapes.dense_mlp_params * rows, shapes.dense_mlp_params * weight_bytes)), "other")
+                2.0 * shapes.dense_mlp_params * rows, shapes.dense_mlp_params * weight_bytes)))
         sampled = rows if phase == "decode" else requests  # prefill samples after each prompt's last token
-        s.add("head", *rates.gemm(2.0 * head * sampled, head * HEAD_DTYPE_BYTES), "other")
+        s.add("head", *rates.gemm(2.0 * head * sampled, head * HEAD_DTYPE_BYTES))
         if passes:
             s.add("mtp_drafts", *_times(passes, rates.gemm(2.0 * shapes.mtp_extra_params * mtp_tokens(rows, requests),
-                                                          shapes.mtp_extra_params * weight_bytes)), "other")
-            s.add("mtp_drafts", *_times(passes, rates.gemm(2.0 * head * requests, head * HEAD_DTYPE_BYTES)), "other")
+                                                          shapes.mtp_extra_params * weight_bytes)))
+            s.add("mtp_drafts", *_times(passes, rates.gemm(2.0 * head * requests, head * HEAD_DTYPE_BYTES)))
         return s
 
     def moe_layer(rows: float, requests: float, part: str = "") -> _Step:
@@ -269,8 +267,8 @@ def predict(model: str | pathlib.Path | ModelConfig = "deepseek-v3", hardware: s
         mtp = moe_layer(mtp_tokens(rows / 2, requests / 2), requests / 2, "mtp_drafts")
         layers = ([moe_layer(rows / 2, requests / 2).scaled(sms, 1.0).ops] * shapes.num_moe_layers
                   + [mtp.scaled(sms, 1.0).ops] * passes)
-        serial = sum(step_parts(rows / 2, requests / 2, moe_layers=False).compute.values()) * 2.0 * sms
-        step = serial + timeline(PROGRAMS[phase], layers)
+        in_layers = 2.0 * sum(t for layer in layers for op, t in layer.items() if op not in steps.comm)
+        step = compute - in_layers + timeline(PROGRAMS[phase], layers)  # the rest: two microbatches in turn
         waits = max(step - compute, 0.0)  # the compute stream waiting for transfers the schedule does not hide
     else:
         steps = step_parts(rows, requests)
