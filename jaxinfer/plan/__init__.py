@@ -3,7 +3,7 @@
 ``predict`` (predict.py) gives one deployment's step, throughput, bound and memory per GPU; the hardware presets
 and TOML files are hardware.py's, the one calibration from DeepSeek's published kernel figures calibration.py's,
 the model's arithmetic shapes.py's, the dual-microbatch overlap stage by stage overlap.py's. docs/plan.md compares
-predictions with published production figures.
+predictions with published capacity and production figures.
 """
 
 from jaxinfer.plan.calibration import DEFAULT as CALIBRATION, Calibration, calibrate

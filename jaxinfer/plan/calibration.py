@@ -6,7 +6,9 @@ reach, computed from their published figures on H800 (``ANCHORS``) and never fit
   (weights, input, output) at the second: on the README's 18 dense shapes (M = 64, 128, 4096) that sum is 0.78-1.45x
   the published time (geometric mean 1.08), where the larger of the two (a roofline) is 0.46-1.0x (0.81): the
   kernels do not overlap the two fully at M <= 128 (tests/plan/test_predict.py checks the rows).
-- MLA decoding (FlashMLA README, H800 SXM5): 3000 GB/s memory-bound, 660 TFLOPS compute-bound (bf16).
+- MLA decoding (FlashMLA README, H800 SXM5): 3000 GB/s memory-bound, 660 TFLOPS compute-bound (bf16). The
+  memory-bound kernels between the products (norms, quantization, SiLU, permutes) are priced at the same
+  bandwidth: FlashMLA's is the published figure of a memory-bound kernel that streams HBM.
 - Expert dispatch / combine (DeepEP, docs/legacy.md, H800 with one CX7 400 Gb/s NIC per GPU; FP8 dispatch, BF16
   combine): normal kernels 153 / 158 GB/s over NVLink within a node and 43-58 GB/s over RDMA across nodes
   ("bottleneck bandwidth", EP16-64); low-latency kernels, 128 tokens per rank, top-8: dispatch 77 us at EP8 to
@@ -61,6 +63,7 @@ class Calibration:
     gemm_memory: float        # FP8 GEMM, bound by its weights' bytes
     mla_flops: float          # MLA decoding kernel, compute-bound (bf16)
     mla_memory: float         # MLA decoding kernel, bound by the latent cache's bytes
+    stream_memory: float      # memory-bound kernels between the products (FlashMLA's bandwidth: the module doc)
     normal_nvlink: float      # normal dispatch / combine over NVLink
     normal_rdma: float        # normal dispatch / combine over RDMA
     normal_sms: int           # SMs the normal kernels hold while they overlap compute
@@ -92,6 +95,7 @@ def calibrate(anchors: dict = ANCHORS, hw: Hardware = CALIBRATION_HARDWARE) -> C
         gemm_memory=anchors["deepgemm_peak_gb_s"] / hw.hbm_gb_s,
         mla_flops=anchors["flashmla_tflops"] / hw.bf16_tflops,
         mla_memory=anchors["flashmla_gb_s"] / hw.hbm_gb_s,
+        stream_memory=anchors["flashmla_gb_s"] / hw.hbm_gb_s,
         normal_nvlink=mean(anchors["deepep_normal_nvlink_gb_s"]) / hw.nvlink_gb_s,
         normal_rdma=mean(anchors["deepep_normal_rdma_gb_s"]) / hw.net_gb_s,
         normal_sms=anchors["deepep_normal_sms"],

@@ -4,8 +4,10 @@ A deployment is ``ep`` GPUs serving one phase: attention data-parallel over ``dp
 ``ep // dp`` GPUs within a group; DeepSeek serves dp = ep), routed experts spread over all ``ep`` GPUs (``(E +
 redundant) / ep`` slots each, EPLB's redundant copies included), shared experts and dense layers on every GPU.
 Every GPU runs the same step; a step's time is the sum over layers of each part's time: a GEMM's FLOPs at the
-calibrated compute rate plus its weights at the calibrated bandwidth, the MLA core the slower of its FLOPs and its
-latent cache, the expert dispatch / combine at the calibrated link rates (calibration.py):
+calibrated compute rate plus its bytes (weights, input and output activations) at the calibrated bandwidth, the MLA
+core the slower of its FLOPs and its latent cache, the kernels between the products (norms, quantization, RoPE,
+SiLU, moving rows to and from the experts: shapes.py ``elementwise_bytes``) their bytes at the bandwidth a
+memory-bound kernel reaches, the expert dispatch / combine at the calibrated link rates (calibration.py):
 
 - decode: ``requests_per_gpu`` requests with ``context_len`` cached tokens each compute 1 + ``mtp_drafts`` tokens
   per step (MTP speculative decoding verifies the drafts, ``mtp_acceptance`` the chance each is accepted, so a
@@ -104,12 +106,17 @@ class _Rates:
         self.hw, self.cal = hw, cal
         self.gemm_peak = hw.fp8_flops if weight_bytes == 1 else hw.bf16_flops  # FP8 products, else bf16 ones
 
-    def gemm(self, flops: float, weight_bytes: float) -> tuple[float, str]:
-        """A GEMM: its FLOPs at DeepGEMM's fraction of the peak plus its weights at DeepGEMM's bandwidth
-        (calibration.py says why a sum); bound by the larger."""
+    def gemm(self, flops: float, weight_bytes: float, activation_bytes: float = 0.0) -> tuple[float, str]:
+        """A GEMM: its FLOPs at DeepGEMM's fraction of the peak plus its bytes (weights, input and output
+        activations) at DeepGEMM's bandwidth (calibration.py says why a sum, and checks it on DeepGEMM's shapes
+        with the same bytes); bound by the larger, the bytes named by the larger of their two kinds."""
         c = flops / (self.gemm_peak * self.cal.gemm_flops)
-        m = weight_bytes / (self.hw.hbm_bw * self.cal.gemm_memory)
-        return c + m, "compute" if c >= m else "weights"
+        m = (weight_bytes + activation_bytes) / (self.hw.hbm_bw * self.cal.gemm_memory)
+        return c + m, "compute" if c >= m else "weights" if weight_bytes >= activation_bytes else "activations"
+
+    def stream(self, nbytes: float) -> tuple[float, str]:
+        """Memory-bound kernels between the products: their bytes at the bandwidth such a kernel reaches."""
+        return nbytes / (self.hw.hbm_bw * self.cal.stream_memory), "activations"
 
     def mla(self, flops: float, cache_bytes: float) -> tuple[float, str]:
         """The MLA core (bf16): FLOPs at FlashMLA's rate or the latent cache at its bandwidth."""
@@ -134,10 +141,11 @@ def predict(model: str | pathlib.Path | ModelConfig = "deepseek-v3", hardware: s
 
     tok_s_per_gpu, tok_s_per_node (output tokens for decode, input tokens, cached ones included, for prefill),
     step_s, tpot_s (decode: step_s per token a request gains) or ttft_s (prefill: the steps a prompt takes),
-    bound (the resource taking the largest share of the step: "compute", "weights", "kv_cache", or "communication",
-    the time the computation waits for transfers: communication_wait_s), memory_per_gpu_bytes
-    and memory (its parts: weights, kv_cache, buffers; headroom_bytes), parts (seconds per step of each part:
-    attention projections, attention core, routed experts, shared experts, dense MLP, head, drafts; dispatch and
+    bound (the resource taking the largest share of the step: "compute", "weights", "activations" (bytes of the
+    tokens' hidden states), "kv_cache", or "communication", the time the computation waits for transfers:
+    communication_wait_s), memory_per_gpu_bytes and memory (its parts: weights, kv_cache, buffers;
+    headroom_bytes), parts (seconds per step of each part: attention projections, attention core, routed experts,
+    shared experts, dense MLP, head, elementwise (the kernels between the products), drafts; dispatch and
     combine), and the inputs as used. weight_bytes: bytes per weight of the products (1: FP8, as DeepSeek serves;
     2: bf16, as jaxinfer computes on CPU). calibration: ignored for a measured hardware description (the "cpu"
     preset), whose rates are already achieved ones. Raises ValueError naming the argument of a deployment that
@@ -190,14 +198,19 @@ def predict(model: str | pathlib.Path | ModelConfig = "deepseek-v3", hardware: s
 
     head = cfg.vocab_size * cfg.hidden_size
     shared = cfg.n_shared_experts * shapes.expert_params
+    absorbed = phase == "decode"
+    act = shapes.activation_bytes(absorbed, in_bytes=weight_bytes)  # products' inputs in their own dtype
+    between = shapes.elementwise_bytes(absorbed, quantized=weight_bytes == 1, fp8_dispatch=fp8_dispatch,
+                                       permute=phase == "prefill")  # normal kernels: the contiguous layout
 
     def attention(s: _Step, n: int, rows: float, requests: float, part: str = "") -> None:
         """n layers' attention for ``rows`` computed tokens of ``requests`` requests (per GPU). A TP group
         computes its tp GPUs' tokens, each GPU with 1 / tp of the heads and weights: per GPU, rows tokens' FLOPs;
         each GPU reads the latents of all the group's requests."""
-        for op, params in zip(("prepare", "core"), shapes.attention_params_split(absorbed=phase == "decode")):
-            s.add(part or "attention_projections", *_times(n, rates.gemm(2.0 * params * rows,
-                                                                         params * weight_bytes / tp)), op)
+        for op, params in zip(("prepare", "core"), shapes.attention_params_split(absorbed)):
+            s.add(part or "attention_projections", *_times(n, rates.gemm(
+                2.0 * params * rows, params * weight_bytes / tp, rows * act[op])), op)
+            s.add(part or "elementwise", *_times(n, rates.stream(rows * between[op])), op)
         if phase == "decode":
             cache = requests * tp * context_len * shapes.latent_width * KV_DTYPE_BYTES
             s.add(part or "attention_core", *_times(n, rates.mla(rows * shapes.decode_attention_flops(context_len),
@@ -214,10 +227,14 @@ def predict(model: str | pathlib.Path | ModelConfig = "deepseek-v3", hardware: s
         """n MoE layers' routed and shared experts and their dispatch / combine for ``rows`` tokens per GPU."""
         pairs = rows * cfg.num_experts_per_tok * imbalance   # (token, expert) pairs of the busiest expert GPU
         s.add(part or "routed_experts", *_times(n, rates.gemm(
-            2.0 * shapes.expert_params * pairs, experts_per_gpu * shapes.expert_params * weight_bytes)), "experts")
+            2.0 * shapes.expert_params * pairs, experts_per_gpu * shapes.expert_params * weight_bytes,
+            pairs * act["expert"])), "experts")
+        s.add(part or "elementwise", *_times(n, rates.stream(rows * between["route"])), "core")
+        s.add(part or "elementwise", *_times(n, rates.stream(pairs * between["expert_pair"])), "experts")
         if shared:
-            s.add(part or "shared_experts", *_times(n, rates.gemm(2.0 * shared * rows, shared * weight_bytes)),
-                  "shared")
+            s.add(part or "shared_experts", *_times(n, rates.gemm(
+                2.0 * shared * rows, shared * weight_bytes, rows * cfg.n_shared_experts * act["expert"])), "shared")
+            s.add(part or "elementwise", *_times(n, rates.stream(rows * between["shared"])), "shared")
         for name in ("dispatch", "combine"):
             fp8 = fp8_dispatch and name == "dispatch"
             s.add_comm(name, n * _comm_seconds(phase == "decode", name, rows, cfg, ep, gpn, hw, calibration, fp8))
@@ -226,6 +243,10 @@ def predict(model: str | pathlib.Path | ModelConfig = "deepseek-v3", hardware: s
     # pass per draft over the step's requests; prefill: one pass over the computed tokens, filling its cache, and
     # the first draft after each prompt.
     passes = (drafts if phase == "decode" else 1) if drafts else 0
+
+    def head_gemm(tokens: float) -> tuple[float, str]:  # the bf16 head: hidden states in, bf16 logits out
+        return rates.gemm(2.0 * head * tokens, head * HEAD_DTYPE_BYTES,
+                          tokens * HEAD_DTYPE_BYTES * (cfg.hidden_size + cfg.vocab_size))
 
     def mtp_tokens(rows: float, requests: float) -> float:
         return requests if phase == "decode" else rows
@@ -240,13 +261,16 @@ def predict(model: str | pathlib.Path | ModelConfig = "deepseek-v3", hardware: s
             experts(s, passes, mtp_tokens(rows, requests), part="mtp_drafts")
         if shapes.num_dense_layers:
             s.add("dense_mlp", *_times(shapes.num_dense_layers, rates.gemm(
-                2.0 * shapes.dense_mlp_params * rows, shapes.dense_mlp_params * weight_bytes)))
+                2.0 * shapes.dense_mlp_params * rows, shapes.dense_mlp_params * weight_bytes, rows * act["dense_mlp"])))
+            s.add("elementwise", *_times(shapes.num_dense_layers, rates.stream(rows * between["dense_mlp"])))
         sampled = rows if phase == "decode" else requests  # prefill samples after each prompt's last token
-        s.add("head", *rates.gemm(2.0 * head * sampled, head * HEAD_DTYPE_BYTES))
+        s.add("head", *head_gemm(sampled))
         if passes:
-            s.add("mtp_drafts", *_times(passes, rates.gemm(2.0 * shapes.mtp_extra_params * mtp_tokens(rows, requests),
-                                                          shapes.mtp_extra_params * weight_bytes)))
-            s.add("mtp_drafts", *_times(passes, rates.gemm(2.0 * head * requests, head * HEAD_DTYPE_BYTES)))
+            drafted = mtp_tokens(rows, requests)  # [embedding; hidden] (bf16) -> hidden
+            s.add("mtp_drafts", *_times(passes, rates.gemm(2.0 * shapes.mtp_extra_params * drafted,
+                                                          shapes.mtp_extra_params * weight_bytes,
+                                                          drafted * 3 * 2 * cfg.hidden_size)))
+            s.add("mtp_drafts", *_times(passes, head_gemm(requests)))
         return s
 
     def moe_layer(rows: float, requests: float, part: str = "") -> _Step:

@@ -7,8 +7,10 @@ layers, then routed experts (top ``num_experts_per_tok`` of ``n_routed_experts``
 an [m, k] activation with a [k, n] weight is 2 m k n FLOPs. Attention as DeepSeek serves it: decoding in the
 absorbed form over the latent cache (FlashMLA: each query head scores (kv_lora + rope) wide keys and sums kv_lora
 wide values), prefill in the expanded (MHA) form over decompressed keys and values (qk_nope + rope wide scores,
-v_head wide values). Norms, rotary embeddings, the router's top-k and softmax are left out (under 1% of the
-FLOPs and bytes of the products above).
+v_head wide values). The kernels between the products (norms, FP8 quantization, rotary embeddings, SiLU, moving
+rows to and from the experts, residual adds) do no FLOPs worth counting, but move every token's activations through
+HBM several times a layer: ``elementwise_bytes`` counts those bytes, as ``activation_bytes`` counts the products'
+own inputs and outputs (in prefill, at thousands of tokens per GPU, both exceed the weights read).
 """
 
 from __future__ import annotations
@@ -45,14 +47,90 @@ class Shapes:
         o = heads * c.v_head_dim * c.hidden_size
         return q + kv_a + kv_b + o
 
-    def attention_params_split(self, absorbed: bool) -> tuple[int, int]:
-        """attention_params before the attention core and after it: absorbed (decode), kv_b's key half is applied
-        to the queries before the core and its value half to the core's output after it; expanded (prefill), kv_b
-        decompresses keys and values before the core. After the core: that and the o projection."""
+    def attention_products(self, absorbed: bool) -> tuple[tuple[str, int, int, int, str], ...]:
+        """One layer's attention products as (name, groups, k, n, stage): ``groups`` products of an [m, k] activation
+        with a [k, n] weight, before the core (stage "prepare") or after it ("core"). q_a and kv_a read the same
+        input and run as one product (DeepSeek's and SGLang's fused q_a / kv_a GEMM). Absorbed (decode): kv_b's
+        key half is applied per head to the queries before the core and its value half per head to the core's
+        output after it; expanded (prefill): kv_b decompresses keys and values before the core."""
         c = self.config
-        heads = c.num_attention_heads
-        after = heads * c.v_head_dim * c.hidden_size + (c.kv_lora_rank * heads * c.v_head_dim if absorbed else 0)
-        return self.attention_params - after, after
+        h, heads, latent = c.hidden_size, c.num_attention_heads, c.kv_lora_rank
+        if c.q_lora_rank:
+            out = [("q_a_kv_a", 1, h, c.q_lora_rank + self.latent_width, "prepare"),
+                   ("q_b", 1, c.q_lora_rank, heads * c.qk_head_dim, "prepare")]
+        else:
+            out = [("q_kv_a", 1, h, heads * c.qk_head_dim + self.latent_width, "prepare")]
+        if absorbed:
+            out += [("kv_b_key", heads, c.qk_nope_head_dim, latent, "prepare"),
+                    ("kv_b_value", heads, latent, c.v_head_dim, "core")]
+        else:
+            out += [("kv_b", 1, latent, heads * (c.qk_nope_head_dim + c.v_head_dim), "prepare")]
+        return tuple(out) + (("o", 1, heads * c.v_head_dim, h, "core"),)
+
+    def attention_params_split(self, absorbed: bool) -> tuple[int, int]:
+        """attention_params before the attention core and after it (attention_products' stages)."""
+        products = self.attention_products(absorbed)
+        return tuple(sum(g * k * n for _, g, k, n, stage in products if stage == want)
+                     for want in ("prepare", "core"))
+
+    def activation_bytes(self, absorbed: bool, in_bytes: int) -> dict[str, int]:
+        """Bytes one token's products read and write besides their weights, per layer: inputs of ``in_bytes`` each
+        (FP8 products take quantized activations) and bfloat16 outputs. Keys: the attention's "prepare" and
+        "core" stages, "expert" (one routed or shared expert: gate and up, then down), "dense_mlp"."""
+        out = {"prepare": 0, "core": 0}
+        for _, groups, k, n, stage in self.attention_products(absorbed):
+            out[stage] += groups * (k * in_bytes + 2 * n)
+        h = self.config.hidden_size
+        for key, width in (("expert", self.config.moe_intermediate_size), ("dense_mlp", self.config.intermediate_size)):
+            out[key] = h * in_bytes + 2 * 2 * width + width * in_bytes + 2 * h  # gate + up: h -> 2 width; down
+        return out
+
+    def elementwise_bytes(self, absorbed: bool, quantized: bool, fp8_dispatch: bool, permute: bool) -> dict[str, int]:
+        """Bytes the kernels between the products read and write for one token, per layer, as DeepSeek-style
+        engines run them (DeepSeek-V3's modeling code's operations; SGLang's kernels: fused residual add + RMSNorm,
+        per-token-group FP8 quantization before each FP8 product, SiLU-and-mul with the quantization fused,
+        DeepEP's FP8 dispatch). bfloat16 activations, e4m3 with a float32 scale per QUANT_GROUP when
+        ``quantized`` (FP8 products). Keys (per token unless said):
+
+        - "prepare": residual add + RMSNorm (two vectors read, two written), the input's quantization, the q_a
+          and kv_a norms, the q_a output's quantization, RoPE on the queries' and the key's rotary parts, the
+          latent written to the cache; absorbed: the query assembled from its latent and rotary parts (read and
+          written); expanded: the latent's quantization for kv_b and the keys assembled from kv_b's output and
+          the shared rotary key.
+        - "core": the attention output's quantization for o, the next residual add + RMSNorm.
+        - "route": MoE layers: the router reading the normed input, the dispatch's quantization.
+        - "expert_pair": per (token, routed expert) pair on the expert's GPU: SiLU-and-mul (+ quantization);
+          ``permute`` (DeepEP's normal kernels, prefill): received rows copied into the experts' contiguous
+          layout, and the experts' outputs read back and weighted into the rows to combine (the low-latency
+          kernels read and write the experts' masked layout themselves).
+        - "shared": the shared experts' SiLU-and-mul (+ quantization), their output added to the routed one.
+        - "dense_mlp": a dense layer's MLP input quantization and SiLU-and-mul (+ quantization)."""
+        c = self.config
+        h, heads, latent, rope = c.hidden_size, c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
+
+        def quant(width: int) -> int:   # read bf16, write e4m3 + scales
+            return 2 * width + dispatch_payload_bytes(width, True) if quantized else 0
+
+        def silu_mul(width: int) -> int:  # read gate and up, write the product (e4m3 + scales, or bf16)
+            return 2 * 2 * width + (dispatch_payload_bytes(width, True) if quantized else 2 * width)
+
+        add_norm = 4 * 2 * h
+        q_lora = c.q_lora_rank or 0
+        prepare = (add_norm + quant(h) + 2 * 2 * (q_lora + latent) + quant(q_lora)
+                   + 2 * 2 * rope * (heads + 1) + 2 * self.latent_width)
+        if absorbed:
+            prepare += 2 * 2 * heads * self.latent_width
+        else:
+            prepare += quant(latent) + 2 * heads * c.qk_nope_head_dim + 2 * rope + 2 * heads * c.qk_head_dim
+        row = dispatch_payload_bytes(h, fp8_dispatch)
+        return {
+            "prepare": prepare,
+            "core": quant(heads * c.v_head_dim) + add_norm,
+            "route": 2 * h + (2 * h + row if fp8_dispatch else 0),
+            "expert_pair": silu_mul(c.moe_intermediate_size) + (2 * row + 2 * 2 * h if permute else 0),
+            "shared": c.n_shared_experts * silu_mul(c.moe_intermediate_size) + 3 * 2 * h,
+            "dense_mlp": quant(h) + silu_mul(c.intermediate_size),
+        }
 
     @property
     def dense_mlp_params(self) -> int:

@@ -81,17 +81,73 @@ def test_memory_per_gpu_at_ep144():
     assert p["memory"]["weights"] - weights == 58 * 7 * 44_040_192
 
 
+def test_products_activation_bytes_by_hand():
+    """Each product reads its input (FP8 here: 1 byte a value) and writes a bf16 output, one token, one layer."""
+    absorbed = V3.activation_bytes(absorbed=True, in_bytes=1)
+    # q_a + kv_a fused 7168 -> 1536 + 576; q_b 1536 -> 128 x 192; kv_b's key half per head 128 -> 512
+    assert absorbed["prepare"] == (7168 + 2 * 2112) + (1536 + 2 * 24_576) + 128 * (128 + 2 * 512) == 209_536
+    # kv_b's value half per head 512 -> 128; o 128 x 128 -> 7168
+    assert absorbed["core"] == 128 * (512 + 2 * 128) + (16_384 + 2 * 7168) == 129_024
+    # expanded: kv_b 512 -> 128 x (128 + 128) instead of the key half
+    assert V3.activation_bytes(absorbed=False, in_bytes=1)["prepare"] == 11_392 + 50_688 + 512 + 2 * 32_768
+    # an expert: 7168 in, gate and up 2 x 2048 out (bf16), 2048 in, 7168 out (bf16); the dense MLP alike
+    assert absorbed["expert"] == 7168 + 2 * 4096 + 2048 + 2 * 7168 == 31_744
+    assert absorbed["dense_mlp"] == 7168 + 2 * 36_864 + 18_432 + 2 * 7168 == 113_664
+    assert V3.activation_bytes(absorbed=True, in_bytes=2)["expert"] == 2 * 7168 + 2 * 4096 + 2 * 2048 + 2 * 7168
+
+
+def test_elementwise_bytes_by_hand():
+    """The kernels between the products, one token, one layer, FP8 products and dispatch (e4m3 + one float32
+    scale per 128 values: quantizing w bf16 values reads 2w bytes and writes w + 4w / 128)."""
+    decode = V3.elementwise_bytes(absorbed=True, quantized=True, fp8_dispatch=True, permute=False)
+    add_norm = 4 * 2 * 7168                       # residual and input read, residual and normed output written
+    quant_h = 2 * 7168 + 7168 + 56 * 4            # 21_728
+    assert decode["prepare"] == (add_norm + quant_h
+                                 + 2 * 2 * (1536 + 512)          # q_a and kv_a norms
+                                 + 2 * 1536 + 1536 + 12 * 4      # q_a's quantization for q_b
+                                 + 2 * 2 * 64 * (128 + 1)        # RoPE on 128 query heads and the key
+                                 + 2 * 576                       # the latent written to the cache
+                                 + 2 * 2 * 128 * 576) == 421_008  # absorbed query [128, 576] assembled
+    assert decode["core"] == (2 * 16_384 + 16_384 + 128 * 4) + add_norm == 107_008
+    assert decode["route"] == 2 * 7168 + quant_h == 36_064        # router input, dispatch quantization
+    assert decode["expert_pair"] == 2 * 2 * 2048 + 2048 + 16 * 4 == 10_304   # SiLU-and-mul + quantization
+    assert decode["shared"] == 10_304 + 3 * 2 * 7168 == 53_312    # + shared output added to the routed one
+    assert decode["dense_mlp"] == quant_h + 2 * 2 * 18_432 + 18_432 + 144 * 4 == 114_464
+    prefill = V3.elementwise_bytes(absorbed=False, quantized=True, fp8_dispatch=True, permute=True)
+    # expanded: the latent quantized for kv_b, keys [128, 192] assembled from k_nope [128, 128] and k_pe [64]
+    assert prefill["prepare"] == (421_008 - 2 * 2 * 128 * 576 + (2 * 512 + 512 + 4 * 4)
+                                  + 2 * 128 * 128 + 2 * 64 + 2 * 128 * 192) == 209_696
+    # normal kernels: a received FP8 row copied into the contiguous layout, the bf16 output read and written back
+    assert prefill["expert_pair"] == 10_304 + 2 * 7392 + 2 * 2 * 7168 == 53_760
+    # bf16 products (CPU): no quantization kernels, bf16 SiLU outputs
+    bf16 = V3.elementwise_bytes(absorbed=True, quantized=False, fp8_dispatch=False, permute=False)
+    assert bf16["route"] == 2 * 7168 and bf16["expert_pair"] == 2 * 2 * 2048 + 2 * 2048
+    # predict prices them at FlashMLA's 3000 GB/s (on H800's 3350 GB/s: any GPU reaches the same fraction): a
+    # one-GPU prefill of 1024 tokens, the busiest GPU's pairs scaled by the expert imbalance
+    big = Hardware("big", bf16_tflops=989.4, fp8_tflops=1978.9, hbm_gb=2000, hbm_gb_s=3350, nvlink_gb_s=200,
+                   net_gb_s=50, sms=132)
+    r = predict(hardware=big, phase="prefill", ep=1, tokens_per_gpu=1024, dbo=False, expert_imbalance=1.25)
+    layers = 61 * (209_696 + 107_008) + 58 * (36_064 + 8 * 1.25 * 53_760 + 53_312) + 3 * 114_464
+    assert r["parts"]["elementwise"] == pytest.approx(1024 * layers / 3000e9, rel=1e-12)
+
+
 def test_a_weight_bound_step_by_hand():
     """One request, no cache, no overlap, one GPU: every product reads its weights once at DeepGEMM's bandwidth
-    (2668 GB/s, FP8; the bf16 head twice the bytes) and computes 2 FLOPs per weight it uses at 1358 TFLOPS;
-    nothing else costs."""
+    (2668 GB/s, FP8; the bf16 head twice the bytes) with its input and output (test above) and computes 2 FLOPs
+    per weight it uses at 1358 TFLOPS; the kernels between the products move their bytes (test above) at
+    FlashMLA's 3000 GB/s; nothing else costs."""
     big = Hardware("big", bf16_tflops=989.4, fp8_tflops=1978.9, hbm_gb=2000, hbm_gb_s=3350, nvlink_gb_s=200,
                    net_gb_s=50, sms=132)
     r = predict(hardware=big, phase="decode", ep=1, requests_per_gpu=1, context_len=0, dbo=False,
                 expert_imbalance=1.0)
     weight_bytes = 61 * 187_105_280 + 58 * (256 + 1) * 44_040_192 + 3 * 396_361_728 + 129_280 * 7168 * 2
     used = 61 * 187_105_280 + 58 * (8 + 1) * 44_040_192 + 3 * 396_361_728 + 129_280 * 7168  # top-8 + shared
-    assert r["step_s"] == pytest.approx(weight_bytes / 2668e9 + 2 * used / 1358e12, rel=1e-9)
+    activations = (61 * (209_536 + 129_024) + 58 * (8 + 1) * 31_744 + 3 * 113_664
+                   + 2 * (7168 + 129_280))                                   # the head: bf16 in, bf16 logits out
+    between = 61 * (421_008 + 107_008) + 58 * (36_064 + 8 * 10_304 + 53_312) + 3 * 114_464
+    assert r["step_s"] == pytest.approx((weight_bytes + activations) / 2668e9 + 2 * used / 1358e12
+                                        + between / 3000e9, rel=1e-9)
+    assert r["parts"]["elementwise"] == pytest.approx(between / 3000e9, rel=1e-9)
     assert r["bound"] == "weights" and r["communication_s"] == 0 and r["tok_s_per_gpu"] == 1 / r["step_s"]
 
 
@@ -236,8 +292,8 @@ def test_attention_tensor_parallelism_moves_weights_and_latents_not_flops(phase,
 
 def test_the_cpu_preset_is_measured_rates_without_calibration():
     """The "cpu" description holds this machine's measured rates: predict applies no calibration to it. The
-    embedded model's head (4096 x 128, bf16) for one token: its bytes at 32.5 GB/s plus its FLOPs at 196.6
-    GFLOP/s."""
+    embedded model's head (4096 x 128, bf16) for one token: its bytes (weights, the hidden state in, the logits
+    out) at 32.5 GB/s plus its FLOPs at 196.6 GFLOP/s."""
     from jaxinfer import default_model
     from jaxinfer.plan.calibration import calibrate
 
@@ -245,7 +301,8 @@ def test_the_cpu_preset_is_measured_rates_without_calibration():
               context_len=64, weight_bytes=2, dbo=False)
     r = predict(**kw)
     head = 4096 * 128
-    assert r["parts"]["head"] == pytest.approx(2 * head / 32.5e9 + 2 * head / 0.1966e12, rel=1e-12)
+    assert r["parts"]["head"] == pytest.approx((2 * head + 2 * (128 + 4096)) / 32.5e9 + 2 * head / 0.1966e12,
+                                               rel=1e-12)
     other = calibrate(dict(ANCHORS, deepgemm_peak_tflops=1.0, flashmla_gb_s=1.0))
     assert predict(**kw, calibration=other)["step_s"] == r["step_s"]
     prefill = predict(**dict(kw, phase="prefill", requests_per_gpu=None, tokens_per_gpu=256))  # no SMs to hold
