@@ -26,8 +26,9 @@ memory-bound kernel reaches, the expert dispatch / combine at the calibrated lin
   projection and head run as two microbatches in turn. In prefill the normal kernels hold
   ``Calibration.normal_sms`` SMs meanwhile: compute runs on the rest. Without it, compute plus communication.
 
-The step waits for the busiest expert GPU: routed-expert work is scaled by ``expert_imbalance`` (max / mean load;
-default 1.05 with redundant experts, EPLB's balance, and 1.3 without: docs/benchmarks.md "EPLB balance").
+The step waits for the busiest expert GPU: routed-expert work, and the dispatch it receives and the combine it sends
+back, are scaled by ``expert_imbalance`` (max / mean load; default 1.05 with redundant experts, EPLB's balance, and
+1.3 without: docs/benchmarks.md "EPLB balance").
 Not modelled: host overhead, kernel launches, queueing, load that varies in time.
 """
 
@@ -237,7 +238,8 @@ def predict(model: str | pathlib.Path | ModelConfig = "deepseek-v3", hardware: s
             s.add(part or "elementwise", *_times(n, rates.stream(rows * between["shared"])), "shared")
         for name in ("dispatch", "combine"):
             fp8 = fp8_dispatch and name == "dispatch"
-            s.add_comm(name, n * _comm_seconds(phase == "decode", name, rows, cfg, ep, gpn, hw, calibration, fp8))
+            s.add_comm(name, n * imbalance * _comm_seconds(phase == "decode", name, rows, cfg, ep, gpn, hw,
+                                                           calibration, fp8))  # the busiest GPU's rows
 
     # The MTP module (an MoE layer behind a projection of [embedding; hidden], then the shared head). Decode: one
     # pass per draft over the step's requests; prefill: one pass over the computed tokens, filling its cache, and

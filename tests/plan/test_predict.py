@@ -307,3 +307,12 @@ def test_the_cpu_preset_is_measured_rates_without_calibration():
     assert predict(**kw, calibration=other)["step_s"] == r["step_s"]
     prefill = predict(**dict(kw, phase="prefill", requests_per_gpu=None, tokens_per_gpu=256))  # no SMs to hold
     assert prefill["tok_s_per_gpu"] > 0
+
+
+def test_the_busiest_expert_gpu_sets_the_transfers_too():
+    """expert_imbalance scales the busiest GPU's expert work and the rows it receives and sends back."""
+    kw = dict(phase="decode", ep=144, num_redundant_experts=32, requests_per_gpu=64, context_len=2048, dbo=False)
+    even, busy = predict(**kw, expert_imbalance=1.0), predict(**kw, expert_imbalance=1.3)
+    for part in ("dispatch", "combine"):
+        assert busy["parts"][part] == pytest.approx(1.3 * even["parts"][part], rel=1e-12)
+    assert busy["parts"]["attention_core"] == even["parts"]["attention_core"]
