@@ -126,8 +126,8 @@ def work(path: str, shape: ExpertShape, backend: str) -> dict[str, float]:
     """The work of ``path`` on ``shape``, per FEATURES (what each path computes: models/moe.py expert_ffn)."""
     s, a, e, wb = shape.num_slots, shape.assignments, shape.expert_elements, shape.weight_itemsize
     d, i = shape.hidden, shape.inter
-    if path == "gather":  # one matvec triple per assignment, on its slot's weights read in place (priced as
-        # measured in token order; in slot order, as it now runs over several rows, it takes less)
+    if path == "gather":  # one matvec triple per assignment, on its slot's weights read in place (the CPU table's
+        # float32 price measured in token order, its bf16 price in slot order, as it now runs over several rows)
         return dict(matrices=3 * a, weight_bytes=a * e * wb, flops=2 * a * e, moved_bytes=a * d * 4, calls=1)
     if path == "dense":  # every row through every slot
         return dict(matrices=3, weight_bytes=s * e * wb, flops=2 * shape.rows * s * e,

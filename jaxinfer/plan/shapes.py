@@ -37,15 +37,8 @@ class Shapes:
     # ---- parameters -------------------------------------------------------------------------------------
     @property
     def attention_params(self) -> int:
-        """q (q_a + q_b, or q_proj), kv_a, kv_b and o projections of one layer."""
-        c = self.config
-        heads = c.num_attention_heads
-        q = (c.hidden_size * c.q_lora_rank + c.q_lora_rank * heads * c.qk_head_dim if c.q_lora_rank
-             else c.hidden_size * heads * c.qk_head_dim)
-        kv_a = c.hidden_size * (c.kv_lora_rank + c.qk_rope_head_dim)
-        kv_b = c.kv_lora_rank * heads * (c.qk_nope_head_dim + c.v_head_dim)
-        o = heads * c.v_head_dim * c.hidden_size
-        return q + kv_a + kv_b + o
+        """q (q_a + q_b, or q_proj), kv_a, kv_b and o projections of one layer (attention_products' weights)."""
+        return sum(self.attention_params_split(absorbed=False))
 
     def attention_products(self, absorbed: bool) -> tuple[tuple[str, int, int, int, str], ...]:
         """One layer's attention products as (name, groups, k, n, stage): ``groups`` products of an [m, k] activation
