@@ -120,8 +120,13 @@ def matmul_nt(x: jax.Array, w: jax.Array, row_shards: int = 1) -> jax.Array:
             y = part if y is None else y + part  # [M, N]; the barrier: no output fusion
         return y.reshape(*lead, w.shape[0])
     if form == "transposed":
-        y = jnp.einsum("nk,mk->nm", w, x.reshape(m, k), **f32)  # [N, M]
-        return jax.lax.optimization_barrier(y).T.reshape(*lead, w.shape[0])
+        y = jax.lax.optimization_barrier(jnp.einsum("nk,mk->nm", w, x.reshape(m, k), **f32))  # [N, M]
+        if w.dtype != jnp.float32:
+            # Materialized as well (the batched form's reason): left to fold into the next product (the grouped
+            # path's down projection of bf16 activations), the transpose made a dot contracting the lhs's first
+            # axis, which XLA:CPU runs as a DotThunk: UNIMPLEMENTED for BF16 x BF16 = F32.
+            return jax.lax.optimization_barrier(y.T).reshape(*lead, w.shape[0])
+        return y.T.reshape(*lead, w.shape[0])
     return jnp.einsum("...k,nk->...n", x, w, **f32)
 
 
