@@ -159,10 +159,10 @@ def calibrate(args) -> None:
               f"time {summary[dtype][3]:.3f} vs {summary[dtype][7]:.3f})")
     if args.write_table:
         # The dtypes measured replace their entries; the others' stay (a refit of one dtype keeps the rest).
-        table = json.loads(gemm_cost.TABLE.read_text()) if gemm_cost.TABLE.exists() else {}
+        kept = json.loads(gemm_cost.TABLE.read_text())["cpu"] if gemm_cost.TABLE.exists() else {}
         table = {"comment": ["Seconds per unit of work (models/gemm_cost.py FEATURES) of each dense product form on",
                              "XLA:CPU, per weight dtype: python benchmarks/gemm_forms.py --calibrate --write-table."],
-                 "cpu": table.get("cpu", {})}
+                 "cpu": kept}
         for dtype, (med, mean, worst, weighted, *_) in summary.items():
             table["cpu"][dtype] = dict(
                 source=f"measured {datetime.date.today().isoformat()}, jax {jax.__version__}",

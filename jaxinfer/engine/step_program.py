@@ -35,6 +35,11 @@ from jaxinfer.engine.sampler import advance, advance_columns, sample
 from jaxinfer.models.attention import AttentionBackend, AttentionMetadata, write_latents
 from kernels_pallas.mla import DecodeWindow
 
+# How the XLA path's step programs compile (a backend that writes the cache in the step keeps XLA's defaults): XLA
+# hoists loop-invariant work out of a multi-step decode loop, the weights' converts and transposes included, and a
+# bf16 decode on CPU then reads float32 copies of every weight in every iteration (test_paged_forward.py).
+XLA_PATH_OPTIONS = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+
 
 def is_stop(token_ids: jax.Array, stop_ids: jax.Array) -> jax.Array:
     """token_ids [R], stop_ids [R, S] (-1 = none) -> bool [R]: the row's token is one of its stop tokens."""
@@ -77,10 +82,7 @@ class StepProgram:
         graphdef, treedef = self.model.graphdef, self.treedef
         backend = self.backend
         write_cache = backend.writes_in_step
-        # XLA hoists loop-invariant work out of a multi-step decode loop, the weights' converts and transposes
-        # included: a bf16 decode on CPU then reads float32 copies of every weight in every iteration
-        # (test_paged_forward.py). Only the XLA path compiles with that pass off.
-        options = None if write_cache else {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+        options = None if write_cache else XLA_PATH_OPTIONS
 
         @functools.partial(jax.jit, donate_argnums=((1, 2, 3) if write_cache else (2, 3)), static_argnums=6,
                            compiler_options=options)
@@ -138,7 +140,7 @@ class StepProgram:
         graphdef, treedef = self.model.graphdef, self.treedef
         backend = self.backend
         write_cache = backend.writes_in_step
-        options = None if write_cache else {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+        options = None if write_cache else XLA_PATH_OPTIONS
 
         @functools.partial(jax.jit, donate_argnums=((1, 3, 4, 5) if write_cache else (3, 4, 5)),
                            static_argnums=(8, 9, 10, 11), compiler_options=options)

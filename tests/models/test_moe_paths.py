@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxinfer.engine.step_program import XLA_PATH_OPTIONS
 from jaxinfer.models import layers
 from jaxinfer.models.moe import expert_ffn
 from jaxinfer.models.moe_cost import PATHS, capacity_buckets
@@ -113,8 +114,7 @@ def test_bf16_paths_with_transposed_products(path, monkeypatch):
     # intermediates.
     d = 256
     monkeypatch.setattr(layers, "product_form", lambda rows, w: "transposed" if w.shape[-1] == d else "plain")
-    options = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
-    assert _bf16_error(path, s=4, k=2, d=d, i=128, m=32, seed=6, compiler_options=options) < 2e-2
+    assert _bf16_error(path, s=4, k=2, d=d, i=128, m=32, seed=6, compiler_options=XLA_PATH_OPTIONS) < 2e-2
 
 
 def test_capacity_buckets():
