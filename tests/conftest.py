@@ -10,11 +10,14 @@ import pathlib
 
 import pytest
 
-# Compile with XLA:CPU's cheap pipeline: the tests run small shapes, so compiling dominates them, and these two flags
-# cut a test suite's compile time by about a quarter (docs/benchmarks.md "Test suite and compile times").
+# Compile with XLA:CPU's cheap pipeline: the tests run small shapes, so compiling dominates them (an engine's step
+# program: ~1,000 fusions, 3-6 s to compile on the CI machines). The first two flags cut a test suite's compile time by
+# about a quarter; XLA:CPU's older elemental emitters for loop fusions and one LLVM module per program (two test
+# workers already use both cores) about halve what is left (docs/benchmarks.md "Test suite and compile times").
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    " --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Engines compile no prefill block counts ahead unless a test asks (EngineConfig.compile_ahead): most of the suite's
