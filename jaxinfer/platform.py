@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import pathlib
 
 import jax
 import numpy as np
@@ -16,13 +17,20 @@ import numpy as np
 # transfer, dispatch, bookkeeping) comes out of the device's threads on a 2-core machine; k iterations pay it once
 # per k tokens. 8: the measured choice (docs/benchmarks.md "Engine steps and host overhead (CPU)").
 CPU_SCHEDULER_STEPS = 8
+# CPU features (Linux /proc/cpuinfo) with bf16 dot-product instructions: x86's AVX512-BF16 and AMX-BF16, Arm's BF16.
+# With them XLA:CPU's bf16 products ran at about twice its float32 rate (a Zen 4-class machine, 2026-12-06); without
+# (AVX2 only: Zen 3) at about half to three quarters of it, bf16 being converted to float32 on the way
+# (docs/benchmarks.md "Routed-expert paths (CPU)").
+NATIVE_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 
 
 @dataclasses.dataclass(frozen=True)
 class Platform:
-    """name: jax.default_backend() ("cpu", "gpu", "tpu", ...)."""
+    """name: jax.default_backend() ("cpu", "gpu", "tpu", ...); native_bf16: its products take bf16 operands at
+    least at their float32 rate (accelerators; a CPU with NATIVE_BF16_CPU_FLAGS)."""
 
     name: str
+    native_bf16: bool = True
 
     @property
     def is_cpu(self) -> bool:
@@ -50,7 +58,23 @@ class Platform:
         return self.is_cpu and np.dtype(dtype) == np.float32
 
 
+def cpu_flags(cpuinfo: str) -> frozenset[str]:
+    """The CPU's feature flags in the text of /proc/cpuinfo (x86 "flags", Arm "Features"; empty if neither)."""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
 @functools.cache
 def current() -> Platform:
     """The platform of JAX's default backend (read once per process)."""
-    return Platform(jax.default_backend())
+    name = jax.default_backend()
+    if name != "cpu":
+        return Platform(name)
+    try:
+        flags = cpu_flags(pathlib.Path("/proc/cpuinfo").read_text())
+    except OSError:  # not Linux: unknown, taken as without
+        flags = frozenset()
+    return Platform(name, native_bf16=bool(flags & NATIVE_BF16_CPU_FLAGS))

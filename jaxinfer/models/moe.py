@@ -223,9 +223,11 @@ def _grouped_forward(params: dict, xd: jax.Array, weights: jax.Array, flat_ids: 
     place, not a padded copy: the last chunk of a slot runs past its rows into the next slots' (or the zero pad at
     the end), whose results the later slots then overwrite, as the loops go in sorted order; rows of other ranks
     (sorted last) are never computed and are masked out. The rows and the slot's weights stay in the compute dtype
-    (bf16 weights read as stored: no float32 copy, and bf16 products at XLA:CPU's bf16 rate); on CPU the results
-    are held in float32 (values of the compute dtype): into a bf16 buffer XLA:CPU's update copied the whole buffer
-    for every chunk. One size of tile for every row, padded per slot, with the weights indexed per tile, was
+    where the platform multiplies bf16 natively (bf16 weights read as stored, bf16 products at about twice the
+    float32 rate); on a CPU without bf16 instructions they are held in float32 (values of the compute dtype, so the
+    same products), whose products run faster there than bf16's (platform.NATIVE_BF16_CPU_FLAGS). On CPU the
+    results are held in float32 either way: into a bf16 buffer XLA:CPU's update copied the whole buffer for every
+    chunk. One size of tile for every row, padded per slot, with the weights indexed per tile, was
     1.2-1.6x slower on the grid's prefill shapes; batching the tiles into one matmul, as grouped GEMM kernels do,
     makes XLA:CPU gather a copy of the weights for every tile (docs/benchmarks.md "Routed-expert paths (CPU)").
     The loops have traced trip counts, so the path has no reverse-mode derivative of its own: _grouped_ffn gives it
@@ -234,15 +236,17 @@ def _grouped_forward(params: dict, xd: jax.Array, weights: jax.Array, flat_ids: 
     order, token, group_sizes = _sorted_by_slot(flat_ids, k, num_slots)
     sizes = chunk_sizes(m)
     d = xd.shape[1]
-    held = jnp.float32 if current_platform().is_cpu else dtype  # the results' buffer (above)
+    here = current_platform()
+    held = jnp.float32 if here.is_cpu else dtype  # the results' buffer (above)
+    ops = dtype if here.native_bf16 else held  # the products' operands (above)
     # [M*K + top, D]: the pad holds the last slot's overhang, less than a chunk (dynamic_slice would clamp it back)
-    rows = jnp.concatenate([xd[token], jnp.zeros((sizes[0], d), dtype)])
+    rows = jnp.concatenate([xd[token], jnp.zeros((sizes[0], d), dtype)]).astype(ops)
     start = jnp.cumsum(group_sizes) - group_sizes  # [S] first sorted row of each slot
     active = jnp.nonzero(group_sizes, size=num_slots, fill_value=0)[0]  # [S] the slots in use, ascending
 
     def one_slot(j, out):  # out [M*K + top, D]: the rows of active[j] computed
         slot = active[j]
-        w = {name: _slot_weight(params, name, slot, dtype)  # [I, D], [I, D], [D, I]
+        w = {name: _slot_weight(params, name, slot, dtype).astype(ops)  # [I, D], [I, D], [D, I]
              for name in Experts.PROJ}
 
         def chunks(size, first):
@@ -252,7 +256,7 @@ def _grouped_forward(params: dict, xd: jax.Array, weights: jax.Array, flat_ids: 
                 gate = matmul_nt(x, w["gate_proj"])  # [size, I]
                 up = matmul_nt(x, w["up_proj"])
                 act = jax.nn.silu(gate.astype(dtype)) * up.astype(dtype)  # [size, I]
-                y = matmul_nt(act, w["down_proj"]).astype(dtype)  # [size, D]
+                y = matmul_nt(act.astype(ops), w["down_proj"]).astype(dtype)  # [size, D]
                 return jax.lax.dynamic_update_slice_in_dim(out, y.astype(held), r, 0)
             return chunk
 

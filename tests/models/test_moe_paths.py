@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxinfer import platform
 from jaxinfer.engine.step_program import XLA_PATH_OPTIONS
-from jaxinfer.models import layers
+from jaxinfer.models import layers, moe
 from jaxinfer.models.moe import expert_ffn
 from jaxinfer.models.moe_cost import PATHS, capacity_buckets
 
@@ -97,22 +98,34 @@ def _bf16_error(path, s, k, d, i, m, seed, compiler_options=None) -> float:
     return float((np.linalg.norm(np.asarray(got) - ref, axis=1) / np.linalg.norm(ref, axis=1)).max())
 
 
-@pytest.mark.parametrize("path", ["gather", "capacity", "grouped"])
-def test_bf16_paths_on_v3_expert_count(path):
+# The grouped path multiplies bf16 operands where the CPU has bf16 instructions and float32 copies where it has
+# not (platform.NATIVE_BF16_CPU_FLAGS): both are checked whatever this machine has.
+BF16_PATHS = [("gather", None), ("capacity", None), ("grouped", True), ("grouped", False)]
+
+
+def _native_bf16(monkeypatch, native: bool | None) -> None:
+    if native is not None:
+        monkeypatch.setattr(moe, "current_platform", lambda: platform.Platform("cpu", native_bf16=native))
+
+
+@pytest.mark.parametrize("path, native", BF16_PATHS)
+def test_bf16_paths_on_v3_expert_count(path, native, monkeypatch):
     # bf16 weights on V3's 256 slots top-8 at a small width, 128 tokens: the capacity path's batched products take
     # the transposed form for some buckets, whose transpose XLA:CPU once folded into the next product as a dot it
     # cannot run in bf16 (UNIMPLEMENTED: BF16 x BF16 = F32). Within the rounding of bf16 intermediates.
+    _native_bf16(monkeypatch, native)
     assert _bf16_error(path, s=256, k=8, d=256, i=64, m=128, seed=5) < 2e-2
 
 
-@pytest.mark.parametrize("path", ["dense", "capacity", "grouped"])
-def test_bf16_paths_with_transposed_products(path, monkeypatch):
+@pytest.mark.parametrize("path, native", [("dense", None)] + BF16_PATHS[1:])
+def test_bf16_paths_with_transposed_products(path, native, monkeypatch):
     # The gate and up products in the transposed form ((w @ x^T)^T, which the GEMM cost model picks for some row
     # counts and widths) and the down projection in the plain one: the grouped path's bf16 activations then feed a
     # plain product from a transposed result, which XLA:CPU once compiled as a dot contracting its lhs's first axis,
     # a DotThunk (UNIMPLEMENTED: BF16 x BF16 = F32). Compiled as the engine compiles it; within the rounding of bf16
     # intermediates.
     d = 256
+    _native_bf16(monkeypatch, native)
     monkeypatch.setattr(layers, "product_form", lambda rows, w: "transposed" if w.shape[-1] == d else "plain")
     assert _bf16_error(path, s=4, k=2, d=d, i=128, m=32, seed=6, compiler_options=XLA_PATH_OPTIONS) < 2e-2
 
