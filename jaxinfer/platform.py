@@ -18,9 +18,9 @@ import numpy as np
 # per k tokens. 8: the measured choice (docs/benchmarks.md "Engine steps and host overhead (CPU)").
 CPU_SCHEDULER_STEPS = 8
 # CPU features (Linux /proc/cpuinfo) with bf16 dot-product instructions: x86's AVX512-BF16 and AMX-BF16, Arm's BF16.
-# With them XLA:CPU's bf16 products ran at about twice its float32 rate (a Zen 4-class machine, 2026-12-06); without
-# (AVX2 only: Zen 3) at about half to three quarters of it, bf16 being converted to float32 on the way
-# (docs/benchmarks.md "Routed-expert paths (CPU)").
+# XLA:CPU's bf16 products ran at about twice its float32 rate on one CI machine and at half to three quarters of it
+# on another with AVX2 only (a Zen 3 EPYC), converting bf16 to float32 on the way (docs/benchmarks.md "Routed-expert
+# paths (CPU)").
 NATIVE_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 
 
