@@ -67,6 +67,11 @@ def cpu_flags(cpuinfo: str) -> frozenset[str]:
     return frozenset()
 
 
+def native_bf16(cpuinfo: str) -> bool:
+    """Whether the CPU described by /proc/cpuinfo text has bf16 dot-product instructions (NATIVE_BF16_CPU_FLAGS)."""
+    return bool(cpu_flags(cpuinfo) & NATIVE_BF16_CPU_FLAGS)
+
+
 @functools.cache
 def current() -> Platform:
     """The platform of JAX's default backend (read once per process)."""
@@ -74,7 +79,7 @@ def current() -> Platform:
     if name != "cpu":
         return Platform(name)
     try:
-        flags = cpu_flags(pathlib.Path("/proc/cpuinfo").read_text())
+        cpuinfo = pathlib.Path("/proc/cpuinfo").read_text()
     except OSError:  # not Linux: unknown, taken as without
-        flags = frozenset()
-    return Platform(name, native_bf16=bool(flags & NATIVE_BF16_CPU_FLAGS))
+        cpuinfo = ""
+    return Platform(name, native_bf16=native_bf16(cpuinfo))
