@@ -28,7 +28,7 @@ from jaxinfer.engine.rejection_sampler import VerifyOutput
 from jaxinfer.engine.sampler import SampleOutput
 from jaxinfer.engine.buckets import MIN_PREFILL_T, bucket
 from jaxinfer.engine.scheduler_output import RunnerOutput, SchedulerOutput
-from jaxinfer.engine.step_program import StepProgram
+from jaxinfer.engine.step_program import StepProgram, shared_program
 from jaxinfer.kv.page_store import PageStore
 from jaxinfer.kv.paged_cache import init_paged_cache
 from jaxinfer.models.attention import BACKENDS
@@ -131,10 +131,11 @@ class ModelRunner:
 
     @functools.cached_property
     def program(self) -> StepProgram:
-        return StepProgram(self.model, self._state_leaves[1], backend=self.backend,
-                           ranks=self.inputs.ranks, max_rows=self.inputs.max_rows,
-                           prefill_capacity=self.inputs.prefill_capacity, batch_sharding=self._batch,
-                           page_size=self.inputs.page_size)
+        m = self.model
+        return shared_program(m.graphdef, self._state_leaves[1], m.config.vocab_size, m.dtype,
+                              m.mesh if m.plan is not None else None, backend=self.backend, ranks=self.inputs.ranks,
+                              max_rows=self.inputs.max_rows, prefill_capacity=self.inputs.prefill_capacity,
+                              batch_sharding=self._batch, page_size=self.inputs.page_size)
 
     def refresh_state(self) -> None:
         """Reads the model state again at the next step (after it was changed in place, e.g. rebalanced experts).

@@ -56,30 +56,35 @@ def stops_in_run(after: jax.Array, first: jax.Array, anchor: jax.Array, stop_ids
 
 
 class StepProgram:
-    """The step and write programs of one model and cache layout.
+    """The step and write programs of one model structure and cache layout (``shared_program`` hands out one per
+    layout, so that engines of the same model and settings share their traced and compiled steps).
 
-    backend: the attention backend (models/attention.py): "pallas" reads the cache written inside the step; "xla"
-    writes it afterwards in a second program (``write``). ranks, max_rows: the token buffer's layout (slot rank *
-    max_rows + row); prefill_capacity: a prefill step's tokens per rank at most; page_size: a KV page's positions.
+    graphdef, treedef: the model's nnx GraphDef and its state's treedef (the weights are arguments of every
+    program, never held here); dtype, mesh: the model's (mesh None: no parallel plan). backend: the attention
+    backend (models/attention.py): "pallas" reads the cache written inside the step; "xla" writes it afterwards in
+    a second program (``write``). ranks, max_rows: the token buffer's layout (slot rank * max_rows + row);
+    prefill_capacity: a prefill step's tokens per rank at most; page_size: a KV page's positions.
     """
 
-    def __init__(self, model, treedef, *, backend: AttentionBackend, ranks: int, max_rows: int,
-                 prefill_capacity: int, batch_sharding, page_size: int = 64):
-        self.model = model
+    def __init__(self, graphdef, treedef, vocab_size: int, dtype, mesh, *, backend: AttentionBackend, ranks: int,
+                 max_rows: int, prefill_capacity: int, batch_sharding, page_size: int = 64):
+        self.graphdef = graphdef
         self.treedef = treedef
+        self.dtype = dtype
+        self.mesh = mesh
         self.backend = backend
         self.ranks = ranks
         self.max_rows = max_rows
         self.prefill_capacity = prefill_capacity
         self.batch = batch_sharding
         self.page_size = page_size
-        self.vocab_size = model.config.vocab_size
+        self.vocab_size = vocab_size
 
     @functools.cached_property
     def step(self):
         """step(state_leaves, layers, tokens, load_total, load_evict, packed, layout, screen) -> (sample output,
         layers (a backend that writes in the step) or (latents, slots) to write, tokens, (load_total, load))."""
-        graphdef, treedef = self.model.graphdef, self.treedef
+        graphdef, treedef = self.graphdef, self.treedef
         backend = self.backend
         write_cache = backend.writes_in_step
         options = None if write_cache else XLA_PATH_OPTIONS
@@ -137,7 +142,7 @@ class StepProgram:
         sampling row's drafts, its positions not accepted (reserved minus computed) and whether it sampled a stop
         token (1 / 0), so that the next verification, dispatched before this step's results reach the host,
         follows on device (``follow_in_flight``)."""
-        graphdef, treedef = self.model.graphdef, self.treedef
+        graphdef, treedef = self.graphdef, self.treedef
         backend = self.backend
         write_cache = backend.writes_in_step
         options = None if write_cache else XLA_PATH_OPTIONS
@@ -371,7 +376,7 @@ class StepProgram:
         no_dest = self.ranks * self.max_rows  # out of the buffer: dropped
         c = model.config
         width = c.kv_lora_rank + c.qk_rope_head_dim
-        windows = None if write_cache else tuple(jnp.zeros((r, k, width), self.model.dtype) for _ in layers)
+        windows = None if write_cache else tuple(jnp.zeros((r, k, width), self.dtype) for _ in layers)
         cache = layers
         out_shapes = jax.eval_shape(sample, jax.ShapeDtypeStruct((r, self.vocab_size), jnp.float32), tensors)
         outs = jax.tree.map(lambda x: jnp.zeros((k, *x.shape), x.dtype), out_shapes)  # [k, R, ...]
@@ -420,10 +425,21 @@ class StepProgram:
     @functools.cached_property
     def write(self):
         """write(layers, latents, slots) -> layers: the XLA path's cache write after a step (layers donated)."""
-        mesh = self.model.mesh if self.model.plan is not None else None
+        mesh = self.mesh
 
         @functools.partial(jax.jit, donate_argnums=0)
         def write(layers, latents, slots):
             return tuple(write_latents(mesh, c, new, slots) for c, new in zip(layers, latents))
 
         return write
+
+
+@functools.lru_cache(maxsize=16)
+def shared_program(graphdef, treedef, vocab_size: int, dtype, mesh, *, backend: AttentionBackend, ranks: int,
+                   max_rows: int, prefill_capacity: int, batch_sharding, page_size: int) -> StepProgram:
+    """The StepProgram of a model structure and layout (StepProgram's arguments, all hashable), one per process: a
+    second engine of the same model and settings (a notebook's second LLM, a benchmark's engines, an engine rebuilt
+    with other sampling defaults) reuses the first one's traced and compiled steps instead of tracing, lowering and
+    compiling (or reading from the compilation cache) each again. It holds no weights, caches or engines."""
+    return StepProgram(graphdef, treedef, vocab_size, dtype, mesh, backend=backend, ranks=ranks, max_rows=max_rows,
+                       prefill_capacity=prefill_capacity, batch_sharding=batch_sharding, page_size=page_size)
