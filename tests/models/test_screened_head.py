@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from jaxinfer.engine import head as head_module
+from jaxinfer.engine import head as head_module, step_program
 from jaxinfer.engine.llm import LLM
 from jaxinfer.engine.sampling_params import SamplingParams
 from jaxinfer.models.screened_head import BLOCK, build_head_screen, screened_argmax
@@ -129,8 +129,17 @@ def case(v3_case):
     return v3_case
 
 
+@pytest.fixture
+def fresh_step_programs():
+    """Engines of the same model and layout share their traced steps (step_program.shared_program): none before the
+    test, so that its engines trace theirs with its probe, and none of those after it."""
+    step_program.shared_program.cache_clear()
+    yield
+    step_program.shared_program.cache_clear()
+
+
 @pytest.mark.parametrize("dtype,mesh", [("float32", "1x1"), ("float32", "1x8")])
-def test_engine_outputs_equal_with_and_without_the_screen(case, dtype, mesh, monkeypatch):
+def test_engine_outputs_equal_with_and_without_the_screen(case, dtype, mesh, monkeypatch, fresh_step_programs):
     """Batch 1 takes the screen (on 1x8: eight rows, one per device), a batch with a sampled row the full
     logits; all greedy tokens equal the full logits' (the screen proved its answer in those steps)."""
     proofs = []
