@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import hf_oracle as O
+from compile_counter import CompileCounter
 from fp8_oracle import dequantize_checkpoint
 
 from jaxinfer.default_model import path as default_model_path
@@ -197,3 +198,13 @@ def test_llm_default_generates_what_transformers_generates():
     chat = bf16.chat(messages, SamplingParams(max_tokens=4), use_tqdm=False)
     assert chat[0].prompt_token_ids == _tokenizer().apply_chat_template(messages)
     assert 1 <= len(chat[0].outputs[0].token_ids) <= 4
+
+    # A second engine of the same model and settings reuses the first one's step programs
+    # (engine/step_program.py shared_program): it traces and compiles nothing and computes the same tokens.
+    again = LLM(mesh="1x1", num_kv_pages=8)
+    assert again.runner.program is bf16.runner.program
+    with CompileCounter() as counter:
+        compiles = counter.measure(lambda: out.extend(again.generate(
+            prompts[:1], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)))
+    assert compiles == 0 and out[1].outputs[0].token_ids == out[0].outputs[0].token_ids
+    assert LLM(mesh="1x1", num_kv_pages=8, max_num_seqs=4).runner.program is not bf16.runner.program  # other rows
