@@ -60,10 +60,10 @@ class StepProgram:
     layout, so that engines of the same model and settings share their traced and compiled steps).
 
     graphdef, treedef: the model's nnx GraphDef and its state's treedef (the weights are arguments of every
-    program, never held here); dtype, mesh: the model's (mesh None: no parallel plan). backend: the attention
-    backend (models/attention.py): "pallas" reads the cache written inside the step; "xla" writes it afterwards in
-    a second program (``write``). ranks, max_rows: the token buffer's layout (slot rank * max_rows + row);
-    prefill_capacity: a prefill step's tokens per rank at most; page_size: a KV page's positions.
+    program, never held here); vocab_size, dtype, mesh: the model's (mesh None: no parallel plan). backend: the
+    attention backend (models/attention.py): "pallas" reads the cache written inside the step; "xla" writes it
+    afterwards in a second program (``write``). ranks, max_rows: the token buffer's layout (slot rank * max_rows +
+    row); prefill_capacity: a prefill step's tokens per rank at most; page_size: a KV page's positions.
     """
 
     def __init__(self, graphdef, treedef, vocab_size: int, dtype, mesh, *, backend: AttentionBackend, ranks: int,
