@@ -3,6 +3,7 @@ dense product forms): a robust time per call, and per-unit prices fitted to meas
 
 from __future__ import annotations
 
+import pathlib
 import statistics
 import time
 
@@ -32,3 +33,43 @@ def fit_prices(work: list[list[float]], seconds: list[float]) -> list[float]:
     scale = np.maximum(np.abs(a).max(0), 1e-30)
     c, _ = nnls(a / scale / y[:, None], np.ones(len(y)), maxiter=10000)
     return [float(f"{v:.4g}") for v in c / scale]
+
+
+def machine() -> dict:
+    """What measurements depend on besides the shapes: JAX's version, the backend, and on CPU its model and whether
+    its bf16 products are native (platform.Platform.native_bf16). Saved with the measurements and named in the
+    table entry's "source": a table fitted on one machine prices another's only as far as their rates agree."""
+    import jax
+
+    from jaxinfer import platform
+
+    here = platform.current()
+    try:
+        cpuinfo = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        cpuinfo = ""
+    models = [line.partition(":")[2].strip() for line in cpuinfo.splitlines() if line.startswith("model name")]
+    return dict(jax=jax.__version__, backend=here.name, native_bf16=here.native_bf16,
+                cpu=models[0] if models else "unknown CPU")
+
+
+def source(measured_on: dict) -> str:
+    """A table entry's "source": when, with which JAX, on which CPU (``machine()``; measurements saved before it
+    recorded the CPU name none)."""
+    import datetime
+
+    import jax
+
+    native = measured_on.get("native_bf16")
+    cpu = "" if measured_on.get("backend", "cpu") != "cpu" or "cpu" not in measured_on else (
+        f", {measured_on['cpu']} ({'native' if native else 'no native'} bf16 products)")
+    return f"measured {datetime.date.today().isoformat()}, jax {measured_on.get('jax', jax.__version__)}{cpu}"
+
+
+def regret_summary(chosen: list[float], fastest: list[float]) -> str:
+    """How well a choice did on measured points: the chosen paths' (forms') summed time over the fastest's, and the
+    mean / max of their ratios per point."""
+    import numpy as np
+
+    r = np.asarray(chosen) / np.asarray(fastest)
+    return f"sum chosen / sum fastest {sum(chosen) / sum(fastest):.3f}, mean {r.mean():.3f}, max {r.max():.2f}"

@@ -19,20 +19,20 @@ one routed expert's matrices (the grouped path's tiles) and the capacity path's 
 1024 rows, weights cold as above, fits each form's seconds per unit of work (gemm_cost.FEATURES) by non-negative
 least squares on relative error, and prints how well the fit chooses: for every model's products held out of the fit
 in turn, the measured time of the form the fit on the others chooses over the fastest measured form ("regret"), next
-to the earlier fixed rule's (the transposed form for 2-64 rows). --write-table stores the fit on all products as
-jaxinfer/models/gemm_costs.json.
+to the earlier fixed rule's (the transposed form for 2-64 rows), then in sample how the table's shipped entry and a
+fit on all products choose (on a machine other than the entry's: whether its prices carry over). --write-table stores
+the fit on all products as jaxinfer/models/gemm_costs.json, its "source" naming the date, JAX and CPU.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import pathlib
 import time
 
-from calibration import fit_prices, median_seconds
+from calibration import fit_prices, machine, median_seconds, regret_summary, source
 
 OLD_TRANSPOSED_ROWS = (2, 64)  # the fixed rule before the cost model, batched or not
 MAX_FLOPS = 4e9  # products of more work are not timed (the LM head at 1024 rows: their form is the plain one)
@@ -120,17 +120,17 @@ def old_rule(p) -> str:
 
 
 def calibrate(args) -> None:
-    import jax
     import numpy as np
 
     from jaxinfer.models import gemm_cost
 
     if args.measurements:
-        points = json.loads(pathlib.Path(args.measurements).read_text())["points"]
+        saved = json.loads(pathlib.Path(args.measurements).read_text())
+        points, measured_on = saved["points"], {k: v for k, v in saved.items() if k != "points"}
     else:
-        points = measure(args.dtypes.split(","), CALIBRATION_ROWS)
+        points, measured_on = measure(args.dtypes.split(","), CALIBRATION_ROWS), machine()
         if args.save_measurements:
-            pathlib.Path(args.save_measurements).write_text(json.dumps(dict(jax=jax.__version__, points=points)))
+            pathlib.Path(args.save_measurements).write_text(json.dumps(dict(**measured_on, points=points)))
     regret = lambda p, form: p["times"][form] / min(p["times"].values())  # noqa: E731
     print("\nleave-one-model-out: measured time of the chosen form / the fastest form's")
     print(f"{'dtype':>8} {'held out':>16} {'fit median':>10} {'fit max':>8} {'old median':>10} {'old max':>8}")
@@ -157,6 +157,13 @@ def calibrate(args) -> None:
         print(f"{dtype:>8} {'all':>16} {summary[dtype][0]:>10.3f} {summary[dtype][2]:>8.3f} {summary[dtype][4]:>10.3f} "
               f"{summary[dtype][6]:>8.3f}   (means {summary[dtype][1]:.3f} vs {summary[dtype][5]:.3f}; weighted by "
               f"time {summary[dtype][3]:.3f} vs {summary[dtype][7]:.3f})")
+    print("\nin sample: the table's entry (as shipped) and the refit on every model's products")
+    for dtype in summary:
+        held = [p for p in points if p["dtype"] == dtype]
+        fastest = [min(p["times"].values()) for p in held]
+        for name, coeffs in (("shipped", gemm_cost.coefficients(dtype)), ("refit", fit(held))):
+            chosen = [p["times"][gemm_cost.cheapest(_shape(p), coeffs)] for p in held]
+            print(f"{dtype:>8} {name:>8}: {regret_summary(chosen, fastest)}")
     if args.write_table:
         # The dtypes measured replace their entries; the others' stay (a refit of one dtype keeps the rest).
         kept = json.loads(gemm_cost.TABLE.read_text())["cpu"] if gemm_cost.TABLE.exists() else {}
@@ -165,7 +172,7 @@ def calibrate(args) -> None:
                  "cpu": kept}
         for dtype, (med, mean, worst, weighted, *_) in summary.items():
             table["cpu"][dtype] = dict(
-                source=f"measured {datetime.date.today().isoformat()}, jax {jax.__version__}",
+                source=source(measured_on),
                 grid=f"{len(grid_products())} models' products, rows {min(CALIBRATION_ROWS)}-{max(CALIBRATION_ROWS)}",
                 held_out=f"chosen / fastest: median {med:.3f}, mean {mean:.3f}, max {worst:.3f}, weighted by time "
                          f"{weighted:.3f}",

@@ -17,8 +17,10 @@ and routing.
 grid, plus V3's 256 narrow experts and a few wide ones) and row counts (1 to 1024) under uniform routing, fits each
 path's seconds per unit of work (moe_cost.FEATURES) by non-negative least squares on relative error, and prints how
 well the fit chooses: for every shape held out of the fit in turn, the measured time of the path the fit on the
-other shapes chooses over the fastest measured path ("regret"), next to the earlier fixed rule's. --write-table
-stores the fit on all shapes as this backend's entry of jaxinfer/models/moe_costs.json. Points whose work is far
+other shapes chooses over the fastest measured path ("regret"), next to the earlier fixed rule's, then in sample
+how the table's shipped entry and a fit on all shapes choose (on a machine other than the entry's: whether its prices
+carry over). --write-table stores the fit on all shapes as this backend's entry of jaxinfer/models/moe_costs.json,
+its "source" naming the date, JAX and CPU (also saved with --save-measurements). Points whose work is far
 beyond the others' (dense and ragged, which compute every row against every expert on CPU, at many rows) are not
 timed: they are counted as never the fastest.
 """
@@ -26,13 +28,12 @@ timed: they are counted as never the fastest.
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import pathlib
 import sys
 
-from calibration import fit_prices, median_seconds
+from calibration import fit_prices, machine, median_seconds, regret_summary, source
 
 CALIBRATION_SHAPES = {  # name -> (slots, top_k, hidden, moe_intermediate)
     "bench": (16, 4, 512, 256),
@@ -159,15 +160,18 @@ def calibrate(args) -> None:
 
     backend = jax.default_backend()
     rows, dtypes = [int(r) for r in args.rows.split(",")], args.dtypes.split(",")
+    measured_on = machine()
     if args.measurements:
-        points = json.loads(pathlib.Path(args.measurements).read_text())["points"]
+        saved = json.loads(pathlib.Path(args.measurements).read_text())
+        points = saved["points"]
         if args.remeasure:
             points = measure(dtypes, rows, list(CALIBRATION_SHAPES), paths=args.remeasure.split(","), points=points)
+        else:
+            measured_on = {k: v for k, v in saved.items() if k != "points"}
     else:
         points = measure(dtypes, rows, list(CALIBRATION_SHAPES))
     if args.save_measurements:
-        pathlib.Path(args.save_measurements).write_text(json.dumps(
-            dict(backend=backend, jax=jax.__version__, points=points), indent=1))
+        pathlib.Path(args.save_measurements).write_text(json.dumps(dict(**measured_on, points=points), indent=1))
     points = [p for p in points if p["times"]]  # every path past MAX_FLOPS: nothing to compare
     print(f"\nleave-one-shape-out: measured time of the chosen path / the fastest path's, {backend}")
     print(f"{'dtype':>8} {'held out':>16} {'fit median':>10} {'fit max':>8} {'old median':>10} {'old max':>8}")
@@ -189,14 +193,25 @@ def calibrate(args) -> None:
         print(f"{dtype:>8} {'all':>16} {summary[dtype][0]:>10.3f} {summary[dtype][1]:>8.3f} "
               f"{summary[dtype][3]:>10.3f} {summary[dtype][4]:>8.3f}   (means {summary[dtype][2]:.3f} vs "
               f"{summary[dtype][5]:.3f})")
+    from jaxinfer.models import moe_cost
+
+    print(f"\nin sample: the table's entry (as shipped) and the refit on every shape, decode steps (balanced routing) "
+          f"and prefill steps (moe_cost.ROUTING_SKEWS)")
+    for dtype in sorted({p["dtype"] for p in points}):
+        held = [p for p in points if p["dtype"] == dtype]
+        fastest = [min(p["times"].values()) for p in held]
+        for name, coeffs in (("shipped", moe_cost.coefficients(backend, dtype)), ("refit", fit(held, backend))):
+            for label, tokens in (("decode", 1), ("prefill", 2)):
+                chosen = [p["times"].get(moe_cost.cheapest(_shape(p), backend, coeffs, tokens), float("inf"))
+                          for p in held]
+                print(f"{dtype:>8} {name:>8} {label:>8}: {regret_summary(chosen, fastest)}")
     if args.write_table:
-        from jaxinfer.models import moe_cost
 
         table = json.loads(moe_cost.TABLE.read_text())
         entry = table["backends"].setdefault(backend, {})
         for dtype in sorted({p["dtype"] for p in points}):
             entry[dtype] = dict(
-                source=f"measured {datetime.date.today().isoformat()}, jax {jax.__version__}",
+                source=source(measured_on),
                 grid=f"{len(CALIBRATION_SHAPES)} shapes, rows {min(p['rows'] for p in points)}-"
                      f"{max(p['rows'] for p in points)}",
                 held_out=f"chosen / fastest: median {summary[dtype][0]:.3f}, mean {summary[dtype][2]:.3f}, "
@@ -211,11 +226,12 @@ def compare(args) -> None:
     import jax.numpy as jnp
     import numpy as np
 
+    from jaxinfer import platform
     from jaxinfer.models import moe_cost
     from jaxinfer.models.moe import expert_ffn
 
     dtype = jnp.dtype(args.dtype)
-    backend = jax.default_backend()
+    backend, key = jax.default_backend(), platform.current().cost_key(args.dtype)
     s, d, i, k = args.experts, args.hidden, args.inter, args.top_k
     params = _params(s, d, i, dtype)
     rng = np.random.default_rng(0)
