@@ -226,12 +226,11 @@ def compare(args) -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxinfer import platform
     from jaxinfer.models import moe_cost
     from jaxinfer.models.moe import expert_ffn
 
     dtype = jnp.dtype(args.dtype)
-    backend, key = jax.default_backend(), platform.current().cost_key(args.dtype)
+    backend = jax.default_backend()
     s, d, i, k = args.experts, args.hidden, args.inter, args.top_k
     params = _params(s, d, i, dtype)
     rng = np.random.default_rng(0)
