@@ -195,8 +195,8 @@ def calibrate(args) -> None:
               f"{summary[dtype][5]:.3f})")
     from jaxinfer.models import moe_cost
 
-    print(f"\nin sample: the table's entry (as shipped) and the refit on every shape, decode steps (balanced routing) "
-          f"and prefill steps (moe_cost.ROUTING_SKEWS)")
+    print("\nin sample: the table's entry (as shipped) and the refit on every shape, decode steps (balanced routing) "
+          "and prefill steps (moe_cost.ROUTING_SKEWS)")
     for dtype in sorted({p["dtype"] for p in points}):
         held = [p for p in points if p["dtype"] == dtype]
         fastest = [min(p["times"].values()) for p in held]
