@@ -3,6 +3,7 @@ dense product forms): a robust time per call, and per-unit prices fitted to meas
 
 from __future__ import annotations
 
+import json
 import pathlib
 import statistics
 import time
@@ -60,10 +61,23 @@ def source(measured_on: dict) -> str:
 
     import jax
 
-    native = measured_on.get("native_bf16")
-    cpu = "" if measured_on.get("backend", "cpu") != "cpu" or "cpu" not in measured_on else (
-        f", {measured_on['cpu']} ({'native' if native else 'no native'} bf16 products)")
+    cpu = ""
+    if measured_on.get("backend", "cpu") == "cpu" and "cpu" in measured_on:
+        kind = "native" if measured_on.get("native_bf16") else "no native"
+        cpu = f", {measured_on['cpu']} ({kind} bf16 products)"
     return f"measured {datetime.date.today().isoformat()}, jax {measured_on.get('jax', jax.__version__)}{cpu}"
+
+
+def save_measurements(path: str, measured_on: dict, points: list[dict]) -> None:
+    """Writes a calibration's points with the machine they were measured on (``machine()``) as JSON."""
+    pathlib.Path(path).write_text(json.dumps(dict(**measured_on, points=points), indent=1))
+
+
+def load_measurements(path: str) -> tuple[list[dict], dict]:
+    """(points, the machine they were measured on) from ``save_measurements``' file (older files: what they hold
+    besides the points)."""
+    saved = json.loads(pathlib.Path(path).read_text())
+    return saved["points"], {k: v for k, v in saved.items() if k != "points"}
 
 
 def regret_summary(chosen: list[float], fastest: list[float]) -> str:

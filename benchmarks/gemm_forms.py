@@ -29,10 +29,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import pathlib
 import time
 
-from calibration import fit_prices, machine, median_seconds, regret_summary, source
+from calibration import (fit_prices, load_measurements, machine, median_seconds, regret_summary,
+                         save_measurements, source)
 
 OLD_TRANSPOSED_ROWS = (2, 64)  # the fixed rule before the cost model, batched or not
 MAX_FLOPS = 4e9  # products of more work are not timed (the LM head at 1024 rows: their form is the plain one)
@@ -125,12 +125,11 @@ def calibrate(args) -> None:
     from jaxinfer.models import gemm_cost
 
     if args.measurements:
-        saved = json.loads(pathlib.Path(args.measurements).read_text())
-        points, measured_on = saved["points"], {k: v for k, v in saved.items() if k != "points"}
+        points, measured_on = load_measurements(args.measurements)
     else:
         points, measured_on = measure(args.dtypes.split(","), CALIBRATION_ROWS), machine()
         if args.save_measurements:
-            pathlib.Path(args.save_measurements).write_text(json.dumps(dict(**measured_on, points=points)))
+            save_measurements(args.save_measurements, measured_on, points)
     regret = lambda p, form: p["times"][form] / min(p["times"].values())  # noqa: E731
     print("\nleave-one-model-out: measured time of the chosen form / the fastest form's")
     print(f"{'dtype':>8} {'held out':>16} {'fit median':>10} {'fit max':>8} {'old median':>10} {'old max':>8}")

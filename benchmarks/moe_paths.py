@@ -30,10 +30,10 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import pathlib
 import sys
 
-from calibration import fit_prices, machine, median_seconds, regret_summary, source
+from calibration import (fit_prices, load_measurements, machine, median_seconds, regret_summary,
+                         save_measurements, source)
 
 CALIBRATION_SHAPES = {  # name -> (slots, top_k, hidden, moe_intermediate)
     "bench": (16, 4, 512, 256),
@@ -160,18 +160,15 @@ def calibrate(args) -> None:
 
     backend = jax.default_backend()
     rows, dtypes = [int(r) for r in args.rows.split(",")], args.dtypes.split(",")
-    measured_on = machine()
     if args.measurements:
-        saved = json.loads(pathlib.Path(args.measurements).read_text())
-        points = saved["points"]
+        points, measured_on = load_measurements(args.measurements)
         if args.remeasure:
             points = measure(dtypes, rows, list(CALIBRATION_SHAPES), paths=args.remeasure.split(","), points=points)
-        else:
-            measured_on = {k: v for k, v in saved.items() if k != "points"}
+            measured_on = machine()
     else:
-        points = measure(dtypes, rows, list(CALIBRATION_SHAPES))
+        points, measured_on = measure(dtypes, rows, list(CALIBRATION_SHAPES)), machine()
     if args.save_measurements:
-        pathlib.Path(args.save_measurements).write_text(json.dumps(dict(**measured_on, points=points), indent=1))
+        save_measurements(args.save_measurements, measured_on, points)
     points = [p for p in points if p["times"]]  # every path past MAX_FLOPS: nothing to compare
     print(f"\nleave-one-shape-out: measured time of the chosen path / the fastest path's, {backend}")
     print(f"{'dtype':>8} {'held out':>16} {'fit median':>10} {'fit max':>8} {'old median':>10} {'old max':>8}")
@@ -206,7 +203,6 @@ def calibrate(args) -> None:
                           for p in held]
                 print(f"{dtype:>8} {name:>8} {label:>8}: {regret_summary(chosen, fastest)}")
     if args.write_table:
-
         table = json.loads(moe_cost.TABLE.read_text())
         entry = table["backends"].setdefault(backend, {})
         for dtype in sorted({p["dtype"] for p in points}):
