@@ -92,7 +92,6 @@ def measure(dtypes, rows_list, shapes, log=print, paths=None, points=None) -> li
     import numpy as np
 
     from jaxinfer.models import moe_cost
-    from jaxinfer.models.moe import expert_ffn
 
     backend = jax.default_backend()
     out = []
@@ -111,8 +110,7 @@ def measure(dtypes, rows_list, shapes, log=print, paths=None, points=None) -> li
                     work = moe_cost.work(path, shape, backend)
                     if work["flops"] > MAX_FLOPS or work["weight_bytes"] > MAX_WEIGHT_BYTES:
                         continue
-                    fn = jax.jit(functools.partial(expert_ffn, dtype=dtype, path=path),
-                                 compiler_options=ENGINE_OPTIONS.get(backend))
+                    fn = jax.jit(_calibrated(path, dtype), compiler_options=ENGINE_OPTIONS.get(backend))
                     times[path] = median_seconds(fn, (params, x, w, ids))
                 out.append(dict(shape=name, dtype=dtype_name, rows=rows, slots=s, top_k=k, hidden=d, inter=i,
                                 itemsize=dtype.itemsize, times=times))
@@ -120,6 +118,25 @@ def measure(dtypes, rows_list, shapes, log=print, paths=None, points=None) -> li
                     f"{p}={1e3 * t:.3f}" for p, t in times.items()) + " ms", flush=True)
             del params
     return out
+
+
+def _calibrated(path: str, dtype):
+    """What the calibration times for ``path``: expert_ffn on it; for "capacity" its batched products alone, in the
+    bucket that holds the busiest slot (what moe_cost.work counts: the assignments past a smaller bucket are priced
+    at the gather path's prices, moe_cost.capacity_plan)."""
+    import jax.numpy as jnp
+
+    from jaxinfer.models import moe
+
+    if path != "capacity":
+        return functools.partial(moe.expert_ffn, dtype=dtype, path=path)
+
+    def batched(params, x, weights, ids):
+        slots = params["gate_proj"].shape[0]
+        flat_ids = jnp.where(ids < 0, slots, ids).reshape(-1)
+        return moe._capacity_forward(params, x.astype(dtype), weights, flat_ids, slots, dtype, None)
+
+    return batched
 
 
 def fit(points: list[dict], backend: str) -> dict:
@@ -169,7 +186,7 @@ def calibrate(args) -> None:
         points, measured_on = measure(dtypes, rows, list(CALIBRATION_SHAPES)), machine()
     if args.save_measurements:
         save_measurements(args.save_measurements, measured_on, points)
-    points = [p for p in points if p["times"]]  # every path past MAX_FLOPS: nothing to compare
+    points = [p for p in points if len(p["times"]) > 1]  # the others past MAX_FLOPS: nothing to compare
     print(f"\nleave-one-shape-out: measured time of the chosen path / the fastest path's, {backend}")
     print(f"{'dtype':>8} {'held out':>16} {'fit median':>10} {'fit max':>8} {'old median':>10} {'old max':>8}")
     summary = {}

@@ -93,9 +93,10 @@ def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, d
     it is in or the path beyond the float rounding of the weighted sum):
       gather: per assignment, a matvec with its expert's weight matrices, indexed in place (in slot order).
       dense: every token through every slot, masked by the combine weights: [M, S, I].
-      capacity: each slot's assignments scattered into a [S, C, D] buffer, C the smallest of
-        ``moe_cost.capacity_buckets`` that holds the busiest slot (lax.switch over the buckets), three batched
-        matmuls with the weights as they are (no gather or copy of weights), results gathered back.
+      capacity: each slot's assignments scattered into a [S, C, D] buffer, C one of ``moe_cost.capacity_buckets``
+        (lax.switch over the buckets), three batched matmuls with the weights as they are (no gather or copy of
+        weights), results gathered back; the bucket of least predicted time for the step's routing, where the few
+        assignments past it are computed one by one as the gather path does (moe_cost.capacity_plan).
       grouped: assignments sorted by slot, a loop over the slots in use, each slot's rows multiplied by its
         weights (indexed once) in chunks of a power-of-two ladder (grouped_matmul.chunk_sizes); ids -1 sort last
         and are never computed.
@@ -106,9 +107,10 @@ def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, d
     at a time from one sequence (the step's T; "auto" prices skewed routing too when > 1, moe_cost.choose)."""
     m, k = ids.shape
     num_slots, inter, hidden = params["gate_proj"].shape
+    shape = moe_cost.ExpertShape(m, k, num_slots, hidden, inter, jnp.dtype(params["gate_proj"].dtype).itemsize)
+    backend = current_platform().name
     if path == "auto":
-        shape = moe_cost.ExpertShape(m, k, num_slots, hidden, inter, jnp.dtype(params["gate_proj"].dtype).itemsize)
-        path = moe_cost.choose(shape, jnp.dtype(dtype).name, current_platform().name, sequence_tokens)
+        path = moe_cost.choose(shape, jnp.dtype(dtype).name, backend, sequence_tokens)
     if path not in moe_cost.PATHS:
         raise ValueError(f"path must be 'auto' or one of {moe_cost.PATHS}, got {path!r}")
     flat_ids = jnp.where(ids < 0, num_slots, ids).reshape(-1)  # [M*K]; num_slots: not on this rank
@@ -141,15 +143,8 @@ def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, d
         def row_of(n):  # [D]: the row of the n-th assignment computed
             return xd[n // k] if order is None else xd[order[n] // k]
 
-        def down(n, gate, up):  # [D]: expert safe[n]'s output from its gate and up products [I]
-            act = jax.nn.silu(gate.astype(dtype)) * up.astype(dtype)  # [I]
-            return jnp.dot(act, _slot_weight(params, "down_proj", safe[n], dtype).T, **f32)
-
         def assignment(n):  # [D]: expert safe[n] on its row
-            row = row_of(n)  # [D]
-            gate = jnp.dot(row, _slot_weight(params, "gate_proj", safe[n], dtype).T, **f32)
-            up = jnp.dot(row, _slot_weight(params, "up_proj", safe[n], dtype).T, **f32)
-            return down(n, gate, up)
+            return _expert_on_row(params, row_of(n), safe[n], dtype)
 
         # float32 weights: an assignment's gate and up products run as one matvec over their concatenation
         # (matmul_nt_many; the slices are still read in place). Not all 2 * top_k of a row's: over more operands
@@ -161,7 +156,7 @@ def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, d
             for n in range(m * k):
                 ws = [_slot_weight(params, name, safe[n], dtype) for name in ("gate_proj", "up_proj")]
                 gate, up = matmul_nt_many(row_of(n)[None], ws)  # 2 x [1, I] float32
-                out.append(down(n, gate[0], up[0]))
+                out.append(_expert_down(params, gate[0], up[0], safe[n], dtype))
             out = jnp.stack(out)  # [M*K, D]
         elif m * k <= GATHER_UNROLL:
             out = jnp.stack([assignment(n) for n in range(m * k)])  # [M*K, D]
@@ -185,7 +180,8 @@ def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, d
         return jnp.einsum("msd,ms->md", out, combine, precision=jax.lax.Precision.HIGHEST)
 
     if path == "capacity":
-        return _capacity_ffn(weight, xd, weights, flat_ids, num_slots, dtype)
+        plan = moe_cost.capacity_plan(shape, moe_cost.coefficients(backend, jnp.dtype(dtype).name))
+        return _capacity_ffn(params, xd, weights, flat_ids, num_slots, dtype, plan)
     if path == "ragged":
         return _ragged_ffn(weight, xd, weights, flat_ids, num_slots, dtype)
     return _grouped_ffn(params, xd, weights, flat_ids, num_slots, dtype)
@@ -194,6 +190,21 @@ def expert_ffn(params: dict, x: jax.Array, weights: jax.Array, ids: jax.Array, d
 def _weight(params: dict, name: str, dtype) -> jax.Array:
     """[S, out, in] of ``params[name]`` in the compute dtype (FP8 weights dequantized)."""
     return dense_weight(params[name], params.get(name + "_scale_inv"), dtype)
+
+
+def _expert_down(params: dict, gate: jax.Array, up: jax.Array, slot: jax.Array, dtype) -> jax.Array:
+    """gate, up [I] (float32 products) -> float32 [D]: expert ``slot``'s down projection of silu(gate) * up."""
+    act = jax.nn.silu(gate.astype(dtype)) * up.astype(dtype)  # [I]
+    return jnp.dot(act, _slot_weight(params, "down_proj", slot, dtype).T, preferred_element_type=jnp.float32)
+
+
+def _expert_on_row(params: dict, row: jax.Array, slot: jax.Array, dtype) -> jax.Array:
+    """row [D] -> float32 [D]: expert ``slot`` on one row as three matrix-vector products on its weights indexed in
+    place (the gather path's, and the capacity path's for assignments past its bucket)."""
+    f32 = dict(preferred_element_type=jnp.float32)
+    gate = jnp.dot(row, _slot_weight(params, "gate_proj", slot, dtype).T, **f32)  # [I]
+    up = jnp.dot(row, _slot_weight(params, "up_proj", slot, dtype).T, **f32)
+    return _expert_down(params, gate, up, slot, dtype)
 
 
 def _slot_weight(params: dict, name: str, slot: jax.Array, dtype) -> jax.Array:
@@ -276,8 +287,8 @@ def _grouped_forward(params: dict, xd: jax.Array, weights: jax.Array, flat_ids: 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _grouped_ffn(params: dict, xd: jax.Array, weights: jax.Array, flat_ids: jax.Array, num_slots: int,
                  dtype) -> jax.Array:
-    """_grouped_forward, differentiable (jaxinfer/train): the derivative is the capacity path's, which computes the
-    same function with loops of fixed length."""
+    """_grouped_forward, differentiable (jaxinfer/train): the derivative is the capacity path's with nothing past
+    its bucket (_capacity_bwd), which computes the same function with loops of fixed length."""
     return _grouped_forward(params, xd, weights, flat_ids, num_slots, dtype)
 
 
@@ -285,17 +296,18 @@ def _grouped_fwd(params, xd, weights, flat_ids, num_slots, dtype):
     return _grouped_forward(params, xd, weights, flat_ids, num_slots, dtype), (params, xd, weights, flat_ids)
 
 
-def _grouped_bwd(num_slots, dtype, residuals, g):
+def _capacity_bwd(num_slots, dtype, residuals, g):
+    """The derivative of the grouped and capacity paths: _capacity_forward's with no plan (a bucket that holds the
+    busiest slot; no loop of traced length, so reverse mode differentiates it)."""
     params, xd, weights, flat_ids = residuals
 
     def capacity(params, xd, weights):
-        weight = functools.partial(_weight, params, dtype=dtype)
-        return _capacity_ffn(weight, xd, weights, flat_ids, num_slots, dtype)
+        return _capacity_forward(params, xd, weights, flat_ids, num_slots, dtype, None)
 
     return (*jax.vjp(capacity, params, xd, weights)[1](g), None)
 
 
-_grouped_ffn.defvjp(_grouped_fwd, _grouped_bwd)
+_grouped_ffn.defvjp(_grouped_fwd, _capacity_bwd)
 
 
 def _fp8_ffn(params: dict, xd: jax.Array, weights: jax.Array, flat_ids: jax.Array, num_slots: int,
@@ -339,14 +351,20 @@ def _ragged_ffn(weight, xd: jax.Array, weights: jax.Array, flat_ids: jax.Array, 
     return jnp.zeros((m, xd.shape[-1]), jnp.float32).at[token].add(out * w[:, None])
 
 
-def _capacity_ffn(weight, xd: jax.Array, weights: jax.Array, flat_ids: jax.Array, num_slots: int,
-                  dtype) -> jax.Array:
+def _capacity_forward(params: dict, xd: jax.Array, weights: jax.Array, flat_ids: jax.Array, num_slots: int, dtype,
+                      plan: tuple | None) -> jax.Array:
     """The "capacity" path of expert_ffn: xd [M, D], weights [M, K], flat_ids [M*K] (num_slots = not here) ->
     float32 [M, D]. The batched matmuls (matmul_nt: the weights as left operand for up to 64 rows per slot) read
     each slot's weights in place; measured on CPU faster than the dense path past the gather path's batches and
     than the grouped path while a balanced slot holds under 64 rows (decode batches; docs/benchmarks.md
-    "Routed-expert paths (CPU)")."""
+    "Routed-expert paths (CPU)").
+
+    plan (moe_cost.capacity_plan: buckets, seconds of each bucket's batched products, seconds of one assignment on
+    its own): the bucket of least predicted seconds for this step's routing, its batched products plus the
+    assignments past it, which a loop then computes one by one in slot order (_expert_on_row; a traced trip
+    count). None: the smallest bucket that holds the busiest slot, nothing past it (the derivative's form)."""
     m, k = weights.shape
+    weight = functools.partial(_weight, params, dtype=dtype)  # name -> [S, out, in] in the compute dtype
     order = jnp.argsort(flat_ids, stable=True)  # [M*K]
     counts = jnp.bincount(flat_ids, length=num_slots + 1)  # [S + 1]; the last: assignments on other ranks
     starts = jnp.cumsum(counts) - counts  # [S + 1]
@@ -355,19 +373,50 @@ def _capacity_ffn(weight, xd: jax.Array, weights: jax.Array, flat_ids: jax.Array
 
     def run(capacity, xd):
         buf = jnp.zeros((num_slots, capacity, xd.shape[1]), dtype).at[flat_ids, pos].set(
-            xd[token], mode="drop")  # [S, C, D]; other ranks' assignments (slot S) dropped
+            xd[token], mode="drop")  # [S, C, D]; other ranks' assignments (slot S) and those past C dropped
         gate = matmul_nt(buf, weight("gate_proj"))  # [S, C, I]
         up = matmul_nt(buf, weight("up_proj"))
         act = jax.nn.silu(gate.astype(dtype)) * up.astype(dtype)  # [S, C, I]
         out = matmul_nt(act, weight("down_proj")).astype(dtype)  # [S, C, D]
         return out.at[flat_ids, pos].get(mode="fill", fill_value=0).astype(jnp.float32)  # [M*K, D]
 
-    buckets = moe_cost.capacity_buckets(m, k, num_slots)
-    busiest = jnp.max(counts[:num_slots])
-    branch = jnp.searchsorted(jnp.asarray(buckets, jnp.int32), busiest)  # the first bucket >= busiest
+    if plan is None:
+        buckets = moe_cost.capacity_buckets(m, k, num_slots)
+        branch = jnp.searchsorted(jnp.asarray(buckets, jnp.int32), jnp.max(counts[:num_slots]))  # first >= busiest
+    else:
+        buckets, batched, per_assignment = plan
+        past = jnp.maximum(counts[None, :num_slots] - jnp.asarray(buckets, jnp.int32)[:, None], 0).sum(1)  # [B]
+        branch = jnp.argmin(jnp.asarray(batched, jnp.float32) + past * jnp.float32(per_assignment))  # ties: smaller
     out = jax.lax.switch(branch, [functools.partial(run, c) for c in buckets], xd)  # [M*K, D]
+    if plan is not None:  # the assignments past the bucket, in slot order (a slot's weights stay in the caches)
+        beyond = (pos >= jnp.asarray(buckets, jnp.int32)[branch]) & (flat_ids < num_slots)  # [M*K]
+        todo = order[jnp.nonzero(beyond[order], size=m * k, fill_value=0)[0]]  # [M*K], the first past[branch] used
+
+        def one(j, out):  # out [M*K, D]: assignment todo[j] computed
+            a = todo[j]
+            y = _expert_on_row(params, xd[a // k], flat_ids[a], dtype).astype(dtype).astype(jnp.float32)  # [D]
+            return jax.lax.dynamic_update_slice_in_dim(out, y[None], a, 0)
+
+        out = jax.lax.fori_loop(0, past[branch], one, out)
     w = jnp.where(flat_ids < num_slots, weights.reshape(-1), 0.0)  # [M*K]
     return (out * w[:, None]).reshape(m, k, -1).sum(1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _capacity_ffn(params: dict, xd: jax.Array, weights: jax.Array, flat_ids: jax.Array, num_slots: int, dtype,
+                  plan: tuple) -> jax.Array:
+    """_capacity_forward with a plan, differentiable: its loop over the assignments past the bucket has a traced
+    trip count, so the derivative is that of the same function with no plan (_capacity_bwd)."""
+    return _capacity_forward(params, xd, weights, flat_ids, num_slots, dtype, plan)
+
+
+def _capacity_fwd(params, xd, weights, flat_ids, num_slots, dtype, plan):
+    out = _capacity_forward(params, xd, weights, flat_ids, num_slots, dtype, plan)
+    return out, (params, xd, weights, flat_ids)
+
+
+_capacity_ffn.defvjp(_capacity_fwd, lambda num_slots, dtype, plan, residuals, g: _capacity_bwd(num_slots, dtype,
+                                                                                               residuals, g))
 
 
 class Experts(nnx.Module):

@@ -10,12 +10,14 @@ docs/benchmarks.md "Routed-expert paths (CPU)"). The choice is a pure function o
 moe_intermediate, weight bytes, dtype, backend): no start-up timing, so every process and every rank of a mesh
 picks the same path for the same step, and a test can name the path a shape gets.
 
-The capacity path's bucket and the grouped path's chunks are their expected values under a routing scenario (a
-slot's count Binomial(rows, top_k x its popularity share)). Tokens of different sequences are routed about
-independently: their steps (decode) are priced under balanced routing, what EPLB aims at and what the calibration
-measures. Tokens of one sequence share experts: steps with several tokens per sequence (prefill chunks) are priced
-by the mean cost over balanced routing and a skewed scenario (ROUTING_SKEWS). A backend or dtype without
-measurements is priced by the nominal figures the table gives for it (its "source" says which).
+The capacity path picks its bucket per step from the routing, by the same prices (``capacity_plan``: each bucket's
+batched products plus the assignments past it, computed one by one at the gather path's prices); it is priced by the
+bucket of least expected cost, and the grouped path by its expected chunks, under a routing scenario (a slot's count
+Binomial(rows, top_k x its popularity share)). Tokens of different sequences are routed about independently: their
+steps (decode) are priced under balanced routing, what EPLB aims at and what the calibration measures. Tokens of one
+sequence share experts: steps with several tokens per sequence (prefill chunks) are priced by the mean cost over
+balanced routing and a skewed scenario (ROUTING_SKEWS). A backend or dtype without measurements is priced by the
+nominal figures the table gives for it (its "source" says which).
 """
 
 from __future__ import annotations
@@ -96,9 +98,49 @@ def _slot_count_pmfs(shape: ExpertShape) -> np.ndarray:
     return np.stack(pmfs)
 
 
+def expected_overflow(shape: ExpertShape) -> np.ndarray:
+    """[buckets]: for each of capacity_buckets, the expected assignments past it, sum_j E[max(count_j - C, 0)]
+    (the capacity path computes them one by one: models/moe.py _capacity_ffn)."""
+    total = _slot_count_pmfs(shape).sum(0)  # [rows + 1]: expected slots holding c assignments
+    c = np.arange(total.shape[0])
+    return np.asarray([total @ np.maximum(c - b, 0) for b in capacity_buckets(shape.rows, shape.top_k,
+                                                                                shape.num_slots)])
+
+
+def _batched_work(shape: ExpertShape, capacity: float) -> dict[str, float]:
+    """The capacity path's batched products over [S, C, D] buffers, C = ``capacity``."""
+    s, e, wb = shape.num_slots, shape.expert_elements, shape.weight_itemsize
+    return dict(matrices=3 * s, weight_bytes=s * e * wb, flops=2 * s * capacity * e,
+                moved_bytes=s * capacity * (shape.inter + shape.hidden) * 4, calls=1)
+
+
+def _assignment_work(shape: ExpertShape) -> dict[str, float]:
+    """One assignment computed on its own (the gather path's matvecs), its slot's weights read from memory."""
+    e, wb = shape.expert_elements, shape.weight_itemsize
+    return dict(matrices=3, weight_bytes=e * wb, flops=2 * e, moved_bytes=shape.hidden * 4, calls=0)
+
+
+def _cost(work_: dict[str, float], prices: dict[str, float]) -> float:
+    return sum(prices[f] * v for f, v in work_.items())
+
+
+def capacity_plan(shape: ExpertShape,
+                  prices: dict[str, dict[str, float]]) -> tuple[tuple[int, ...], tuple[float, ...], float]:
+    """What the capacity path weighs when it picks its bucket from a step's routing: (capacity_buckets, seconds of
+    each bucket's batched products at the capacity path's prices, seconds of one assignment past the bucket at the
+    gather path's, which computes it). The path takes the bucket of least seconds + its overflow x that: a bucket
+    that leaves a few assignments of the busiest slots to one-by-one products can beat one that holds them all
+    (h1024_e64k8's 32-row decode: 8 rows per slot and ~2 assignments past them, 21 ms per layer, vs 16 rows per
+    slot, 30 ms; docs/benchmarks.md "Routed-expert paths (CPU)")."""
+    buckets = capacity_buckets(shape.rows, shape.top_k, shape.num_slots)
+    batched = tuple(_cost(_batched_work(shape, c), prices["capacity"]) for c in buckets)
+    return buckets, batched, _cost(_assignment_work(shape), prices["gather"])
+
+
 def expected_capacity(shape: ExpertShape) -> float:
-    """The capacity path's expected bucket: the smallest of capacity_buckets holding the busiest slot count, the
-    counts taken as independent (P(busiest <= c) = prod_j F_j(c)). The counts share a fixed total, so they are
+    """The capacity path's expected bucket with nothing past it (the bucket of its derivative, and of the
+    measurements that price its batched products): the smallest of capacity_buckets holding the busiest slot count,
+    the counts taken as independent (P(busiest <= c) = prod_j F_j(c)). The counts share a fixed total, so they are
     slightly negatively correlated and this overestimates a little: 5% with 256 balanced slots, 64 rows, top-8
     (tests/models/test_moe_cost.py draws the routing)."""
     cdf_max = np.prod(np.cumsum(_slot_count_pmfs(shape), axis=1), axis=0)  # [rows + 1]
@@ -132,10 +174,9 @@ def work(path: str, shape: ExpertShape, backend: str) -> dict[str, float]:
     if path == "dense":  # every row through every slot
         return dict(matrices=3, weight_bytes=s * e * wb, flops=2 * shape.rows * s * e,
                     moved_bytes=shape.rows * s * (i + d) * 4, calls=1)
-    if path == "capacity":  # [S, C, D] buffers, C the bucket of the busiest slot
-        c = expected_capacity(shape)
-        return dict(matrices=3 * s, weight_bytes=s * e * wb, flops=2 * s * c * e, moved_bytes=s * c * (i + d) * 4,
-                    calls=1)
+    if path == "capacity":  # [S, C, D] buffers, C the bucket of the busiest slot: the batched products as the
+        # calibration times them (moe_paths.py), with nothing past the bucket; ``price`` adds the overflow
+        return _batched_work(shape, expected_capacity(shape))
     if path == "grouped":  # a loop over the slots in use (their weights copied once), each slot's rows in chunks
         chunks, rows, slots = expected_chunks(shape)
         return dict(matrices=3 * chunks, weight_bytes=slots * e * wb, flops=2 * rows * e,
@@ -163,8 +204,13 @@ def coefficients(backend: str, dtype: str) -> dict[str, dict[str, float]]:
 
 
 def price(path: str, shape: ExpertShape, backend: str, prices: dict[str, dict[str, float]]) -> float:
-    """Seconds of ``path`` on ``shape`` at ``prices`` (path -> feature -> seconds per unit)."""
-    return sum(prices[path][f] * v for f, v in work(path, shape, backend).items())
+    """Seconds of ``path`` on ``shape`` at ``prices`` (path -> feature -> seconds per unit). The capacity path:
+    the least over its buckets of the batched products plus the expected assignments past the bucket
+    (capacity_plan; the expected least cost is at most this, as the path picks per step)."""
+    if path == "capacity":
+        _, batched, per_assignment = capacity_plan(shape, prices)
+        return float(min(np.asarray(batched) + expected_overflow(shape) * per_assignment))
+    return _cost(work(path, shape, backend), prices[path])
 
 
 def predict(path: str, shape: ExpertShape, dtype: str, backend: str) -> float:

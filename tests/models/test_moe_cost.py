@@ -24,6 +24,8 @@ def test_expected_capacity_and_chunks_match_monte_carlo(rows, k, s):
     chosen = buckets[np.searchsorted(buckets, counts.max(1))]  # the first bucket holding the busiest slot
     # independent slot counts (moe_cost's assumption) overestimate the busiest slot a little where slots are many
     assert moe_cost.expected_capacity(shape) == pytest.approx(chosen.mean(), rel=0.08)
+    past = np.maximum(counts[:, None, :] - buckets[None, :, None], 0).sum(-1).mean(0)  # [buckets] past each
+    np.testing.assert_allclose(moe_cost.expected_overflow(shape), past, rtol=0.1, atol=0.05 * rows * k / s)
     chunks, computed, used = moe_cost.expected_chunks(shape)
     sizes = chunk_sizes(rows)
     # each slot's count covered chunk by chunk: for every floor size, whole chunks of each size while they fit and

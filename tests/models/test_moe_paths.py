@@ -66,16 +66,43 @@ def test_skewed_routing(hot, path):
     np.testing.assert_allclose(np.asarray(got), _reference(params, x, weights, ids), rtol=1e-5, atol=1e-5)
 
 
-def test_grouped_path_is_differentiable():
-    # the grouped path's loops have traced trip counts; its custom derivative (the capacity path's) must agree with
-    # the dense path's automatic one, for the weights, the inputs and the combine weights (jaxinfer/train)
+@pytest.mark.parametrize("hot, bucket", [(1, 0), (1, -1), (3, 0), (0, 0)])
+def test_capacity_path_past_its_bucket(hot, bucket, monkeypatch):
+    # The capacity path's plan made to pick one bucket whatever the routing (bucket 0: the smallest, so that the
+    # hot slots' assignments past it run one by one; -1: every row, nothing past it), on skewed and balanced
+    # routing with some assignments on other ranks: within 1e-5 of float64 numpy either way.
+    m, k, s = 40, 3, 6
+    params, x, weights, ids = _case(m, k=k, s=s, seed=hot)
+    rng = np.random.default_rng(hot)
+    if hot:
+        ids = np.stack([np.concatenate([rng.permutation(hot), hot + rng.permutation(s - hot)])[:k]
+                        for _ in range(m)]).astype(np.int32)
+        ids[rng.random((m, k)) < 0.1] = -1
+    buckets = capacity_buckets(m, k, s)
+
+    def plan(shape, prices):
+        chosen = range(len(buckets))[bucket]
+        return buckets, tuple(0.0 if j == chosen else 1.0 for j in range(len(buckets))), 0.0
+
+    monkeypatch.setattr(moe.moe_cost, "capacity_plan", plan)
+    got = expert_ffn({n: jnp.asarray(v) for n, v in params.items()}, jnp.asarray(x), jnp.asarray(weights),
+                     jnp.asarray(ids), jnp.float32, path="capacity")  # not under jit: its traces ignore the patch
+    assert max(np.bincount(ids[ids >= 0], minlength=s)) > buckets[0] or not hot  # hot slots overflow bucket 0
+    np.testing.assert_allclose(np.asarray(got), _reference(params, x, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["grouped", "capacity"])
+def test_looping_paths_are_differentiable(path):
+    # the grouped path's loops and the capacity path's loop past its bucket have traced trip counts; their custom
+    # derivative (the capacity path's with nothing past the bucket) must agree with the dense path's automatic
+    # one, for the weights, the inputs and the combine weights (jaxinfer/train)
     params, x, weights, ids = _case(40)
     args = ({n: jnp.asarray(v) for n, v in params.items()}, jnp.asarray(x), jnp.asarray(weights))
 
     def loss(path):
         return lambda p, x, w: jnp.sum(jnp.sin(expert_ffn(p, x, w, jnp.asarray(ids), jnp.float32, path=path)))
 
-    got = jax.grad(loss("grouped"), argnums=(0, 1, 2))(*args)
+    got = jax.grad(loss(path), argnums=(0, 1, 2))(*args)
     ref = jax.grad(loss("dense"), argnums=(0, 1, 2))(*args)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):  # relative in norm: sums over rows in float32
         assert np.linalg.norm(np.asarray(a) - np.asarray(b)) < 1e-5 * np.linalg.norm(np.asarray(b))
