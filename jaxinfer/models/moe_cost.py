@@ -71,13 +71,18 @@ class ExpertShape:
 
 def capacity_buckets(rows: int, top_k: int, num_slots: int) -> tuple[int, ...]:
     """Static capacities of the "capacity" path: CAPACITY_FACTORS times the balanced load per slot (rows * top_k /
-    num_slots; EPLB keeps real loads near it), rounded up to multiples of 8, and ``rows`` itself, which always
-    fits (a slot holds each token at most once: a token's top-k experts are distinct, and so are their physical
-    slots). A step computes at most 1.6x its busiest slot's rows while that is within 4x of balance, and every row
-    per slot past that. Five branches compile in about the time of the grouped path; more branches cost more
-    compile time (docs/benchmarks.md "Routed-expert paths (CPU)")."""
+    num_slots; EPLB keeps real loads near it), rounded up to multiples of 8 (below 8: to powers of two), and
+    ``rows`` itself, which always fits (a slot holds each token at most once: a token's top-k experts are distinct,
+    and so are their physical slots). Which bucket a step takes is capacity_plan's: with the assignments past it
+    computed one by one, a bucket near the balanced load usually wins (V2-Lite's 32-row decode, 3 per slot
+    balanced: 4 rows per slot 78 ms against 8 rows 85; docs/benchmarks.md "Routed-expert paths (CPU)"). Five
+    branches compile in about the time of the grouped path; more branches cost more compile time."""
     balanced = rows * top_k / num_slots
-    caps = {min(rows, -(-math.ceil(f * balanced) // 8) * 8) for f in CAPACITY_FACTORS}
+
+    def round_up(c: int) -> int:
+        return 1 << (c - 1).bit_length() if c <= 8 else -(-c // 8) * 8
+
+    caps = {min(rows, round_up(math.ceil(f * balanced))) for f in CAPACITY_FACTORS}
     return tuple(sorted(caps | {rows}))
 
 

@@ -158,11 +158,14 @@ def test_bf16_paths_with_transposed_products(path, native, monkeypatch):
 
 
 def test_capacity_buckets():
-    # 1.25x, 1.6x, 2.5x and 4x the balanced load rows * top_k / slots, up to multiples of 8, then every row
+    # 1.25x, 1.6x, 2.5x and 4x the balanced load rows * top_k / slots, up to multiples of 8 (powers of two below
+    # 8), then every row
     assert capacity_buckets(1024, 4, 16) == (320, 416, 640, 1024)  # balanced 256: 320, 409.6, 640, 1024
     assert capacity_buckets(100, 3, 6) == (64, 80, 100)  # balanced 50: 62.5, 80, 125 and 200 capped at 100
     assert capacity_buckets(40, 3, 6) == (32, 40)  # balanced 20: 25, 32, 50 and 80 capped at 40
     assert capacity_buckets(1, 1, 1) == (1,)
+    assert capacity_buckets(32, 6, 64) == (4, 8, 16, 32)  # balanced 3: 3.75, 4.8, 7.5, 12; below 8 powers of two
+    assert capacity_buckets(16, 8, 64) == (4, 8, 16)  # balanced 2: 2.5, 3.2, 5, 8
 
 
 def test_bad_path():
