@@ -380,16 +380,17 @@ def _capacity_forward(params: dict, xd: jax.Array, weights: jax.Array, flat_ids:
         out = matmul_nt(act, weight("down_proj")).astype(dtype)  # [S, C, D]
         return out.at[flat_ids, pos].get(mode="fill", fill_value=0).astype(jnp.float32)  # [M*K, D]
 
+    buckets = moe_cost.capacity_buckets(m, k, num_slots) if plan is None else plan[0]
+    caps = jnp.asarray(buckets, jnp.int32)  # [B]
     if plan is None:
-        buckets = moe_cost.capacity_buckets(m, k, num_slots)
-        branch = jnp.searchsorted(jnp.asarray(buckets, jnp.int32), jnp.max(counts[:num_slots]))  # first >= busiest
+        branch = jnp.searchsorted(caps, jnp.max(counts[:num_slots]))  # the first bucket >= busiest
     else:
-        buckets, batched, per_assignment = plan
-        past = jnp.maximum(counts[None, :num_slots] - jnp.asarray(buckets, jnp.int32)[:, None], 0).sum(1)  # [B]
+        _, batched, per_assignment = plan
+        past = jnp.maximum(counts[None, :num_slots] - caps[:, None], 0).sum(1)  # [B] assignments past each bucket
         branch = jnp.argmin(jnp.asarray(batched, jnp.float32) + past * jnp.float32(per_assignment))  # ties: smaller
     out = jax.lax.switch(branch, [functools.partial(run, c) for c in buckets], xd)  # [M*K, D]
     if plan is not None:  # the assignments past the bucket, in slot order (a slot's weights stay in the caches)
-        beyond = (pos >= jnp.asarray(buckets, jnp.int32)[branch]) & (flat_ids < num_slots)  # [M*K]
+        beyond = (pos >= caps[branch]) & (flat_ids < num_slots)  # [M*K]
         todo = order[jnp.nonzero(beyond[order], size=m * k, fill_value=0)[0]]  # [M*K], the first past[branch] used
 
         def one(j, out):  # out [M*K, D]: assignment todo[j] computed
@@ -415,8 +416,12 @@ def _capacity_fwd(params, xd, weights, flat_ids, num_slots, dtype, plan):
     return out, (params, xd, weights, flat_ids)
 
 
-_capacity_ffn.defvjp(_capacity_fwd, lambda num_slots, dtype, plan, residuals, g: _capacity_bwd(num_slots, dtype,
-                                                                                               residuals, g))
+def _capacity_ffn_bwd(num_slots, dtype, plan, residuals, g):
+    del plan  # the derivative is the bucket-that-holds-all form's whatever bucket the forward took
+    return _capacity_bwd(num_slots, dtype, residuals, g)
+
+
+_capacity_ffn.defvjp(_capacity_fwd, _capacity_ffn_bwd)
 
 
 class Experts(nnx.Module):
