@@ -7,7 +7,8 @@ The checkpoint (hidden 2048, 4 layers of which 3 MoE, 64 routed experts of width
 4 shards) is written once into DIR with random values (finite e4m3 bytes, scales 2**-12..2**-6). Its files are read
 once before timing, so the figures are the loader's, not the disk's (a cold page cache adds the disk's time).
 Each load runs in a fresh process: ``load_model(DIR, mesh="1x1", dtype="bfloat16", keep_fp8=...)`` until every
-array is ready. Printed per mode: seconds (median of rounds), checkpoint bytes / s (the safetensors files' size,
+array is ready, timed after jaxinfer's model module and JAX are imported (``import_s``, printed apart: a fixed cost
+of the process, not of the checkpoint's bytes). Printed per mode: seconds (median of rounds), checkpoint bytes / s (the safetensors files' size,
 the FP8 bytes included), the loaded arrays' bytes, and the process's anonymous memory (RssAnon, sampled every
 2 ms) at its peak during the load, above what it held before, against the loaded arrays' bytes. For bfloat16 also
 the limit measured in the same run: XLA:CPU writing the loaded arrays' bytes into fresh memory (``fresh_write_floor``,
@@ -83,10 +84,12 @@ def rss_anon() -> int:
 
 def child(directory: str, mode: str) -> None:
     """One load in this process; prints its JSON line."""
+    t_import = time.perf_counter()
     import jax
 
-    import jaxinfer
+    from jaxinfer.model import load_model  # the library's imports (~1-2 s here) are not the loader's time
 
+    imports = time.perf_counter() - t_import
     peak = {"bytes": 0}
     done = threading.Event()
 
@@ -99,13 +102,14 @@ def child(directory: str, mode: str) -> None:
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     t0 = time.perf_counter()
-    model = jaxinfer.load_model(directory, mesh="1x1", dtype="bfloat16", keep_fp8=mode == "fp8")
+    model = load_model(directory, mesh="1x1", dtype="bfloat16", keep_fp8=mode == "fp8")
     jax.block_until_ready(model.state)
     seconds = time.perf_counter() - t0
     done.set()
     sampler.join()
     arrays = sum(x.nbytes for x in jax.tree.leaves(model.state))
-    print(json.dumps({"seconds": seconds, "arrays_bytes": arrays, "anon_peak_bytes": peak["bytes"] - base}))
+    print(json.dumps({"seconds": seconds, "arrays_bytes": arrays, "anon_peak_bytes": peak["bytes"] - base,
+                      "import_seconds": imports}))
 
 
 def fresh_write_floor(nbytes: int) -> None:
@@ -164,7 +168,8 @@ def main() -> None:
         line = {"mode": "keep_fp8" if mode == "fp8" else "bfloat16", "checkpoint_gb": round(size / 1e9, 3),
                 "seconds": round(seconds, 2), "rounds_s": [round(r["seconds"], 2) for r in runs],
                 "gb_per_s": round(size / seconds / 1e9, 3), "arrays_gb": round(arrays / 1e9, 3),
-                "anon_peak_gb": round(peak / 1e9, 3), "anon_peak_over_arrays": round(peak / arrays, 3)}
+                "anon_peak_gb": round(peak / 1e9, 3), "anon_peak_over_arrays": round(peak / arrays, 3),
+                "import_s": round(statistics.median(r["import_seconds"] for r in runs), 2)}
         if mode == "bf16":  # the limit: XLA:CPU writing the loaded arrays' bytes into fresh memory
             floors = [json.loads(subprocess.run([sys.executable, __file__, "--floor", str(arrays)], check=True,
                                                 capture_output=True, text=True).stdout.strip().splitlines()[-1])
