@@ -1,10 +1,10 @@
 """Checkpoint loading speed: a DeepSeek-V3-shaped FP8 checkpoint in DeepSeek's release format (e4m3 projections
 with 128x128 block scales, bf16 embeddings and norms), loaded with ``keep_fp8=True`` and dequantized to bfloat16.
 
-    python benchmarks/load_checkpoint.py [--dir DIR] [--rounds 3] [--modes fp8 bf16]
+    python benchmarks/load_checkpoint.py [--dir DIR] [--rounds 3] [--modes fp8 bf16] [--layers 4]
 
-The checkpoint (hidden 2048, 4 layers of which 3 MoE, 64 routed experts of width 1024, vocab 32000: ~1.65 GB in
-4 shards) is written once into DIR with random values (finite e4m3 bytes, scales 2**-12..2**-6). Its files are read
+The checkpoint (hidden 2048, --layers layers of which the first dense and the others MoE, 64 routed experts of width
+1024, vocab 32000: ~1.58 GB in 4 shards at the default 4 layers, ~0.39 GB more per layer) is written once into DIR with random values (finite e4m3 bytes, scales 2**-12..2**-6). Its files are read
 once before timing, so the figures are the loader's, not the disk's (a cold page cache adds the disk's time).
 Each load runs in a fresh process: ``load_model(DIR, mesh="1x1", dtype="bfloat16", keep_fp8=...)`` until every
 array is ready, timed after jaxinfer's model module and JAX are imported (``import_s``, printed apart: a fixed cost
@@ -32,7 +32,7 @@ CONFIG = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, moe_in
               n_shared_experts=1, num_experts_per_tok=6, n_group=8, topk_group=4, max_position_embeddings=4096)
 
 
-def write_checkpoint(directory: pathlib.Path) -> None:
+def write_checkpoint(directory: pathlib.Path, layers: int) -> None:
     """config.json and sharded safetensors of CONFIG in DeepSeek's FP8 release format (train/export.py's dtypes)."""
     import ml_dtypes
     import numpy as np
@@ -49,7 +49,7 @@ def write_checkpoint(directory: pathlib.Path) -> None:
     from jaxinfer.parallel.plan import ParallelPlan
     from jaxinfer.train.export import FP8_WEIGHT, hf_config
 
-    config = ModelConfig(**CONFIG, quantization=QuantConfig())
+    config = ModelConfig(**(CONFIG | {"num_hidden_layers": layers}), quantization=QuantConfig())
     _, state = _build(config, ml_dtypes.bfloat16, ParallelPlan(make_mesh("1x1")), fp8="off", num_mtp_layers=0,
                       mtp_eh_proj_fp8="off")
     rng = np.random.default_rng(0)
@@ -134,7 +134,11 @@ def fresh_write_floor(nbytes: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dir", type=pathlib.Path, default=pathlib.Path("/tmp/jaxinfer_load_bench"))
+    parser.add_argument("--dir", type=pathlib.Path, help="default /tmp/jaxinfer_load_bench (4 layers), "
+                        "/tmp/jaxinfer_load_bench_L{layers} otherwise")
+    parser.add_argument("--layers", type=int, default=CONFIG["num_hidden_layers"],
+                        help="the checkpoint's layers (its size: fixed costs of a load, such as the model's build and "
+                        "the dequantizing programs' compiles, weigh less in a larger one)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--modes", nargs="+", choices=["fp8", "bf16"], default=["fp8", "bf16"])
     parser.add_argument("--child", nargs=2, metavar=("DIR", "MODE"), help=argparse.SUPPRESS)
@@ -146,9 +150,14 @@ def main() -> None:
     if args.floor:
         fresh_write_floor(args.floor)
         return
+    if args.layers < 2:
+        parser.error("--layers must be at least 2 (one dense layer, then MoE layers)")
+    if args.dir is None:
+        suffix = "" if args.layers == CONFIG["num_hidden_layers"] else f"_L{args.layers}"
+        args.dir = pathlib.Path(f"/tmp/jaxinfer_load_bench{suffix}")
     if not (args.dir / "config.json").exists():
         t0 = time.perf_counter()
-        write_checkpoint(args.dir)
+        write_checkpoint(args.dir, args.layers)
         print(f"wrote {args.dir} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     files = sorted(args.dir.glob("*.safetensors"))
     size = sum(f.stat().st_size for f in files)

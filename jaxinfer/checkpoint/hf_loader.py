@@ -250,7 +250,13 @@ def load_hf_params(config: ModelConfig, ckpt: SafetensorsCheckpoint, abstract: d
     pending = None  # the last dequantization dispatched: one in flight, so FP8 bytes of at most two tensors live
     staging = StagingBuffers()  # those FP8 bytes: read into pages touched before, not fresh ones
     fp8_bytes = [math.prod(leaf.shape) if src.scale_names and dtype != FP8_NP else 0 for _, leaf, src, dtype in plan]
-    largest_after = [max(fp8_bytes[i + 1:], default=0) for i in range(len(plan))]  # what staging may still serve
+    # What staging may still serve after tensor i: the two largest FP8 tensors to come, as two buffers rotate (one
+    # read by the product in flight while the next tensor is read into the other). Keeping only the largest left
+    # one large tensor per layer to read into fresh pages (gate after down: the other buffer still in flight).
+    keep_after, top2 = [0] * len(plan), (0, 0)
+    for i in range(len(plan) - 1, -1, -1):
+        keep_after[i] = sum(top2)
+        top2 = tuple(sorted((*top2, fp8_bytes[i]))[1:])
     with ThreadPoolExecutor(min(READ_THREADS, os.cpu_count() or 1)) as pool:
         for i, (path, leaf, src, dtype) in enumerate(plan):
             shape = tuple(leaf.shape)
@@ -261,7 +267,7 @@ def load_hf_params(config: ModelConfig, ckpt: SafetensorsCheckpoint, abstract: d
                                                      _reader(ckpt, Source(src.scale_names, src.stacked), np.float32))
                 if pending is not None:  # read while the previous product was computed; now that one is done
                     pending.block_until_ready()
-                staging.release(keep=largest_after[i])  # the FP8 bytes of the product before (arrays deleted below)
+                staging.release(keep=keep_after[i])  # the FP8 bytes of the product before (arrays deleted below)
                 value = pending = _dequantize(weight, scale, dtype=dtype)
                 del weight, scale  # their host buffers go as soon as the product is computed
             else:
