@@ -36,6 +36,23 @@ def fit_prices(work: list[list[float]], seconds: list[float]) -> list[float]:
     return [float(f"{v:.4g}") for v in c / scale]
 
 
+def last_level_cache() -> int:
+    """Bytes of this machine's last-level cache (Linux sysfs, cpu0's cache of the highest level; 0 where it does not
+    say), which the routed experts' gather path's work counts (jaxinfer/models/moe_cost.py ``work``) and a
+    calibrated entry records."""
+    levels = {}
+    for index in pathlib.Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            if (index / "type").read_text().strip() == "Instruction":
+                continue
+            size = (index / "size").read_text().strip()
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+            levels[int((index / "level").read_text())] = int(size.rstrip("KMG")) * scale
+        except (OSError, ValueError):
+            continue
+    return levels[max(levels)] if levels else 0
+
+
 def machine() -> dict:
     """What measurements depend on besides the shapes: JAX's version, the backend, and on CPU its model and whether
     its bf16 products are native (platform.Platform.native_bf16). Saved with the measurements and named in the
@@ -51,7 +68,7 @@ def machine() -> dict:
         cpuinfo = ""
     models = [line.partition(":")[2].strip() for line in cpuinfo.splitlines() if line.startswith("model name")]
     return dict(jax=jax.__version__, backend=here.name, native_bf16=here.native_bf16,
-                cpu=models[0] if models else "unknown CPU")
+                cpu=models[0] if models else "unknown CPU", last_level_cache=last_level_cache())
 
 
 def source(measured_on: dict) -> str:

@@ -32,7 +32,7 @@ import functools
 import json
 import sys
 
-from calibration import (fit_prices, load_measurements, machine, median_seconds, regret_summary,
+from calibration import (fit_prices, last_level_cache, load_measurements, machine, median_seconds, regret_summary,
                          save_measurements, source)
 
 CALIBRATION_SHAPES = {  # name -> (slots, top_k, hidden, moe_intermediate)
@@ -139,14 +139,15 @@ def _calibrated(path: str, dtype):
     return batched
 
 
-def fit(points: list[dict], backend: str) -> dict:
-    """path -> feature -> seconds per unit (calibration.fit_prices: NNLS on relative error)."""
+def fit(points: list[dict], backend: str, cache: int) -> dict:
+    """path -> feature -> seconds per unit (calibration.fit_prices: NNLS on relative error); cache: the machine's
+    last-level cache bytes (moe_cost.work)."""
     from jaxinfer.models import moe_cost
 
     coeffs = {}
     for path in moe_cost.PATHS:
         timed = [p for p in points if path in p["times"]]
-        work = [[moe_cost.work(path, _shape(p), backend)[f] for f in moe_cost.FEATURES] for p in timed]
+        work = [[moe_cost.work(path, _shape(p), backend, cache)[f] for f in moe_cost.FEATURES] for p in timed]
         prices = fit_prices(work, [p["times"][path] for p in timed])
         coeffs[path] = dict(zip(moe_cost.FEATURES, prices))
     return coeffs
@@ -158,12 +159,12 @@ def _shape(p):
     return moe_cost.ExpertShape(p["rows"], p["top_k"], p["slots"], p["hidden"], p["inter"], p["itemsize"])
 
 
-def _choice(coeffs, p, backend):
+def _choice(coeffs, p, backend, cache):
     """moe_cost.cheapest at these coefficients, priced as a prefill step (sequence_tokens > 1: the mean over its
     routing scenarios)."""
     from jaxinfer.models import moe_cost
 
-    return moe_cost.cheapest(_shape(p), backend, coeffs, sequence_tokens=2)
+    return moe_cost.cheapest(_shape(p), backend, coeffs, sequence_tokens=2, cache=cache)
 
 
 def _regret(p, path):
@@ -187,6 +188,7 @@ def calibrate(args) -> None:
     if args.save_measurements:
         save_measurements(args.save_measurements, measured_on, points)
     points = [p for p in points if len(p["times"]) > 1]  # the others past MAX_FLOPS: nothing to compare
+    cache = measured_on.get("last_level_cache", last_level_cache())  # measured before it was recorded: here
     print(f"\nleave-one-shape-out: measured time of the chosen path / the fastest path's, {backend}")
     print(f"{'dtype':>8} {'held out':>16} {'fit median':>10} {'fit max':>8} {'old median':>10} {'old max':>8}")
     summary = {}
@@ -197,8 +199,8 @@ def calibrate(args) -> None:
             rest = [p for p in points if p["dtype"] == dtype and p["shape"] != name]
             if not held:
                 continue
-            coeffs = fit(rest, backend)
-            r = [_regret(p, _choice(coeffs, p, backend)) for p in held]
+            coeffs = fit(rest, backend, cache)
+            r = [_regret(p, _choice(coeffs, p, backend, cache)) for p in held]
             o = [_regret(p, old_rule(p["rows"], p["top_k"], p["slots"])) for p in held]
             ours += r
             olds += o
@@ -214,10 +216,12 @@ def calibrate(args) -> None:
     for dtype in sorted({p["dtype"] for p in points}):
         held = [p for p in points if p["dtype"] == dtype]
         fastest = [min(p["times"].values()) for p in held]
-        for name, coeffs in (("shipped", moe_cost.coefficients(backend, dtype)), ("refit", fit(held, backend))):
+        for name, coeffs, with_cache in (
+                ("shipped", moe_cost.coefficients(backend, dtype), moe_cost.cache_bytes(backend, dtype)),
+                ("refit", fit(held, backend, cache), cache)):
             for label, tokens in (("decode", 1), ("prefill", 2)):
-                chosen = [p["times"].get(moe_cost.cheapest(_shape(p), backend, coeffs, tokens), float("inf"))
-                          for p in held]
+                chosen = [p["times"].get(moe_cost.cheapest(_shape(p), backend, coeffs, tokens, with_cache),
+                                         float("inf")) for p in held]
                 print(f"{dtype:>8} {name:>8} {label:>8}: {regret_summary(chosen, fastest)}")
     if args.write_table:
         table = json.loads(moe_cost.TABLE.read_text())
@@ -229,7 +233,8 @@ def calibrate(args) -> None:
                      f"{max(p['rows'] for p in points)}",
                 held_out=f"chosen / fastest: median {summary[dtype][0]:.3f}, mean {summary[dtype][2]:.3f}, "
                          f"max {summary[dtype][1]:.3f}",
-                paths=fit([p for p in points if p["dtype"] == dtype], backend))
+                cache_bytes=cache,
+                paths=fit([p for p in points if p["dtype"] == dtype], backend, cache))
         moe_cost.TABLE.write_text(json.dumps(table, indent=1) + "\n")
         print(f"wrote {moe_cost.TABLE}")
 
@@ -259,7 +264,7 @@ def compare(args) -> None:
         cells = []
         for path in moe_cost.PATHS:
             predicted = moe_cost.predict(path, shape, dtype.name, backend) * 1e3
-            work = moe_cost.work(path, shape, backend)
+            work = moe_cost.work(path, shape, backend, moe_cost.cache_bytes(backend, dtype.name))
             if work["flops"] > MAX_FLOPS or work["weight_bytes"] > MAX_WEIGHT_BYTES:
                 cells.append(f"{'-':>8} ({predicted:>6.2f})")
                 continue

@@ -2,7 +2,8 @@
 model of the step's shape.
 
 Each path's work is counted from the static shape (``work``): its weight-matrix products ("matrices": each has a
-fixed cost, a library call on XLA:CPU, a kernel launch on a GPU), the weight bytes it reads, its flops, and the
+fixed cost, a library call on XLA:CPU, a kernel launch on a GPU), the weight bytes it reads from memory (a table
+entry records the last-level cache of the machine it was measured on, ``cache_bytes``), its flops, and the
 activation bytes its buffers move. A path's cost on a backend and compute dtype is that work priced by the path's
 own seconds per unit of work (``coefficients``), fitted offline by non-negative least squares on measurements over
 a grid of expert shapes and row counts (``python benchmarks/moe_paths.py --calibrate`` rewrites moe_costs.json;
@@ -157,6 +158,11 @@ def expected_capacity(shape: ExpertShape) -> float:
     return total
 
 
+def expected_slots_in_use(shape: ExpertShape) -> float:
+    """Expected slots holding at least one assignment under the shape's routing scenario."""
+    return float((1.0 - _slot_count_pmfs(shape)[:, 0]).sum())
+
+
 def expected_chunks(shape: ExpertShape) -> tuple[float, float, float]:
     """The grouped path's (expected chunks, rows computed, slots in use) under the shape's routing scenario: each
     slot's count covered by grouped_matmul's ladder (ladder_counts), summed over the slots."""
@@ -166,16 +172,20 @@ def expected_chunks(shape: ExpertShape) -> tuple[float, float, float]:
     per_size = ladder_counts(count, sizes)  # [rows + 1] chunks of each size per count
     chunks = float((pmfs @ sum(per_size)).sum())
     rows = float((pmfs @ sum(n * size for n, size in zip(per_size, sizes))).sum())
-    return chunks, rows, float((1.0 - pmfs[:, 0]).sum())
+    return chunks, rows, expected_slots_in_use(shape)
 
 
-def work(path: str, shape: ExpertShape, backend: str) -> dict[str, float]:
-    """The work of ``path`` on ``shape``, per FEATURES (what each path computes: models/moe.py expert_ffn)."""
+def work(path: str, shape: ExpertShape, backend: str, cache: int = 0) -> dict[str, float]:
+    """The work of ``path`` on ``shape``, per FEATURES (what each path computes: models/moe.py expert_ffn).
+    cache: bytes of the last-level cache of the machine the prices are for (its table entry's; 0: none counted)."""
     s, a, e, wb = shape.num_slots, shape.assignments, shape.expert_elements, shape.weight_itemsize
     d, i = shape.hidden, shape.inter
-    if path == "gather":  # one matvec triple per assignment, on its slot's weights read in place (the CPU table's
-        # float32 price measured in token order, its bf16 price in slot order, as it now runs over several rows)
-        return dict(matrices=3 * a, weight_bytes=a * e * wb, flops=2 * a * e, moved_bytes=a * d * 4, calls=1)
+    if path == "gather":  # one matvec triple per assignment, on its slot's weights read in place, the assignments
+        # in slot order: a slot's weights come from memory once per call where they fit in the last-level cache
+        # (its later assignments read them from there), once per assignment where they do not (V2-Lite's 34.6 MB
+        # float32 experts against h1024_e64k8's 6.3 MB: docs/benchmarks.md "Routed-expert paths (CPU)")
+        reads = expected_slots_in_use(shape) if e * wb <= cache else a
+        return dict(matrices=3 * a, weight_bytes=reads * e * wb, flops=2 * a * e, moved_bytes=a * d * 4, calls=1)
     if path == "dense":  # every row through every slot
         return dict(matrices=3, weight_bytes=s * e * wb, flops=2 * shape.rows * s * e,
                     moved_bytes=shape.rows * s * (i + d) * 4, calls=1)
@@ -208,31 +218,40 @@ def coefficients(backend: str, dtype: str) -> dict[str, dict[str, float]]:
     return entry.get(dtype, entry.get("float32"))["paths"]
 
 
-def price(path: str, shape: ExpertShape, backend: str, prices: dict[str, dict[str, float]]) -> float:
+def cache_bytes(backend: str, dtype: str) -> int:
+    """The last-level cache the entry of ``backend`` and ``dtype`` was measured with (0: not recorded)."""
+    table = _table()["backends"]
+    entry = table.get(backend, table["cpu"])
+    return int(entry.get(dtype, entry.get("float32")).get("cache_bytes", 0))
+
+
+def price(path: str, shape: ExpertShape, backend: str, prices: dict[str, dict[str, float]],
+          cache: int = 0) -> float:
     """Seconds of ``path`` on ``shape`` at ``prices`` (path -> feature -> seconds per unit). The capacity path:
     the least over its buckets of the batched products plus the expected assignments past the bucket
-    (capacity_plan; the expected least cost is at most this, as the path picks per step)."""
+    (capacity_plan; the expected least cost is at most this, as the path picks per step). cache: as in ``work``."""
     if path == "capacity":
         _, batched, per_assignment = capacity_plan(shape, prices)
         return float(min(np.asarray(batched) + expected_overflow(shape) * per_assignment))
-    return _cost(work(path, shape, backend), prices[path])
+    return _cost(work(path, shape, backend, cache), prices[path])
 
 
 def predict(path: str, shape: ExpertShape, dtype: str, backend: str) -> float:
     """Seconds the cost model gives ``path`` on ``shape``."""
-    return price(path, shape, backend, coefficients(backend, dtype))
+    return price(path, shape, backend, coefficients(backend, dtype), cache_bytes(backend, dtype))
 
 
-def cheapest(shape: ExpertShape, backend: str, prices: dict[str, dict[str, float]], sequence_tokens: int = 1) -> str:
+def cheapest(shape: ExpertShape, backend: str, prices: dict[str, dict[str, float]], sequence_tokens: int = 1,
+             cache: int = 0) -> str:
     """The path of least cost at ``prices`` (ties: PATHS order) for ``shape`` whose rows come sequence_tokens at a
     time from one sequence (a step's T): under balanced routing for 1 (decode), the mean over ROUTING_SKEWS
-    above."""
+    above. cache: as in ``work``."""
     skews = ROUTING_SKEWS if sequence_tokens > 1 else (0.0,)
     scenarios = [dataclasses.replace(shape, skew=skew) for skew in skews]
-    return min(PATHS, key=lambda p: sum(price(p, s, backend, prices) for s in scenarios))
+    return min(PATHS, key=lambda p: sum(price(p, s, backend, prices, cache) for s in scenarios))
 
 
 @functools.cache
 def choose(shape: ExpertShape, dtype: str, backend: str, sequence_tokens: int = 1) -> str:
     """``cheapest`` at the table's prices for ``backend`` and ``dtype``."""
-    return cheapest(shape, backend, coefficients(backend, dtype), sequence_tokens)
+    return cheapest(shape, backend, coefficients(backend, dtype), sequence_tokens, cache_bytes(backend, dtype))

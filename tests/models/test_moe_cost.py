@@ -54,6 +54,13 @@ def test_work_counts():
     expert_bytes = 3 * 64 * 32 * 2
     gather = moe_cost.work("gather", shape, "cpu")
     assert (gather["matrices"], gather["weight_bytes"]) == (18, 6 * expert_bytes)
+    # in slot order a slot's weights come from memory once where they fit in the cache, else once per assignment
+    used = moe_cost.expected_slots_in_use(shape)
+    assert used == pytest.approx(8 * (1 - (1 - 2 / 8) ** 3))  # Binomial(3 rows, 2 / 8): P(slot unused) = (3/4)^3
+    assert moe_cost.work("gather", shape, "cpu", cache=expert_bytes)["weight_bytes"] == pytest.approx(
+        used * expert_bytes)
+    assert moe_cost.work("gather", shape, "cpu", cache=expert_bytes - 1)["weight_bytes"] == 6 * expert_bytes
+    assert moe_cost.work("gather", shape, "cpu", cache=expert_bytes)["flops"] == gather["flops"]
     dense = moe_cost.work("dense", shape, "cpu")
     assert dense["weight_bytes"] == 8 * expert_bytes and dense["flops"] == 2 * 3 * 8 * 3 * 64 * 32
     # XLA's ragged dot computes every assignment against every group off TPUs
