@@ -4,11 +4,12 @@ with 128x128 block scales, bf16 embeddings and norms), loaded with ``keep_fp8=Tr
     python benchmarks/load_checkpoint.py [--dir DIR] [--rounds 3] [--modes fp8 bf16] [--layers 4]
 
 The checkpoint (hidden 2048, --layers layers of which the first dense and the others MoE, 64 routed experts of width
-1024, vocab 32000: ~1.58 GB in 4 shards at the default 4 layers, ~0.39 GB more per layer) is written once into DIR with random values (finite e4m3 bytes, scales 2**-12..2**-6). Its files are read
-once before timing, so the figures are the loader's, not the disk's (a cold page cache adds the disk's time).
-Each load runs in a fresh process: ``load_model(DIR, mesh="1x1", dtype="bfloat16", keep_fp8=...)`` until every
-array is ready, timed after jaxinfer's model module and JAX are imported (``import_s``, printed apart: a fixed cost
-of the process, not of the checkpoint's bytes). Printed per mode: seconds (median of rounds), checkpoint bytes / s (the safetensors files' size,
+1024, vocab 32000: ~1.58 GB in 4 shards at the default 4 layers, ~0.39 GB more per layer) is written once into DIR
+with random values (finite e4m3 bytes, scales 2**-12..2**-6). Its files are read once before timing, so the figures
+are the loader's, not the disk's (a cold page cache adds the disk's time). Each load runs in a fresh process:
+``load_model(DIR, mesh="1x1", dtype="bfloat16", keep_fp8=...)`` until every array is ready, timed after jaxinfer's
+model module and JAX are imported (``import_s``, printed apart: a fixed cost of the process, not of the checkpoint's
+bytes). Printed per mode: seconds (median of rounds), checkpoint bytes / s (the safetensors files' size,
 the FP8 bytes included), the loaded arrays' bytes, and the process's anonymous memory (RssAnon, sampled every
 2 ms) at its peak during the load, above what it held before, against the loaded arrays' bytes. For bfloat16 also
 the limit measured in the same run: XLA:CPU writing the loaded arrays' bytes into fresh memory (``fresh_write_floor``,
