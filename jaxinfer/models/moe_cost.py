@@ -158,9 +158,11 @@ def expected_capacity(shape: ExpertShape) -> float:
     return total
 
 
-def expected_slots_in_use(shape: ExpertShape) -> float:
-    """Expected slots holding at least one assignment under the shape's routing scenario."""
-    return float((1.0 - _slot_count_pmfs(shape)[:, 0]).sum())
+def expected_slots_in_use(shape: ExpertShape, pmfs: np.ndarray | None = None) -> float:
+    """Expected slots holding at least one assignment under the shape's routing scenario (pmfs: its
+    _slot_count_pmfs, where the caller has them)."""
+    pmfs = _slot_count_pmfs(shape) if pmfs is None else pmfs
+    return float((1.0 - pmfs[:, 0]).sum())
 
 
 def expected_chunks(shape: ExpertShape) -> tuple[float, float, float]:
@@ -172,7 +174,7 @@ def expected_chunks(shape: ExpertShape) -> tuple[float, float, float]:
     per_size = ladder_counts(count, sizes)  # [rows + 1] chunks of each size per count
     chunks = float((pmfs @ sum(per_size)).sum())
     rows = float((pmfs @ sum(n * size for n, size in zip(per_size, sizes))).sum())
-    return chunks, rows, expected_slots_in_use(shape)
+    return chunks, rows, expected_slots_in_use(shape, pmfs)
 
 
 def work(path: str, shape: ExpertShape, backend: str, cache: int = 0) -> dict[str, float]:
@@ -210,19 +212,22 @@ def _table() -> dict:
     return json.loads(TABLE.read_text())
 
 
-def coefficients(backend: str, dtype: str) -> dict[str, dict[str, float]]:
-    """path -> feature -> seconds per unit, for ``backend`` and compute ``dtype`` ("float32", "bfloat16"): the
-    measured entry, else the backend's nominal one (the table's "nominal" entries), else the CPU's."""
+def _entry(backend: str, dtype: str) -> dict:
+    """The table entry for ``backend`` and compute ``dtype`` ("float32", "bfloat16"): the measured one, else the
+    backend's nominal one (the table's "nominal" entries), else the CPU's; its float32 one for another dtype."""
     table = _table()["backends"]
     entry = table.get(backend, table["cpu"])
-    return entry.get(dtype, entry.get("float32"))["paths"]
+    return entry.get(dtype, entry.get("float32"))
+
+
+def coefficients(backend: str, dtype: str) -> dict[str, dict[str, float]]:
+    """path -> feature -> seconds per unit, for ``backend`` and compute ``dtype`` (``_entry``)."""
+    return _entry(backend, dtype)["paths"]
 
 
 def cache_bytes(backend: str, dtype: str) -> int:
     """The last-level cache the entry of ``backend`` and ``dtype`` was measured with (0: not recorded)."""
-    table = _table()["backends"]
-    entry = table.get(backend, table["cpu"])
-    return int(entry.get(dtype, entry.get("float32")).get("cache_bytes", 0))
+    return int(_entry(backend, dtype).get("cache_bytes", 0))
 
 
 def price(path: str, shape: ExpertShape, backend: str, prices: dict[str, dict[str, float]],
