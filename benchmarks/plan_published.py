@@ -7,7 +7,8 @@ Each row: the published figure, its source, the inputs given to ``predict`` (wha
 states nothing, the assumption is named in the row), the prediction under the schedule the figure was measured
 with (dual-microbatch overlap unless the row says "without overlap") over the published figure, and the prediction
 under the other schedule. Two kinds of figures: capacities (a deployment kept full: DeepSeek's profile-data as
-SGLang converts it to throughput, SGLang's own runs) and DeepSeek's day averages (a service whose load varies).
+SGLang converts it to throughput, SGLang's own runs, DeepInfer's V4.1-Flash) and DeepSeek's day averages (a service
+whose load varies).
 Pure Python.
 """
 
@@ -74,7 +75,25 @@ DAY_AVERAGE = [
     ("DeepSeek V3/R1 prefill, input tok/s per node incl. cache hits", 73_700, "tok_s_per_node", DEEPSEEK_DAY,
      DEEPSEEK_PREFILL, "16K tokens per GPU in 4K prompts (the profile's setting), 56.3% cache hits"),
 ]
-ROWS = CAPACITY + DAY_AVERAGE
+# DeepInfer (DeepSeek's V4.1-Flash engine on SM100), as issue 37 quotes its figures. V4.1-Flash is taken to have
+# V4-Flash's published geometry (jaxinfer/plan/v4.py); its SM100 system to be a GB200 NVL72 rack (EP64 inside one
+# NVLink domain: on 8-GPU B200 nodes the same deployment is bound by RDMA, see docs/plan.md); EPLB's redundant
+# experts as DeepSeek deploys them (decode: one per GPU, the least multiple of 64 from V3's 32; prefill: V3's 32).
+DEEPINFER = "DeepInfer (V4.1-Flash, SM100), as issue 37 quotes it"
+DEEPINFER_DECODE = dict(model="deepseek-v4-flash", hardware="gb200", phase="decode", ep=64,
+                        num_redundant_experts=64, requests_per_gpu=256, context_len=131072, mtp_acceptance=0.75,
+                        mtp_drafts=3)
+DEEPINFER_PREFILL = dict(model="deepseek-v4-flash", hardware="gb200", phase="prefill", ep=4,
+                         num_redundant_experts=32, tokens_per_gpu=4096, prompt_len=4096)
+V4 = [
+    ("DeepInfer decode EP64, output tok/s per GPU (published: more than 25k)", 25_000, "tok_s_per_gpu", DEEPINFER,
+     DEEPINFER_DECODE, "256 requests per rank, 131k context, 3 MTP drafts each accepted with probability 0.75 "
+     "given the ones before (2.73 tokens a step; read as vLLM's accepted / drafted, 3.25, and the prediction "
+     "rises 19%)"),
+    ("DeepInfer prefill EP4, uncached input tok/s per GPU", 60_000, "tok_s_per_gpu", DEEPINFER, DEEPINFER_PREFILL,
+     "4,096 tokens per rank as one 4,096-token prompt (prompt length not stated)"),
+]
+ROWS = CAPACITY + DAY_AVERAGE + V4
 
 
 def value(result: dict, key: str) -> float:
@@ -86,9 +105,11 @@ def table(rows: list) -> list[str]:
            "inputs (assumptions) | source |", "|---|---|---|---|---|---|---|---|"]
     for what, published, key, source, kwargs, assumption in rows:
         dbo = kwargs.get("dbo", True)
-        r, other = predict(model="deepseek-v3", **kwargs), predict(model="deepseek-v3", **{**kwargs, "dbo": not dbo})
+        kwargs = {"model": "deepseek-v3", **kwargs}
+        r, other = predict(**kwargs), predict(**{**kwargs, "dbo": not dbo})
         got, alt = value(r, key), value(other, key)
-        shown = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in kwargs.items())
+        shown = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in kwargs.items()
+                          if k != "model" or v != "deepseek-v3")
         out.append(f"| {what} | {published:,.0f} | {got:,.0f} | {got / published:.2f} | {r['bound']} | "
                    f"{'serial' if dbo else 'overlapped'} {alt:,.0f} ({alt / published:.2f}) | {shown} "
                    f"({assumption}) | {source} |")
@@ -100,6 +121,8 @@ def main() -> None:
     print("\n".join(table(CAPACITY)))
     print("\nDeepSeek's day averages (a service whose load varies through the day)\n")
     print("\n".join(table(DAY_AVERAGE)))
+    print("\nDeepSeek-V4: DeepInfer's capacities\n")
+    print("\n".join(table(V4)))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,9 @@ reach, computed from their published figures on H800 (``ANCHORS``) and never fit
   (weights, input, output) at the second: on the README's 18 dense shapes (M = 64, 128, 4096) that sum is 0.78-1.45x
   the published time (geometric mean 1.08), where the larger of the two (a roofline) is 0.46-1.0x (0.81): the
   kernels do not overlap the two fully at M <= 128 (tests/plan/test_predict.py checks the rows).
+- Sparse attention (FlashMLA README, H800 SXM5; DeepSeek-V3.2's and V4's kernels, which read each query's
+  selected entries): 410 TFLOPS decoding (FP8 cache, bf16 products), 640 TFLOPS prefilling. V4 models price their
+  attention core at these (v4.py); V3's dense core at the next line's.
 - MLA decoding (FlashMLA README, H800 SXM5): 3000 GB/s memory-bound, 660 TFLOPS compute-bound (bf16). The
   memory-bound kernels between the products (norms, quantization, SiLU, permutes) are priced at the same
   bandwidth: FlashMLA's is the published figure of a memory-bound kernel that streams HBM.
@@ -43,6 +46,8 @@ ANCHORS = {
     "deepgemm_peak_gb_s": 2668.0,
     "flashmla_gb_s": 3000.0,
     "flashmla_tflops": 660.0,
+    "flashmla_sparse_decode_tflops": 410.0,
+    "flashmla_sparse_prefill_tflops": 640.0,
     "deepep_normal_nvlink_gb_s": (153.0, 158.0),                        # dispatch, combine (EP8)
     "deepep_normal_rdma_gb_s": (43.0, 43.0, 58.0, 57.0, 51.0, 50.0),    # dispatch, combine at EP16, 32, 64
     "deepep_normal_sms": 24,
@@ -63,6 +68,8 @@ class Calibration:
     gemm_memory: float        # FP8 GEMM, bound by its weights' bytes
     mla_flops: float          # MLA decoding kernel, compute-bound (bf16)
     mla_memory: float         # MLA decoding kernel, bound by the latent cache's bytes
+    sparse_decode_flops: float   # sparse attention decoding (FlashMLA's, V4's core), compute-bound
+    sparse_prefill_flops: float  # sparse attention prefill, compute-bound
     stream_memory: float      # memory-bound kernels between the products (FlashMLA's bandwidth: the module doc)
     normal_nvlink: float      # normal dispatch / combine over NVLink
     normal_rdma: float        # normal dispatch / combine over RDMA
@@ -95,6 +102,8 @@ def calibrate(anchors: dict = ANCHORS, hw: Hardware = CALIBRATION_HARDWARE) -> C
         gemm_memory=anchors["deepgemm_peak_gb_s"] / hw.hbm_gb_s,
         mla_flops=anchors["flashmla_tflops"] / hw.bf16_tflops,
         mla_memory=anchors["flashmla_gb_s"] / hw.hbm_gb_s,
+        sparse_decode_flops=anchors["flashmla_sparse_decode_tflops"] / hw.bf16_tflops,
+        sparse_prefill_flops=anchors["flashmla_sparse_prefill_tflops"] / hw.bf16_tflops,
         stream_memory=anchors["flashmla_gb_s"] / hw.hbm_gb_s,
         normal_nvlink=mean(anchors["deepep_normal_nvlink_gb_s"]) / hw.nvlink_gb_s,
         normal_rdma=mean(anchors["deepep_normal_rdma_gb_s"]) / hw.net_gb_s,

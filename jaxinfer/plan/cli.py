@@ -42,8 +42,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="predict a DeepSeek-style deployment's tokens/s per GPU, step time, bound and "
                                     "memory, over expert-parallel sizes (no JAX, no accelerator)")
     p.add_argument("--model", default=_DEFAULTS["model"],
-                   help="preset name (jaxinfer.config PRESETS) or checkpoint directory / config.json "
-                        "(default: %(default)s)")
+                   help="preset name (jaxinfer.config PRESETS, or deepseek-v4-flash: plan/v4.py) or checkpoint "
+                        "directory / config.json (default: %(default)s)")
     p.add_argument("--hardware", default=_DEFAULTS["hardware"],
                    help=f"GPU preset ({', '.join(HARDWARE_PRESETS)}) or a .toml file with the fields of "
                         "plan/hardware.py's Hardware (default: %(default)s)")

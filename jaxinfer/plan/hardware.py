@@ -3,9 +3,10 @@
 Figures are dense (no structured sparsity) per-GPU peaks from the vendors' datasheets; link bandwidths are per GPU
 and per direction. Sources: NVIDIA H100/H800 SXM5 datasheets (H800: the H100 with NVLink cut to 400 GB/s, both
 directions together), the H200 SXM datasheet, the DGX/HGX B200 datasheet (8 GPUs: 1,440 GB and 64 TB/s of HBM3e,
-NVLink 5 at 1.8 TB/s per GPU); scale-out: one ConnectX-7 400 Gb/s NIC per GPU (DeepSeek's H800 nodes, DeepEP's
-test machines, DGX H100/B200). Achieved fractions of these peaks live in calibration.py, not here; a ``measured``
-description (the "cpu" preset) holds achieved rates, to which no calibration applies.
+NVLink 5 at 1.8 TB/s per GPU), the GB200 NVL72 datasheet (72 GPUs: 720 / 360 PFLOPS FP8 / BF16 with sparsity,
+13.4 TB and 576 TB/s of HBM3e, 130 TB/s of NVLink); scale-out: one ConnectX-7 400 Gb/s NIC per GPU (DeepSeek's H800
+nodes, DeepEP's test machines, DGX H100/B200). Achieved fractions of these peaks live in calibration.py, not here;
+a ``measured`` description (the "cpu" preset) holds achieved rates, to which no calibration applies.
 """
 
 from __future__ import annotations
@@ -76,6 +77,10 @@ PRESETS = {
                      net_gb_s=50, sms=132),
     "b200": Hardware("b200", bf16_tflops=2250, fp8_tflops=4500, hbm_gb=180, hbm_gb_s=8000, nvlink_gb_s=900,
                      net_gb_s=50, sms=148),
+    # One GPU of a GB200 NVL72 rack: 72 GPUs in one NVLink domain (its "node" here, so that expert parallelism
+    # up to 72 stays on NVLink).
+    "gb200": Hardware("gb200", bf16_tflops=2500, fp8_tflops=5000, hbm_gb=186, hbm_gb_s=8000, nvlink_gb_s=900,
+                      net_gb_s=50, sms=148, gpus_per_node=72),
     # This project's development machine (2 cores, 24 GB) as jaxinfer's programs reach it: a bf16 [2048, 2048]
     # matmul and a one-row product over 512 MB (benchmarks/plan_cpu.py, 2026-12-05; no FP8 units: the bf16 rate).
     # Its simulated devices (XLA_FLAGS=--xla_force_host_platform_device_count) share it and exchange through

@@ -4,10 +4,12 @@ A deployment is ``ep`` GPUs serving one phase: attention data-parallel over ``dp
 ``ep // dp`` GPUs within a group; DeepSeek serves dp = ep), routed experts spread over all ``ep`` GPUs (``(E +
 redundant) / ep`` slots each, EPLB's redundant copies included), shared experts and dense layers on every GPU.
 Every GPU runs the same step; a step's time is the sum over layers of each part's time: a GEMM's FLOPs at the
-calibrated compute rate plus its bytes (weights, input and output activations) at the calibrated bandwidth, the MLA
-core the slower of its FLOPs and its latent cache, the kernels between the products (norms, quantization, RoPE,
-SiLU, moving rows to and from the experts: shapes.py ``elementwise_bytes``) their bytes at the bandwidth a
-memory-bound kernel reaches, the expert dispatch / combine at the calibrated link rates (calibration.py):
+calibrated compute rate plus its bytes (weights, input and output activations) at the calibrated bandwidth, the
+attention core the slower of its FLOPs and the cache it reads (V3's MLA latents; DeepSeek-V4's window, selected and
+compressed entries, with its indexer an FP8 product over its keys: v4.py), the kernels between the products (norms,
+quantization, RoPE, SiLU, moving rows to and from the experts: shapes.py ``elementwise_bytes``) their bytes at the
+bandwidth a memory-bound kernel reaches, the expert dispatch / combine at the calibrated link rates
+(calibration.py):
 
 - decode: ``requests_per_gpu`` requests with ``context_len`` cached tokens each compute 1 + ``mtp_drafts`` tokens
   per step (MTP speculative decoding verifies the drafts, ``mtp_acceptance`` the chance each is accepted, so a
@@ -35,6 +37,7 @@ Not modelled: host overhead, kernel launches, queueing, load that varies in time
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import pathlib
 
@@ -43,6 +46,7 @@ from jaxinfer.plan.calibration import DEFAULT, MEASURED, Calibration, ll_remote_
 from jaxinfer.plan.hardware import Hardware, hardware as get_hardware
 from jaxinfer.plan.overlap import PROGRAMS, timeline
 from jaxinfer.plan.shapes import Shapes, dispatch_payload_bytes
+from jaxinfer.plan.v4 import V4_FLASH, V4Config, V4Shapes
 
 PHASES = ("decode", "prefill")
 KV_DTYPE_BYTES = 2      # the latent cache in bfloat16 (DeepSeek's MLA)
@@ -51,19 +55,33 @@ WEIGHT_BYTES = 1        # every other product in FP8 (e4m3; the 128 x 128 block 
 ACTIVATION_COPIES = 8   # bf16 hidden-state buffers alive per token in a step (residual, norms, projections)
 
 
-def model_config(model: str | pathlib.Path | ModelConfig) -> ModelConfig:
-    """A preset name (jaxinfer.config PRESETS), a checkpoint directory or config.json, or a ModelConfig."""
-    if isinstance(model, ModelConfig):
+V4_PRESETS = {"deepseek-v4-flash": V4_FLASH}  # models the planner prices and the engine does not run (v4.py)
+
+
+def model_config(model: str | pathlib.Path | ModelConfig | V4Config) -> ModelConfig | V4Config:
+    """A preset name (jaxinfer.config PRESETS, or V4_PRESETS), a checkpoint directory or config.json (a
+    DeepSeek-V4 one by its model_type), a ModelConfig or a V4Config."""
+    if isinstance(model, (ModelConfig, V4Config)):
         return model
     from jaxinfer.config import PRESETS
 
     if str(model) in PRESETS:
         return ModelConfig.preset(str(model))
+    if str(model) in V4_PRESETS:
+        return V4_PRESETS[str(model)]
     path = pathlib.Path(model)
     if not path.exists():
-        raise ValueError(f"model {str(model)!r}: not a preset ({', '.join(PRESETS)}) nor a checkpoint directory "
-                         "or config.json")
+        raise ValueError(f"model {str(model)!r}: not a preset ({', '.join([*PRESETS, *V4_PRESETS])}) nor a "
+                         "checkpoint directory or config.json")
+    config = path / "config.json" if path.is_dir() else path
+    if config.is_file() and json.loads(config.read_text()).get("model_type") == "deepseek_v4":
+        return V4Config.from_hf_config(config)
     return ModelConfig.from_hf_config(path)
+
+
+def model_shapes(cfg: ModelConfig | V4Config) -> Shapes | V4Shapes:
+    """The arithmetic of ``cfg``'s family (shapes.py, v4.py)."""
+    return V4Shapes(cfg) if isinstance(cfg, V4Config) else Shapes(cfg)
 
 
 @dataclasses.dataclass
@@ -119,9 +137,11 @@ class _Rates:
         """Memory-bound kernels between the products: their bytes at the bandwidth such a kernel reaches."""
         return nbytes / (self.hw.hbm_bw * self.cal.stream_memory), "activations"
 
-    def mla(self, flops: float, cache_bytes: float) -> tuple[float, str]:
-        """The MLA core (bf16): FLOPs at FlashMLA's rate or the latent cache at its bandwidth."""
-        c = flops / (self.hw.bf16_flops * self.cal.mla_flops)
+    def mla(self, flops: float, cache_bytes: float, kernel: str = "dense") -> tuple[float, str]:
+        """The attention core (bf16 products): FLOPs at FlashMLA's rate ("dense": V3's MLA; "sparse_decode" /
+        "sparse_prefill": the kernels that read selected entries, V4's) or the cache at its bandwidth."""
+        c = flops / (self.hw.bf16_flops * {"dense": self.cal.mla_flops, "sparse_decode": self.cal.sparse_decode_flops,
+                                           "sparse_prefill": self.cal.sparse_prefill_flops}[kernel])
         m = cache_bytes / (self.hw.hbm_bw * self.cal.mla_memory)
         return (c, "compute") if c >= m else (m, "kv_cache")
 
@@ -131,7 +151,8 @@ def _check(name: str, ok: bool, message: str) -> None:
         raise ValueError(f"{name}: {message}")
 
 
-def predict(model: str | pathlib.Path | ModelConfig = "deepseek-v3", hardware: str | pathlib.Path | Hardware = "h800",
+def predict(model: str | pathlib.Path | ModelConfig | V4Config = "deepseek-v3",
+            hardware: str | pathlib.Path | Hardware = "h800",
             phase: str = "decode", ep: int = 8, dp: int | None = None, requests_per_gpu: float | None = None,
             tokens_per_gpu: float | None = None, context_len: float = 4096, prompt_len: float | None = None,
             gpus_per_node: int | None = None, num_redundant_experts: int = 0, fp8_dispatch: bool = True,
@@ -145,9 +166,9 @@ def predict(model: str | pathlib.Path | ModelConfig = "deepseek-v3", hardware: s
     bound (the resource taking the largest share of the step: "compute", "weights", "activations" (bytes of the
     tokens' hidden states), "kv_cache", or "communication", the time the computation waits for transfers:
     communication_wait_s), memory_per_gpu_bytes and memory (its parts: weights, kv_cache, buffers;
-    headroom_bytes), parts (seconds per step of each part: attention projections, attention core, routed experts,
-    shared experts, dense MLP, head, elementwise (the kernels between the products), drafts; dispatch and
-    combine), and the inputs as used. weight_bytes: bytes per weight of the products (1: FP8, as DeepSeek serves;
+    headroom_bytes), parts (seconds per step of each part: attention projections, attention core, indexer (V4),
+    routed experts, shared experts, dense MLP, head, elementwise (the kernels between the products), drafts;
+    dispatch and combine), and the inputs as used. weight_bytes: bytes per weight of the products (1: FP8, as DeepSeek serves;
     2: bf16, as jaxinfer computes on CPU). calibration: ignored for a measured hardware description (the "cpu"
     preset), whose rates are already achieved ones. Raises ValueError naming the argument of a deployment that
     cannot run."""
@@ -155,7 +176,7 @@ def predict(model: str | pathlib.Path | ModelConfig = "deepseek-v3", hardware: s
     hw = get_hardware(hardware)
     calibration = MEASURED if hw.measured else calibration
     gpn = hw.gpus_per_node if gpus_per_node is None else gpus_per_node
-    shapes = Shapes(cfg)
+    shapes = model_shapes(cfg)
     dp = ep if dp is None else dp
     _check("phase", phase in PHASES, f"{phase!r} is not one of {PHASES}")
     _check("ep", isinstance(ep, int) and ep >= 1, f"must be a positive integer, got {ep!r}")
@@ -183,6 +204,7 @@ def predict(model: str | pathlib.Path | ModelConfig = "deepseek-v3", hardware: s
     _check("weight_bytes", weight_bytes in (1, 2, 4), f"1 (FP8), 2 (bf16) or 4 (float32), got {weight_bytes!r}")
     rates = _Rates(hw, calibration, weight_bytes)
     experts_per_gpu = slots // ep
+    expert_bytes = shapes.expert_bytes(weight_bytes)  # V4's MXFP4 experts beside FP8 products (v4.py)
 
     if phase == "decode":
         _check("requests_per_gpu", requests_per_gpu is not None and requests_per_gpu > 0,
@@ -213,13 +235,21 @@ def predict(model: str | pathlib.Path | ModelConfig = "deepseek-v3", hardware: s
                 2.0 * params * rows, params * weight_bytes / tp, rows * act[op])), op)
             s.add(part or "elementwise", *_times(n, rates.stream(rows * between[op])), op)
         if phase == "decode":
-            cache = requests * tp * context_len * shapes.latent_width * KV_DTYPE_BYTES
-            s.add(part or "attention_core", *_times(n, rates.mla(rows * shapes.decode_attention_flops(context_len),
-                                                                 cache)), "core")
+            core = shapes.decode_core(context_len, KV_DTYPE_BYTES)
+            cache = tp * (requests * core["bytes_per_request"] + rows * core["bytes_per_token"])
+            s.add(part or "attention_core", *_times(n, rates.mla(rows * core["flops_per_token"], cache,
+                                                                 shapes.core_kernel("decode"))), "core")
+            if core["index_flops_per_token"]:  # an FP8 product of the queries with the indexer's keys
+                s.add(part or "indexer", *_times(n, rates.gemm(rows * core["index_flops_per_token"],
+                                                               tp * requests * core["index_bytes_per_request"])),
+                      "prepare")
             return
         new, cached = prompt_len * (1.0 - cache_hit_rate), prompt_len * cache_hit_rate
-        s.add(part or "attention_core", *_times(n, rates.mla(requests * shapes.prefill_attention_flops(new, cached),
-                                                             0.0)), "core")
+        core_flops, index_flops = shapes.prefill_core(new, cached)
+        s.add(part or "attention_core", *_times(n, rates.mla(requests * core_flops, 0.0,
+                                                             shapes.core_kernel("prefill"))), "core")
+        if index_flops:
+            s.add(part or "indexer", *_times(n, rates.gemm(requests * index_flops, 0.0)), "prepare")
         if cached:
             s.add(part or "prefix_decompression", *_times(n, rates.gemm(shapes.decompress_flops(requests * cached),
                                                                         0.0)), "prepare")
@@ -228,7 +258,7 @@ def predict(model: str | pathlib.Path | ModelConfig = "deepseek-v3", hardware: s
         """n MoE layers' routed and shared experts and their dispatch / combine for ``rows`` tokens per GPU."""
         pairs = rows * cfg.num_experts_per_tok * imbalance   # (token, expert) pairs of the busiest expert GPU
         s.add(part or "routed_experts", *_times(n, rates.gemm(
-            2.0 * shapes.expert_params * pairs, experts_per_gpu * shapes.expert_params * weight_bytes,
+            2.0 * shapes.expert_params * pairs, experts_per_gpu * shapes.expert_params * expert_bytes,
             pairs * act["expert"])), "experts")
         s.add(part or "elementwise", *_times(n, rates.stream(rows * between["route"])), "core")
         s.add(part or "elementwise", *_times(n, rates.stream(pairs * between["expert_pair"])), "experts")
@@ -365,19 +395,20 @@ def _comm_seconds(low_latency: bool, kind: str, rows: float, cfg: ModelConfig, e
                rows * ranks_hit * payload / (hw.nvlink_bw * cal.normal_nvlink))
 
 
-def _memory(cfg: ModelConfig, shapes: Shapes, phase: str, experts_per_gpu: int, tp: int, drafts: int,
-            requests: float, rows: float, context_len: float, prompt_len: float | None, fp8_dispatch: bool,
+def _memory(cfg: ModelConfig | V4Config, shapes: Shapes | V4Shapes, phase: str, experts_per_gpu: int, tp: int,
+            drafts: int, requests: float, rows: float, context_len: float, prompt_len: float | None, fp8_dispatch: bool,
             weight_bytes: int) -> dict[str, float]:
     """Bytes per GPU: weights (FP8 products, bf16 embedding and head, the MTP module when drafting), the latent
     cache of the GPU's requests (a TP group's each GPU holds all of them), and buffers (hidden states, expert rows,
     dispatch receive buffers)."""
-    moe_layer = shapes.attention_params / tp + (experts_per_gpu + cfg.n_shared_experts) * shapes.expert_params
-    weights = (shapes.num_dense_layers * (shapes.attention_params / tp + shapes.dense_mlp_params)
-               + shapes.num_moe_layers * moe_layer) * weight_bytes + shapes.embedding_params * HEAD_DTYPE_BYTES
-    weights += (moe_layer + shapes.mtp_extra_params) * weight_bytes if drafts else 0.0
+    moe_layer = ((shapes.attention_params / tp + cfg.n_shared_experts * shapes.expert_params) * weight_bytes
+                 + experts_per_gpu * shapes.expert_params * shapes.expert_bytes(weight_bytes))
+    weights = (shapes.num_dense_layers * (shapes.attention_params / tp + shapes.dense_mlp_params) * weight_bytes
+               + shapes.num_moe_layers * moe_layer + shapes.embedding_params * HEAD_DTYPE_BYTES)
+    weights += moe_layer + shapes.mtp_extra_params * weight_bytes if drafts else 0.0
     layers = cfg.num_hidden_layers + (1 if drafts else 0)
-    tokens = requests * (context_len if phase == "decode" else prompt_len)  # cached for the step's requests
-    kv = tokens * tp * layers * shapes.latent_width * KV_DTYPE_BYTES
+    cached = context_len if phase == "decode" else prompt_len  # tokens each of the step's requests holds
+    kv = requests * tp * shapes.kv_bytes_per_request(cached, KV_DTYPE_BYTES) * layers / cfg.num_hidden_layers
     pairs = rows * cfg.num_experts_per_tok
     per_pair = (dispatch_payload_bytes(cfg.hidden_size, fp8_dispatch) + dispatch_payload_bytes(cfg.hidden_size, False)
                 + 3 * cfg.moe_intermediate_size * 2)  # received rows, combine rows, gate / up / act in bf16

@@ -177,6 +177,32 @@ class Shapes:
         pairs = new * cached + new * (new + 1) / 2
         return 2.0 * c.num_attention_heads * pairs * (c.qk_head_dim + c.v_head_dim)
 
+    def decode_core(self, context: float, kv_dtype_bytes: int = 2) -> dict[str, float]:
+        """One layer's attention core in a decode step for a query token of a request with ``context`` cached
+        tokens (the keys predict.py reads; v4.py's V4Shapes fills the indexer's): flops_per_token, bytes_per_request
+        (the latent cache, read once a step for all of a request's query tokens: FlashMLA), bytes_per_token (none
+        here), index_flops_per_token and index_bytes_per_request (no indexer here)."""
+        return dict(flops_per_token=self.decode_attention_flops(context),
+                    bytes_per_request=context * self.latent_width * kv_dtype_bytes, bytes_per_token=0.0,
+                    index_flops_per_token=0.0, index_bytes_per_request=0.0)
+
+    def prefill_core(self, new: float, cached: float) -> tuple[float, float]:
+        """(attention FLOPs, indexer FLOPs: none here) of one layer for a chunk of one request."""
+        return self.prefill_attention_flops(new, cached), 0.0
+
+    def kv_bytes_per_request(self, context: float, kv_dtype_bytes: int = 2) -> float:
+        """The latent cache of a request with ``context`` tokens over the main model's layers."""
+        return context * self.kv_bytes_per_token(kv_dtype_bytes)
+
+    def core_kernel(self, phase: str) -> str:
+        """The attention kernel whose calibrated rate prices the core (predict.py ``_Rates.mla``): FlashMLA's dense
+        MLA kernel."""
+        return "dense"
+
+    def expert_bytes(self, weight_bytes: float) -> float:
+        """Bytes per routed-expert weight when the other products take ``weight_bytes``: the same here."""
+        return weight_bytes
+
     def decompress_flops(self, tokens: float) -> float:
         """kv_b applied to ``tokens`` cached latents (the expanded form's keys and values of a prefix), one layer."""
         c = self.config

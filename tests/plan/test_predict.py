@@ -193,6 +193,10 @@ DEPLOYMENTS = st.sampled_from([
     dict(phase="decode", ep=16, num_redundant_experts=32, requests_per_gpu=32, context_len=2048, mtp_acceptance=0.8),
     dict(phase="prefill", ep=32, num_redundant_experts=32, tokens_per_gpu=8192, prompt_len=2048),
     dict(phase="prefill", ep=64, tokens_per_gpu=4096, prompt_len=4096, cache_hit_rate=0.5, dbo=False),
+    dict(model="deepseek-v4-flash", phase="decode", ep=64, num_redundant_experts=64, requests_per_gpu=32,
+         context_len=32768, mtp_acceptance=0.7, mtp_drafts=3),
+    dict(model="deepseek-v4-flash", phase="prefill", ep=8, num_redundant_experts=32, tokens_per_gpu=8192,
+         prompt_len=8192),
 ])
 
 
