@@ -168,10 +168,10 @@ def predict(model: str | pathlib.Path | ModelConfig | V4Config = "deepseek-v3",
     communication_wait_s), memory_per_gpu_bytes and memory (its parts: weights, kv_cache, buffers;
     headroom_bytes), parts (seconds per step of each part: attention projections, attention core, indexer (V4),
     routed experts, shared experts, dense MLP, head, elementwise (the kernels between the products), drafts;
-    dispatch and combine), and the inputs as used. weight_bytes: bytes per weight of the products (1: FP8, as DeepSeek serves;
-    2: bf16, as jaxinfer computes on CPU). calibration: ignored for a measured hardware description (the "cpu"
-    preset), whose rates are already achieved ones. Raises ValueError naming the argument of a deployment that
-    cannot run."""
+    dispatch and combine), and the inputs as used. weight_bytes: bytes per weight of the products (1: FP8, as
+    DeepSeek serves; 2: bf16, as jaxinfer computes on CPU). calibration: ignored for a measured hardware
+    description (the "cpu" preset), whose rates are already achieved ones. Raises ValueError naming the argument
+    of a deployment that cannot run."""
     cfg = model_config(model)
     hw = get_hardware(hardware)
     calibration = MEASURED if hw.measured else calibration

@@ -28,8 +28,59 @@ def dispatch_payload_bytes(hidden: int, fp8: bool) -> int:
     return hidden + 4 * -(-hidden // QUANT_GROUP) if fp8 else 2 * hidden
 
 
+def quantize_bytes(width: float, quantized: bool) -> float:
+    """A vector quantized for an FP8 product: bf16 read, e4m3 + scales written (nothing without FP8 products)."""
+    return 2 * width + dispatch_payload_bytes(width, True) if quantized else 0
+
+
+def silu_mul_bytes(width: float, quantized: bool) -> float:
+    """SiLU-and-mul: gate and up read, the product written (e4m3 + scales for an FP8 product, or bf16)."""
+    return 2 * 2 * width + (dispatch_payload_bytes(width, True) if quantized else 2 * width)
+
+
+class MoEShapes:
+    """What the families' arithmetic shares (``Shapes`` here, v4.py's ``V4Shapes``): the experts, the embedding and
+    head, the MTP module's projection, and the bytes around the MoE products. ``config`` has hidden_size,
+    moe_intermediate_size, n_shared_experts, vocab_size and tie_word_embeddings."""
+
+    @property
+    def expert_params(self) -> int:
+        """One routed (or shared) expert's gate, up and down projections."""
+        return 3 * self.config.hidden_size * self.config.moe_intermediate_size
+
+    @property
+    def embedding_params(self) -> int:
+        """Input embedding and LM head (one matrix when tied)."""
+        c = self.config
+        return c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+
+    @property
+    def mtp_extra_params(self) -> int:
+        """An MTP module beyond its transformer layer: the projection of [embedding; hidden] to hidden (its norms
+        are small; it shares the embedding and the head)."""
+        return 2 * self.config.hidden_size ** 2
+
+    def mlp_activation_bytes(self, width: int, in_bytes: int) -> int:
+        """Bytes a token's SwiGLU MLP of ``width`` reads and writes besides its weights: gate + up (hidden -> 2
+        width), then down, inputs of ``in_bytes``, bf16 outputs."""
+        h = self.config.hidden_size
+        return h * in_bytes + 2 * 2 * width + width * in_bytes + 2 * h
+
+    def moe_elementwise_bytes(self, quantized: bool, fp8_dispatch: bool, permute: bool) -> dict[str, float]:
+        """elementwise_bytes' "route", "expert_pair" and "shared" (``Shapes.elementwise_bytes`` says what each
+        counts)."""
+        c = self.config
+        h = c.hidden_size
+        row = dispatch_payload_bytes(h, fp8_dispatch)
+        return {
+            "route": 2 * h + (2 * h + row if fp8_dispatch else 0),
+            "expert_pair": silu_mul_bytes(c.moe_intermediate_size, quantized) + (2 * row + 2 * 2 * h if permute else 0),
+            "shared": c.n_shared_experts * silu_mul_bytes(c.moe_intermediate_size, quantized) + 3 * 2 * h,
+        }
+
+
 @dataclasses.dataclass(frozen=True)
-class Shapes:
+class Shapes(MoEShapes):
     """Per-layer parameter counts and per-token costs of a ModelConfig."""
 
     config: ModelConfig
@@ -73,9 +124,8 @@ class Shapes:
         out = {"prepare": 0, "core": 0}
         for _, groups, k, n, stage in self.attention_products(absorbed):
             out[stage] += groups * (k * in_bytes + 2 * n)
-        h = self.config.hidden_size
-        for key, width in (("expert", self.config.moe_intermediate_size), ("dense_mlp", self.config.intermediate_size)):
-            out[key] = h * in_bytes + 2 * 2 * width + width * in_bytes + 2 * h  # gate + up: h -> 2 width; down
+        out["expert"] = self.mlp_activation_bytes(self.config.moe_intermediate_size, in_bytes)
+        out["dense_mlp"] = self.mlp_activation_bytes(self.config.intermediate_size, in_bytes)
         return out
 
     def elementwise_bytes(self, absorbed: bool, quantized: bool, fp8_dispatch: bool, permute: bool) -> dict[str, int]:
@@ -101,11 +151,8 @@ class Shapes:
         c = self.config
         h, heads, latent, rope = c.hidden_size, c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
 
-        def quant(width: int) -> int:   # read bf16, write e4m3 + scales
-            return 2 * width + dispatch_payload_bytes(width, True) if quantized else 0
-
-        def silu_mul(width: int) -> int:  # read gate and up, write the product (e4m3 + scales, or bf16)
-            return 2 * 2 * width + (dispatch_payload_bytes(width, True) if quantized else 2 * width)
+        def quant(width: int) -> float:
+            return quantize_bytes(width, quantized)
 
         add_norm = 4 * 2 * h
         q_lora = c.q_lora_rank or 0
@@ -115,36 +162,16 @@ class Shapes:
             prepare += 2 * 2 * heads * self.latent_width
         else:
             prepare += quant(latent) + 2 * heads * c.qk_nope_head_dim + 2 * rope + 2 * heads * c.qk_head_dim
-        row = dispatch_payload_bytes(h, fp8_dispatch)
         return {
             "prepare": prepare,
             "core": quant(heads * c.v_head_dim) + add_norm,
-            "route": 2 * h + (2 * h + row if fp8_dispatch else 0),
-            "expert_pair": silu_mul(c.moe_intermediate_size) + (2 * row + 2 * 2 * h if permute else 0),
-            "shared": c.n_shared_experts * silu_mul(c.moe_intermediate_size) + 3 * 2 * h,
-            "dense_mlp": quant(h) + silu_mul(c.intermediate_size),
+            **self.moe_elementwise_bytes(quantized, fp8_dispatch, permute),
+            "dense_mlp": quant(h) + silu_mul_bytes(c.intermediate_size, quantized),
         }
 
     @property
     def dense_mlp_params(self) -> int:
         return 3 * self.config.hidden_size * self.config.intermediate_size
-
-    @property
-    def expert_params(self) -> int:
-        """One routed (or shared) expert's gate, up and down projections."""
-        return 3 * self.config.hidden_size * self.config.moe_intermediate_size
-
-    @property
-    def embedding_params(self) -> int:
-        """Input embedding and LM head (one matrix when tied)."""
-        c = self.config
-        return c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
-
-    @property
-    def mtp_extra_params(self) -> int:
-        """An MTP module beyond its transformer layer: the projection of [embedding; hidden] to hidden (its norms
-        are small; it shares the embedding and the head)."""
-        return 2 * self.config.hidden_size ** 2
 
     @property
     def num_dense_layers(self) -> int:

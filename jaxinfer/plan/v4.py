@@ -36,7 +36,7 @@ import json
 import math
 import pathlib
 
-from jaxinfer.plan.shapes import dispatch_payload_bytes
+from jaxinfer.plan.shapes import MoEShapes, quantize_bytes
 
 # MXFP4 (OCP Microscaling Formats v1.0): 4-bit values with one 8-bit (E8M0) scale per block of 32.
 EXPERT_WEIGHT_BYTES = 0.5 + 1 / 32
@@ -124,7 +124,7 @@ def index_entry_bytes(c: V4Config) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class V4Shapes:
+class V4Shapes(MoEShapes):
     """Per-layer parameter counts and per-token costs of a V4Config, as predict.py reads them (shapes.py's
     ``Shapes`` documents each method for the V3 family; per-layer figures here are means over the layer types)."""
 
@@ -167,8 +167,7 @@ class V4Shapes:
         out = {"prepare": 0.0, "core": 0.0}
         for _, groups, k, n, stage in self.attention_products(absorbed):
             out[stage] += groups * (k * in_bytes + 2 * n)
-        h, width = self.config.hidden_size, self.config.moe_intermediate_size
-        out["expert"] = h * in_bytes + 2 * 2 * width + width * in_bytes + 2 * h
+        out["expert"] = self.mlp_activation_bytes(self.config.moe_intermediate_size, in_bytes)
         out["dense_mlp"] = 0.0
         return out
 
@@ -181,33 +180,23 @@ class V4Shapes:
         h, heads, d, rope = c.hidden_size, c.num_attention_heads, c.head_dim, c.qk_rope_head_dim
 
         def quant(width: float) -> float:
-            return 2 * width + dispatch_payload_bytes(width, True) if quantized else 0
-
-        def silu_mul(width: int) -> float:
-            return 2 * 2 * width + (dispatch_payload_bytes(width, True) if quantized else 2 * width)
+            return quantize_bytes(width, quantized)
 
         residual = 2 * (c.hc_mult + 1) * 2 * h
         csa = self._share(4)
         prepare = (residual + quant(h) + 2 * 2 * (c.q_lora_rank + d) + quant(c.q_lora_rank)
                    + 2 * 2 * rope * (heads + 1) + kv_entry_bytes(c)
                    + csa * (2 * 2 * c.index_n_heads * c.index_head_dim + index_entry_bytes(c)))
-        row = dispatch_payload_bytes(h, fp8_dispatch)
         return {
             "prepare": prepare,
             "core": quant(heads * d) + quant(c.o_groups * c.o_lora_rank) + residual,
-            "route": 2 * h + (2 * h + row if fp8_dispatch else 0),
-            "expert_pair": silu_mul(c.moe_intermediate_size) + (2 * row + 2 * 2 * h if permute else 0),
-            "shared": c.n_shared_experts * silu_mul(c.moe_intermediate_size) + 3 * 2 * h,
+            **self.moe_elementwise_bytes(quantized, fp8_dispatch, permute),
             "dense_mlp": 0.0,
         }
 
     @property
     def dense_mlp_params(self) -> int:
         return 0
-
-    @property
-    def expert_params(self) -> int:
-        return 3 * self.config.hidden_size * self.config.moe_intermediate_size
 
     @property
     def router_params(self) -> int:
@@ -218,15 +207,6 @@ class V4Shapes:
         """One layer's mixing parameters: (2 + hc) x hc x hidden per sublayer, two sublayers."""
         c = self.config
         return 2 * (2 + c.hc_mult) * c.hc_mult * c.hidden_size
-
-    @property
-    def embedding_params(self) -> int:
-        c = self.config
-        return c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
-
-    @property
-    def mtp_extra_params(self) -> int:
-        return 2 * self.config.hidden_size ** 2
 
     @property
     def num_dense_layers(self) -> int:
