@@ -127,7 +127,8 @@ def read_requests(args) -> list[dict]:
         try:
             lines = path.read_text().splitlines()
         except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"cannot read prompts file {path}: {e}") from None
+            hint = "" if path.exists() else " (prompt text goes without a flag: jaxinfer generate \"TEXT\" ...)"
+            raise ValueError(f"cannot read prompts file {path}: {e}{hint}") from None
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue

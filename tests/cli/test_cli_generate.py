@@ -37,8 +37,10 @@ def test_bad_prompt_files(case, tmp_path, capsys, content, message):
 
 
 def test_missing_prompt_file(case, capsys):
-    assert main(["generate", "--model", str(case.path), "--prompts", "/nonexistent/p.txt", "--mesh", "1x1"]) == 2
-    assert "cannot read prompts file" in capsys.readouterr().err
+    """Also what a vLLM habit gives: ``--prompt TEXT`` abbreviates --prompts, so the text is read as a file name."""
+    assert main(["generate", "--model", str(case.path), "--prompt", "Hello there", "--mesh", "1x1"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot read prompts file Hello there" in err and 'jaxinfer generate "TEXT"' in err
 
 
 def test_generate_embedded_model_end_to_end(tmp_path, capsys):
