@@ -95,6 +95,9 @@ class V4Config:
                          is dataclasses.MISSING)
         if missing:
             raise ValueError(f"DeepSeek-V4 config.json lacks {', '.join(missing)}")
+        if source.get("num_key_value_heads", 1) != 1:
+            raise ValueError(f"num_key_value_heads={source['num_key_value_heads']}: the planner's DeepSeek-V4 layer "
+                             "has one key-value head shared by all query heads")
         values = {n: source[n] for n in names if n in source}
         values["compress_ratios"] = tuple(source["compress_ratios"][:source["num_hidden_layers"]])
         return cls(**values)

@@ -95,6 +95,8 @@ def test_config_json(tmp_path):
         V4Config.from_hf_config({k: v for k, v in CONFIG_JSON.items() if k != "index_topk"})
     with pytest.raises(ValueError, match=r"\[8\] not among"):
         V4Config.from_hf_config({**CONFIG_JSON, "compress_ratios": [8] * 43})
+    with pytest.raises(ValueError, match="num_key_value_heads=8"):
+        V4Config.from_hf_config({**CONFIG_JSON, "num_key_value_heads": 8})
     with pytest.raises(ValueError, match="o_groups=7"):
         V4Config.from_hf_config({**CONFIG_JSON, "o_groups": 7})
 
