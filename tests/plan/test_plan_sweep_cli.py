@@ -133,6 +133,18 @@ def test_cli_one_deployment_prints_its_parts(capsys):
         assert part in breakdown
 
 
+def test_cli_plans_deepseek_v4_flash_on_an_nvl72_rack(capsys):
+    """The README's V4 command: one NVLink domain of 72 GPUs holds EP64 (one "node"), and the line is predict's."""
+    argv = ["--model", "deepseek-v4-flash", "--hardware", "gb200", "--ep", "64", "--requests-per-gpu", "256",
+            "--context-len", "131072", "--mtp-acceptance", "0.75", "--mtp-drafts", "3", "--redundant-experts", "64"]
+    assert cli.main(["plan", *argv]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    expected = predict(model="deepseek-v4-flash", hardware="gb200", ep=64, requests_per_gpu=256, context_len=131072,
+                       mtp_acceptance=0.75, mtp_drafts=3, num_redundant_experts=64)
+    assert lines[1].split()[:3] == ["64", "1", f"{expected['tok_s_per_gpu']:.0f}"]
+    assert "indexer" in "\n".join(lines[2:])
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["--ep", "64", "--redundant-experts", "32", *DECODE_FLAGS], "--ep"),     # 64 does not divide 288 slots
     (["--ep", "8,x", *DECODE_FLAGS], "--ep"),
