@@ -39,9 +39,32 @@ def silu_mul_bytes(width: float, quantized: bool) -> float:
 
 
 class MoEShapes:
-    """What the families' arithmetic shares (``Shapes`` here, v4.py's ``V4Shapes``): the experts, the embedding and
-    head, the MTP module's projection, and the bytes around the MoE products. ``config`` has hidden_size,
-    moe_intermediate_size, n_shared_experts, vocab_size and tie_word_embeddings."""
+    """What the families' arithmetic shares (``Shapes`` here, v4.py's ``V4Shapes``): the attention's totals from
+    each family's ``attention_products``, the experts, the embedding and head, the MTP module's projection, and the
+    bytes around the products. ``config`` has hidden_size, moe_intermediate_size, intermediate_size,
+    n_shared_experts, vocab_size and tie_word_embeddings."""
+
+    @property
+    def attention_params(self) -> int:
+        """One layer's attention weights (attention_products' weights)."""
+        return sum(self.attention_params_split(absorbed=False))
+
+    def attention_params_split(self, absorbed: bool) -> tuple[int, int]:
+        """attention_params before the attention core and after it (attention_products' stages)."""
+        products = self.attention_products(absorbed)
+        return tuple(sum(g * k * n for _, g, k, n, stage in products if stage == want)
+                     for want in ("prepare", "core"))
+
+    def activation_bytes(self, absorbed: bool, in_bytes: int) -> dict[str, int]:
+        """Bytes one token's products read and write besides their weights, per layer: inputs of ``in_bytes`` each
+        (FP8 products take quantized activations) and bfloat16 outputs. Keys: the attention's "prepare" and
+        "core" stages, "expert" (one routed or shared expert: gate and up, then down), "dense_mlp"."""
+        out = {"prepare": 0, "core": 0}
+        for _, groups, k, n, stage in self.attention_products(absorbed):
+            out[stage] += groups * (k * in_bytes + 2 * n)
+        out["expert"] = self.mlp_activation_bytes(self.config.moe_intermediate_size, in_bytes)
+        out["dense_mlp"] = self.mlp_activation_bytes(self.config.intermediate_size, in_bytes)
+        return out
 
     @property
     def expert_params(self) -> int:
@@ -86,11 +109,6 @@ class Shapes(MoEShapes):
     config: ModelConfig
 
     # ---- parameters -------------------------------------------------------------------------------------
-    @property
-    def attention_params(self) -> int:
-        """q (q_a + q_b, or q_proj), kv_a, kv_b and o projections of one layer (attention_products' weights)."""
-        return sum(self.attention_params_split(absorbed=False))
-
     def attention_products(self, absorbed: bool) -> tuple[tuple[str, int, int, int, str], ...]:
         """One layer's attention products as (name, groups, k, n, stage): ``groups`` products of an [m, k] activation
         with a [k, n] weight, before the core (stage "prepare") or after it ("core"). q_a and kv_a read the same
@@ -110,23 +128,6 @@ class Shapes(MoEShapes):
         else:
             out += [("kv_b", 1, latent, heads * (c.qk_nope_head_dim + c.v_head_dim), "prepare")]
         return tuple(out) + (("o", 1, heads * c.v_head_dim, h, "core"),)
-
-    def attention_params_split(self, absorbed: bool) -> tuple[int, int]:
-        """attention_params before the attention core and after it (attention_products' stages)."""
-        products = self.attention_products(absorbed)
-        return tuple(sum(g * k * n for _, g, k, n, stage in products if stage == want)
-                     for want in ("prepare", "core"))
-
-    def activation_bytes(self, absorbed: bool, in_bytes: int) -> dict[str, int]:
-        """Bytes one token's products read and write besides their weights, per layer: inputs of ``in_bytes`` each
-        (FP8 products take quantized activations) and bfloat16 outputs. Keys: the attention's "prepare" and
-        "core" stages, "expert" (one routed or shared expert: gate and up, then down), "dense_mlp"."""
-        out = {"prepare": 0, "core": 0}
-        for _, groups, k, n, stage in self.attention_products(absorbed):
-            out[stage] += groups * (k * in_bytes + 2 * n)
-        out["expert"] = self.mlp_activation_bytes(self.config.moe_intermediate_size, in_bytes)
-        out["dense_mlp"] = self.mlp_activation_bytes(self.config.intermediate_size, in_bytes)
-        return out
 
     def elementwise_bytes(self, absorbed: bool, quantized: bool, fp8_dispatch: bool, permute: bool) -> dict[str, int]:
         """Bytes the kernels between the products read and write for one token, per layer, as DeepSeek-style

@@ -25,8 +25,8 @@ Checked against the published totals (tests/plan/test_v4.py): 284B parameters (1
 safetensors for V4-Flash (its model card and repository).
 
 Cache entries (assumptions, stated where they are used): FlashMLA's "FP8 with scale" layout applied to head_dim
-(e4m3 non-rotary values with a float32 scale per 128, bfloat16 rotary values: ``KV_ENTRY_BYTES``), and indexer
-keys in e4m3 with one float32 scale (DeepSeek-V3.2's lightning indexer: ``INDEX_ENTRY_BYTES``).
+(e4m3 non-rotary values with a float32 scale per 128, bfloat16 rotary values: ``kv_entry_bytes``), and indexer
+keys in e4m3 with one float32 scale (DeepSeek-V3.2's lightning indexer: ``index_entry_bytes``).
 """
 
 from __future__ import annotations
@@ -156,24 +156,6 @@ class V4Shapes(MoEShapes):
                 ("o_a", c.o_groups, heads // c.o_groups * d, c.o_lora_rank, "core"),
                 ("o_b", 1, c.o_groups * c.o_lora_rank, h, "core"))
 
-    def attention_params_split(self, absorbed: bool) -> tuple[float, float]:
-        products = self.attention_products(absorbed)
-        return tuple(sum(g * k * n for _, g, k, n, stage in products if stage == want)
-                     for want in ("prepare", "core"))
-
-    @property
-    def attention_params(self) -> float:
-        return sum(self.attention_params_split(absorbed=False))
-
-    def activation_bytes(self, absorbed: bool, in_bytes: int) -> dict[str, float]:
-        """As Shapes.activation_bytes."""
-        out = {"prepare": 0.0, "core": 0.0}
-        for _, groups, k, n, stage in self.attention_products(absorbed):
-            out[stage] += groups * (k * in_bytes + 2 * n)
-        out["expert"] = self.mlp_activation_bytes(self.config.moe_intermediate_size, in_bytes)
-        out["dense_mlp"] = 0.0
-        return out
-
     def elementwise_bytes(self, absorbed: bool, quantized: bool, fp8_dispatch: bool, permute: bool) -> dict[str, float]:
         """As Shapes.elementwise_bytes, with the hyper-connections' residual traffic in place of V3's fused residual
         add + RMSNorm (two vectors read, two written): one fused kernel between two sublayers reads the hc_mult
@@ -290,8 +272,8 @@ class V4Shapes(MoEShapes):
         rows = {0: window, 4: window + sum_min(c.index_topk, 4), 128: window + sum_min(math.inf, 128)}
         per_row = 2.0 * c.num_attention_heads * 2 * c.head_dim
         attention = sum(rows[r] for r in c.compress_ratios) * per_row
-        index = self._share(4) * c.num_hidden_layers * 2.0 * c.index_n_heads * c.index_head_dim * sum_min(math.inf, 4)
-        return attention / c.num_hidden_layers, index / c.num_hidden_layers
+        index = self._share(4) * 2.0 * c.index_n_heads * c.index_head_dim * sum_min(math.inf, 4)
+        return attention / c.num_hidden_layers, index
 
     def decompress_flops(self, tokens: float) -> float:
         """Nothing to decompress: cached entries are attended as they are."""
