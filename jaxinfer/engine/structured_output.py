@@ -204,12 +204,17 @@ class Grammars:
         drafts = {i: [int(t) for t in drafts.get(i, ())] for i in ids} if drafts else {}
         offsets = np.cumsum([0] + [1 + len(drafts.get(i, ())) for i in ids])  # [len(ids) + 1]
         words = np.full((offsets[-1], self.words), -1, np.int32)  # [rows, W]
-        if any(drafts.values()):
+        # llguidance's fill with drafts refuses a matcher with none (a sequence verifying no draft this step, e.g.
+        # one token from max_tokens), so those take the plain fill.
+        with_drafts = [k for k, i in enumerate(ids) if drafts.get(i)]
+        plain = [k for k, i in enumerate(ids) if not drafts.get(i)]
+        if with_drafts:
             llg_numpy.fill_next_token_bitmask_par_with_draft_tokens(
-                self._executor, [(self._matchers[i], int(offsets[k]), drafts[i]) for k, i in enumerate(ids)], words)
-        else:
+                self._executor, [(self._matchers[ids[k]], int(offsets[k]), drafts[ids[k]]) for k in with_drafts],
+                words)
+        if plain:
             llg_numpy.fill_next_token_bitmask_par(
-                self._executor, [(self._matchers[i], int(offsets[k])) for k, i in enumerate(ids)], words)
+                self._executor, [(self._matchers[ids[k]], int(offsets[k])) for k in plain], words)
         eos = np.zeros(self.words, np.int32)  # [W]: EOS alone
         if self.eos_token_id is not None:
             eos[self.eos_token_id // 32] = np.uint32(1 << self.eos_token_id % 32).view(np.int32)

@@ -198,6 +198,37 @@ def test_unpack_allowed_matches_llguidance(vocab):
     np.testing.assert_array_equal(np.asarray(got), logits == 0)
 
 
+def test_masks_of_a_verification_step_with_and_without_drafts():
+    """One speculative step's masks for two constrained sequences, one verifying drafts and one verifying none
+    (a sequence one token from max_tokens: llguidance's fill with drafts refuses an empty draft list): each row
+    is what llguidance's plain fill gives a fresh matcher fed the sequence's tokens before that row."""
+    import llguidance
+    import llguidance.numpy as llg_numpy
+
+    from jaxinfer import default_model
+    from jaxinfer.engine.structured_output import Grammars, grammar_text
+    from jaxinfer.engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(default_model.path())
+    constraint = StructuredOutputsParams(regex=PHONE)
+    grammars = Grammars(tokenizer.to_json(), 4096, tokenizer.eos_token_id)
+    assert grammars.add([1, 2], constraint) is None
+    drafts = tokenizer.encode("(555) 12", add_special_tokens=False)
+    got = grammars.masks([1, 2], {1: drafts, 2: []})
+    assert [m.shape[0] for m in (got[1], got[2])] == [1 + len(drafts), 1]
+
+    def plain_mask(consumed):
+        matcher = llguidance.LLMatcher(grammars._tokenizer, grammar_text(constraint), log_level=0)
+        assert matcher.consume_tokens(consumed)
+        words = np.full((1, grammars.words), -1, np.int32)
+        llg_numpy.fill_next_token_bitmask(matcher, words, 0)
+        return words[0]
+
+    for j in range(len(drafts) + 1):
+        np.testing.assert_array_equal(got[1][j], plain_mask(drafts[:j]), err_msg=f"row {j}")
+    np.testing.assert_array_equal(got[2][0], plain_mask([]))
+
+
 def test_chat_response_format(llm, monkeypatch):
     """LLM.chat(response_format=...): OpenAI's json_schema and json_object formats become each request's
     structured_outputs (what that does to outputs is tested above; free JSON whitespace lets this untuned model
