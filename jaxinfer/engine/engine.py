@@ -342,8 +342,10 @@ class LLMEngine:
                 self._advance_grammar(seq, update.num)
             logprobs = result.logprobs.get(seq.seq_id)
             request.tokens_arrived(child, t1, None if logprobs is None else logprobs[:update.num])
-            if request.params.stop and request.find_stop_string(child):
+            keep = request.find_stop_string(child) if request.params.stop else None
+            if keep is not None:
                 self._finish_late(seq, "stop")
+                del seq.output_token_ids[keep:]  # outputs after the stop string's (their logprobs: ``close``)
             self._ready[request.request_id] = request
         self._close_finished([u.seq.seq_id for u in updates])
         if self.role == "prefill":

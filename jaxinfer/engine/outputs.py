@@ -159,6 +159,8 @@ class _Completion:
     decoder: IncrementalDecoder | None
     logprobs: list[dict[int, float]] | None
     stop_at: int | None = None  # text cut by a stop string
+    text_ends: list[int] = dataclasses.field(default_factory=list)  # the text's length after each decoded output
+    stop_checked: int = 0       # outputs searched for a stop string
     done: bool = False
     text: str = ""              # the final text, once done
     sent_tokens: int = 0        # DELTA: what earlier outputs returned
@@ -204,19 +206,28 @@ class RequestState:
         if self.output_kind is not RequestOutputKind.FINAL_ONLY or self.params.stop:
             self._decode(c)
 
-    def find_stop_string(self, child: int) -> bool:
-        """Looks for a stop string in completion ``child``'s text; on a hit cuts the text there (the caller
-        finishes the sequence with "stop"). The stop strings are tried in order, each over the whole text."""
+    def find_stop_string(self, child: int) -> int | None:
+        """Looks for a stop string in completion ``child``'s text, output by output as if the outputs had arrived
+        one at a time; on a hit cuts the text there and returns how many outputs to keep: those up to the one
+        that completed the stop string (the caller finishes the sequence with "stop" and drops the rest, which a
+        multi-token update (multi-step decode, speculative rounds) brought in the same step). At each output the
+        stop strings are tried in order, each over the whole text."""
         c = self.completions[child]
         if c.decoder is None or c.stop_at is not None:
-            return False
+            return None
         self._decode(c)
-        for stop in self.params.stop:
-            cut = c.decoder.text.find(stop)
-            if cut >= 0:
-                c.stop_at = cut
-                return True
-        return False
+        text = c.decoder.text
+        for i in range(c.stop_checked, len(c.text_ends)):
+            before, end = (c.text_ends[i - 1] if i else 0), c.text_ends[i]
+            if end == before:  # no new text (a character still incomplete)
+                continue
+            for stop in self.params.stop:  # none was in the text before this output: a hit ends in its text
+                cut = text.find(stop, max(before - len(stop) + 1, 0), end)
+                if cut >= 0:
+                    c.stop_at = cut
+                    return i + 1
+        c.stop_checked = len(c.text_ends)
+        return None
 
     def close(self, child: int) -> None:
         """Completion ``child``'s sequence is finished and holds no placeholder: its text is final."""
@@ -238,6 +249,7 @@ class RequestState:
             if tok == PLACEHOLDER:
                 break
             decoder.add(tok)
+            c.text_ends.append(len(decoder.text))
 
     # ---- outputs ------------------------------------------------------------------------------------------
     def output(self, now: float) -> RequestOutput | None:

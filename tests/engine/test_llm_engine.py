@@ -148,6 +148,24 @@ def test_step_outputs_accumulate_to_what_generate_returns():
     assert reference[2].outputs[0].finish_reason == "stop" or reference[3].outputs[0].finish_reason == "stop"
 
 
+def test_stop_strings_end_the_tokens_where_one_token_per_step_would(engine):
+    """A decode step of several iterations (LLM's CPU default) brings several tokens at once: a stop string
+    completed by one of them ends the output's tokens at that token, as steps of one token would (transformers'
+    greedy tokens up to the first whose decoded prefix contains the stop string), its logprobs with them, and
+    its text before the stop string."""
+    ids = engine.tokenizer.encode(PROMPTS[0])
+    ref = _hf_greedy(ids, 24)
+    stop = engine.tokenizer.decode(ref[9:11])  # completed inside the second decode step (outputs 9-16)
+    n = next(j + 1 for j in range(len(ref)) if stop in engine.tokenizer.decode(ref[:j + 1]))
+    engine.add_request("s", PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop],
+                                                       logprobs=0))
+    out = _run(engine)["s"][-1].outputs[0]
+    assert n < 24 and out.finish_reason == "stop"
+    assert out.token_ids == ref[:n] and len(out.logprobs) == n
+    text = engine.tokenizer.decode(ref)
+    assert out.text == text[:text.index(stop)]
+
+
 def test_request_errors(engine):
     with pytest.raises(ValueError, match="request_id must be a str"):
         engine.add_request(3, [1, 2])

@@ -210,7 +210,8 @@ def test_penalties_and_logprobs_across_rounds(speculative, greedy):
 def test_stops_and_lengths_inside_an_accepted_run(speculative, greedy):
     """One call, one setting per prompt: stop tokens, max_tokens, n = 2 and a stop string that fall inside
     verified runs of drafts end the output where greedy decoding ends it (the greedy tokens cut at the first
-    stop token or at max_tokens; the text before the stop string); n = 2 samples both get the greedy tokens."""
+    stop token or at max_tokens; the text before the stop string, the tokens up to the one completing it); n = 2
+    samples both get the greedy tokens."""
     ref = token_ids(greedy[0])
     stops = [ref[0][5], ref[0][9]]
     cut = next((ref[0][:j + 1] for j, t in enumerate(ref[0]) if t in stops), ref[0])
@@ -222,6 +223,9 @@ def test_stops_and_lengths_inside_an_accepted_run(speculative, greedy):
     assert [list(c.token_ids) for o in got[:3] for c in o.outputs] == [cut, ref[1][:7], ref[2][:2], ref[2][:2]]
     assert [c.finish_reason for o in got for c in o.outputs] == ["stop", "length", "length", "length", "stop"]
     assert got[3].outputs[0].text == text[:text.index(stop)]
+    # its tokens end at the one that completes the stop string, not at the end of that token's accepted run
+    n = next(j + 1 for j in range(len(ref[3])) if stop in speculative.tokenizer.decode(ref[3][:j + 1]))
+    assert list(got[3].outputs[0].token_ids) == ref[3][:n]
 
 
 def test_broken_mtp_changes_acceptance_not_outputs(speculative, greedy):
