@@ -7,6 +7,7 @@ Tests that are not about meshes pass ``mesh="1x1"``.
 import importlib.util
 import os
 import pathlib
+import warnings
 
 import pytest
 
@@ -60,6 +61,19 @@ def pytest_collection_modifyitems(items):
         return order.get(name, len(order))
 
     items.sort(key=rank)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _mappings_headroom():
+    """After each test module: a worker process that holds most of the memory mappings Linux allows it (one test
+    worker reached 55k of 65530 with XLA:CPU's compiled programs; past the limit LLVM aborts the process) drops
+    JAX's compiled programs (jaxinfer/jit_mappings.py); the next modules compile again or load from the cache."""
+    yield
+    from jaxinfer import jit_mappings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        jit_mappings.relieve(0.5)
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from jaxinfer import default_model
+from jaxinfer import default_model, jit_mappings
 from jaxinfer.checkpoint.fingerprint import weights_digest
 from jaxinfer.compile_cache import enable_compilation_cache
 from jaxinfer.engine.balance import ROLES
@@ -76,6 +76,7 @@ class LLMEngine:
     def _setup(self, config: EngineConfig, role: str = "colocated") -> None:
         self.role = role
         enable_compilation_cache(config.compilation_cache)  # before anything compiles
+        self._programs_seen = jit_mappings.programs_loaded()
         self.model = load_model(config.model or default_model.path(), mesh=config.mesh,
                                 dtype=config.dtype or "bfloat16", fp8_compute=config.fp8_compute,
                                 num_redundant_experts=config.num_redundant_experts,
@@ -274,6 +275,7 @@ class LLMEngine:
         if self._in_flight is not None and self._in_flight.sync:
             self._apply(self._in_flight)  # penalties count the real tokens: no overlap for this step
             self._in_flight = None
+        self._watch_mappings()
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         dispatched = None
@@ -292,6 +294,20 @@ class LLMEngine:
             raise RuntimeError(f"scheduler stalled with {self.scheduler.num_unfinished()} unfinished sequences")
         self._in_flight = dispatched
         return self._outputs()
+
+    def _watch_mappings(self) -> None:
+        """After steps that compiled or loaded programs: if the process nears Linux's limit on memory mappings
+        (XLA:CPU maps each program's kernels; jit_mappings.py), drops JAX's compiled programs, with this engine's
+        step in flight applied first so that none of its programs is running."""
+        loaded = jit_mappings.programs_loaded()
+        if loaded == self._programs_seen:
+            return
+        self._programs_seen = loaded
+        if jit_mappings.near_limit():
+            if self._in_flight is not None:
+                self._apply(self._in_flight)
+                self._in_flight = None
+            jit_mappings.relieve()
 
     def _drop_grammar(self, seq_id: int) -> None:
         if self.grammars:
