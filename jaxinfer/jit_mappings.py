@@ -10,8 +10,8 @@ test session's worker) reach it.
 
 ``relieve()`` drops JAX's caches (``jax.clear_caches()``) once the process holds more than RELIEF_FRACTION of its
 limit: the programs still in use compile again when next called, or load from the persistent compilation cache, and
-the process lives on. The engine asks after steps that compiled or loaded a program (``programs_loaded`` counts them,
-through jax.monitoring's events), with none of its own steps in flight. Raising the limit (``sysctl -w
+the process lives on (a program running at that moment finishes correctly). The engine asks after steps that
+compiled or loaded a program (``programs_loaded`` counts them, through jax.monitoring's events). Raising the limit (``sysctl -w
 vm.max_map_count=1048576``, as several distributions now ship) keeps every program.
 """
 
@@ -76,20 +76,14 @@ def mapping_limit() -> int | None:
         return None
 
 
-def near_limit(fraction: float = RELIEF_FRACTION) -> bool:
-    """Whether the process holds more than ``fraction`` of its mappings limit (False where either is unknown)."""
-    limit = mapping_limit()
-    count = mapping_count() if limit else None
-    return count is not None and count > fraction * limit
-
-
 def relieve(fraction: float = RELIEF_FRACTION) -> bool:
     """Drops JAX's compiled programs (``jax.clear_caches()``) if the process holds more than ``fraction`` of its
-    mappings limit, warning the first time; returns whether it did. The caller must not hold a step of its own in
-    flight. Other callers' jitted functions compile again too, on their next call."""
-    if not near_limit(fraction):
+    mappings limit, warning the first time; returns whether it did. Programs running at that moment finish
+    correctly (their executions hold them); every caller's jitted functions compile again on their next call."""
+    limit = mapping_limit()
+    count = mapping_count() if limit else None
+    if count is None or count <= fraction * limit:
         return False
-    count, limit = mapping_count(), mapping_limit()
     jax.clear_caches()
     if not _state["warned"]:
         _state["warned"] = True

@@ -49,25 +49,26 @@ def test_relieve_drops_the_caches_only_near_the_limit(monkeypatch):
 
 
 def test_an_engine_relieved_mid_run_gives_the_same_tokens(monkeypatch):
-    """The engine checks after steps that loaded programs (here: every step); the third check, with a step in
-    flight, finds the process near the limit: that step is applied, JAX's caches dropped, and the run goes on (its
-    programs compiled or loaded again) to the greedy tokens of a run without relief."""
+    """The engine checks after steps that loaded programs (here: every step); at the third check, a step in
+    flight, the process is near the limit: JAX's caches are dropped, and the run goes on (its programs compiled or
+    loaded again) to the greedy tokens of a run without relief."""
     prompts = ["The with statement is used to", "def fib(n):", "Return a list of"]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     llm = LLM(dtype="float32", mesh="1x1", num_kv_pages=16)
     ref = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    checks, cleared, in_flight = [], [], []
     loads = iter(range(10**6))
     monkeypatch.setattr(jit_mappings, "programs_loaded", lambda: next(loads))
-    monkeypatch.setattr(jit_mappings, "near_limit", lambda *a: (checks.append(1), len(checks) == 3)[1])
+    checks, in_flight = [], []
 
     def relieve(*a):
-        in_flight.append(llm.engine._in_flight)
-        cleared.append(1)
+        checks.append(1)
+        if len(checks) != 3:
+            return False
+        in_flight.append(llm.engine._in_flight is not None)
         jax.clear_caches()
         return True
 
     monkeypatch.setattr(jit_mappings, "relieve", relieve)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert cleared == [1] and len(checks) > 3 and in_flight == [None]
+    assert in_flight == [True] and len(checks) > 3
     assert got == ref

@@ -297,16 +297,11 @@ class LLMEngine:
 
     def _watch_mappings(self) -> None:
         """After steps that compiled or loaded programs: if the process nears Linux's limit on memory mappings
-        (XLA:CPU maps each program's kernels; jit_mappings.py), drops JAX's compiled programs, with this engine's
-        step in flight applied first so that none of its programs is running."""
+        (XLA:CPU maps each program's kernels; jit_mappings.py), drops JAX's compiled programs (the step in flight
+        finishes correctly; the next steps compile or load theirs again)."""
         loaded = jit_mappings.programs_loaded()
-        if loaded == self._programs_seen:
-            return
-        self._programs_seen = loaded
-        if jit_mappings.near_limit():
-            if self._in_flight is not None:
-                self._apply(self._in_flight)
-                self._in_flight = None
+        if loaded != self._programs_seen:
+            self._programs_seen = loaded
             jit_mappings.relieve()
 
     def _drop_grammar(self, seq_id: int) -> None:
