@@ -1,0 +1,134 @@
+"""Differential fuzz of the engine's feature combinations (not part of the test suite: minutes per run).
+
+Random workloads of the embedded model, in float32, go through two engines that must agree:
+  --mode spec  a plain engine and an MTP speculative one (K drafts, verify "all" or "confidence"): greedy requests
+               with stop strings, stop token ids, logprobs, penalties, n = 2 and structured output; tokens, text,
+               finish reasons and logprobs must be equal (DESIGN of issue 31: speculation changes no greedy output);
+  --mode pd    a co-located 1x1 engine and prefill/decode disaggregation in one process (prefill 1x2, decode 2x2),
+               greedy and seeded sampling: the same tokens (seeded samples equal the co-located engine's);
+  --mode seed  one engine: a seeded sampling request alone and inside a batch of others gets the same tokens.
+Few KV pages force preemption, and repeated prompt pieces hit the prefix cache. Mismatches are printed; the exit
+status is 1 if there was any.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/fuzz_engine.py --mode spec --iters 14
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+
+PIECES = ["The with statement is used to", "def fib(n):", "Return a list of", "import os\nimport sys\n",
+          "class Foo:\n    def __init__(self):", "The following example shows how", "x = [i for i in range(",
+          "Raise ValueError if"]
+CONSTRAINTS = [{"choice": ["yes", "no", "maybe so"]}, {"regex": "[a-z]+ [0-9]{2,4}"},
+               {"json": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}]
+
+
+def prompt(rng: random.Random) -> str:
+    p = rng.choice(PIECES)
+    if rng.random() < 0.5:
+        p += " " + rng.choice(PIECES)
+    if rng.random() < 0.3:
+        p *= rng.randint(2, 6)
+    return p
+
+
+def request_params(rng: random.Random, tokenizer, sampled: bool):
+    """Random SamplingParams: greedy (or, with ``sampled``, sometimes seeded sampling) with a random mix of
+    features."""
+    from jaxinfer import SamplingParams
+
+    kw = dict(temperature=0, max_tokens=rng.choice([1, 2, 3, 7, 16, 40, 90]), ignore_eos=rng.random() < 0.5)
+    r = rng.random()
+    if r < 0.15:
+        kw["stop"] = [rng.choice([" the", "\n", "(", ":", "."])]
+    elif r < 0.25:
+        kw["stop_token_ids"] = [rng.randrange(tokenizer.vocab_size) for _ in range(3)] + tokenizer.encode(" the")[-1:]
+    if rng.random() < 0.2:
+        kw["logprobs"] = rng.choice([0, 2])
+    if rng.random() < 0.15:
+        kw["repetition_penalty"] = 1.3
+    if rng.random() < 0.1:
+        kw["frequency_penalty"] = 0.5
+    if rng.random() < 0.15:
+        kw["n"] = 2
+    if sampled and rng.random() < 0.2:
+        kw.update(temperature=rng.choice([0.5, 1.0]), top_k=rng.choice([-1, 20]), seed=rng.randrange(10**6))
+    if rng.random() < 0.1:
+        kw["structured_outputs"] = rng.choice(CONSTRAINTS)
+    return SamplingParams(**kw)
+
+
+def compare(a, b, params, label: str) -> list[str]:
+    """Mismatches between two engines' outputs of the same requests."""
+    bad = []
+    for i, (x, y, sp) in enumerate(zip(a, b, params)):
+        for j, (ox, oy) in enumerate(zip(x.outputs, y.outputs)):
+            if (ox.token_ids, ox.text, ox.finish_reason) != (oy.token_ids, oy.text, oy.finish_reason):
+                bad.append(f"{label} request {i} sample {j} {sp}\n  {ox.token_ids} {ox.finish_reason} {ox.text!r}\n"
+                           f"  {oy.token_ids} {oy.finish_reason} {oy.text!r}")
+            elif ox.logprobs is not None and any(
+                    set(lx) != set(ly) or any(abs(lx[t] - ly[t]) > 1e-3 for t in lx)
+                    for lx, ly in zip(ox.logprobs, oy.logprobs)):
+                bad.append(f"{label} request {i} sample {j}: logprobs differ {sp}")
+    return bad
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mode", choices=["spec", "pd", "seed"], default="spec")
+    ap.add_argument("--iters", type=int, default=8, help="workloads")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--k", type=int, default=3, help="drafts per round (spec, pd)")
+    ap.add_argument("--verify", choices=["all", "confidence"], default="all")
+    ap.add_argument("--pages", type=int, default=24, help="KV pages per rank (few: preemption)")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    import jaxinfer
+    from jaxinfer import SamplingParams
+
+    rng = random.Random(args.seed)
+    common = dict(dtype="float32", num_kv_pages=args.pages, max_num_seqs=8)
+    spec = {"method": "mtp", "num_speculative_tokens": args.k, "verify": args.verify}
+    if args.mode == "spec":
+        first = jaxinfer.LLM(mesh="1x1", **common)
+        second = jaxinfer.LLM(mesh="1x1", **common, speculative_config=spec)
+    elif args.mode == "pd":
+        first = jaxinfer.LLM(mesh="1x1", **common, speculative_config=spec)
+        second = jaxinfer.LLM(prefill_mesh="1x2", decode_mesh="2x2", **common, speculative_config=spec)
+    else:
+        first = second = jaxinfer.LLM(mesh="1x1", **common, speculative_config=spec)
+    tokenizer = first.tokenizer
+    bad = []
+    for it in range(args.iters):
+        if args.mode == "seed":
+            target = prompt(rng)
+            params = SamplingParams(temperature=rng.choice([0.5, 1.0]), top_k=rng.choice([-1, 20]),
+                                    top_p=rng.choice([1.0, 0.9]), seed=rng.randrange(10**6), ignore_eos=True,
+                                    max_tokens=rng.choice([8, 30]), n=rng.choice([1, 2]),
+                                    repetition_penalty=rng.choice([1.0, 1.2]))
+            alone = first.generate([target], params, use_tqdm=False)
+            others = [prompt(rng) for _ in range(rng.randint(1, 7))]
+            at = rng.randint(0, len(others))
+            batch = others[:at] + [target] + others[at:]
+            batch_params = [SamplingParams(temperature=rng.choice([0, 1.0]), max_tokens=rng.choice([5, 20, 60]),
+                                           ignore_eos=True) for _ in others]
+            batch_params.insert(at, params)
+            together = second.generate(batch, batch_params, use_tqdm=False)[at:at + 1]
+            bad += compare(alone, together, [params], f"workload {it}")
+        else:
+            prompts = [prompt(rng) for _ in range(rng.randint(1, 10))]
+            params = [request_params(rng, tokenizer, sampled=args.mode == "pd") for _ in prompts]
+            a = first.generate(prompts, params, use_tqdm=False)
+            b = second.generate(prompts, params, use_tqdm=False)
+            bad += compare(a, b, params, f"workload {it}")
+        print(f"workload {it}: {len(bad)} mismatches so far", flush=True)
+    print("\n".join(bad) if bad else "no mismatches")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
