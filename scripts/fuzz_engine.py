@@ -7,6 +7,7 @@ Random workloads of the embedded model, in float32, go through two engines that 
   --mode pd    a co-located 1x1 engine and prefill/decode disaggregation in one process (prefill 1x2, decode 2x2),
                greedy and seeded sampling: the same tokens (seeded samples equal the co-located engine's);
   --mode seed  one engine: a seeded sampling request alone and inside a batch of others gets the same tokens.
+--mesh sets the engines' mesh in the spec and seed modes (e.g. 2x4: DP attention, expert parallelism).
 Few KV pages force preemption, and repeated prompt pieces hit the prefix cache. Mismatches are printed; the exit
 status is 1 if there was any.
 
@@ -85,6 +86,7 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=3, help="drafts per round (spec, pd)")
     ap.add_argument("--verify", choices=["all", "confidence"], default="all")
     ap.add_argument("--pages", type=int, default=24, help="KV pages per rank (few: preemption)")
+    ap.add_argument("--mesh", default="1x1", help="the engines' mesh (spec, seed)")
     args = ap.parse_args(argv)
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     import jaxinfer
@@ -94,13 +96,13 @@ def main(argv=None) -> int:
     common = dict(dtype="float32", num_kv_pages=args.pages, max_num_seqs=8)
     spec = {"method": "mtp", "num_speculative_tokens": args.k, "verify": args.verify}
     if args.mode == "spec":
-        first = jaxinfer.LLM(mesh="1x1", **common)
-        second = jaxinfer.LLM(mesh="1x1", **common, speculative_config=spec)
+        first = jaxinfer.LLM(mesh=args.mesh, **common)
+        second = jaxinfer.LLM(mesh=args.mesh, **common, speculative_config=spec)
     elif args.mode == "pd":
         first = jaxinfer.LLM(mesh="1x1", **common, speculative_config=spec)
         second = jaxinfer.LLM(prefill_mesh="1x2", decode_mesh="2x2", **common, speculative_config=spec)
     else:
-        first = second = jaxinfer.LLM(mesh="1x1", **common, speculative_config=spec)
+        first = second = jaxinfer.LLM(mesh=args.mesh, **common, speculative_config=spec)
     tokenizer = first.tokenizer
     bad = []
     for it in range(args.iters):
