@@ -3,7 +3,7 @@
 Random workloads of the embedded model, in float32, go through two engines that must agree:
   --mode spec  a plain engine and an MTP speculative one (K drafts, verify "all" or "confidence"): greedy requests
                with stop strings, stop token ids, logprobs, penalties, n = 2 and structured output; tokens, text,
-               finish reasons and logprobs must be equal (DESIGN of issue 31: speculation changes no greedy output);
+               finish reasons and logprobs must be equal (speculation changes no greedy output: docs/architecture.md);
   --mode pd    a co-located 1x1 engine and prefill/decode disaggregation in one process (prefill 1x2, decode 2x2),
                greedy and seeded sampling: the same tokens (seeded samples equal the co-located engine's);
   --mode seed  one engine: a seeded sampling request alone and inside a batch of others gets the same tokens.
