@@ -65,9 +65,10 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(scope="module", autouse=True)
 def _mappings_headroom():
-    """After each test module: a worker process that holds most of the memory mappings Linux allows it (one test
-    worker reached 55k of 65530 with XLA:CPU's compiled programs; past the limit LLVM aborts the process) drops
-    JAX's compiled programs (jaxinfer/jit_mappings.py); the next modules compile again or load from the cache."""
+    """After each test module: a worker process that holds more than half the memory mappings Linux allows it
+    drops JAX's compiled programs (jaxinfer/jit_mappings.py: XLA:CPU maps each program's kernels, and past the limit
+    LLVM aborts the process; a worker's peak: docs/benchmarks.md "Compiled programs and memory mappings (CPU)"). The
+    next modules compile again or load from the cache."""
     yield
     from jaxinfer import jit_mappings
 
