@@ -11,8 +11,8 @@ test session's worker) reach it.
 ``relieve()`` drops JAX's caches (``jax.clear_caches()``) once the process holds more than RELIEF_FRACTION of its
 limit: the programs still in use compile again when next called, or load from the persistent compilation cache, and
 the process lives on (a program running at that moment finishes correctly). The engine asks after steps that
-compiled or loaded a program (``programs_loaded`` counts them, through jax.monitoring's events). Raising the limit (``sysctl -w
-vm.max_map_count=1048576``, as several distributions now ship) keeps every program.
+compiled or loaded a program (``programs_loaded`` counts them, through jax.monitoring's events). Raising the limit
+(``sysctl -w vm.max_map_count=1048576``, as several distributions now ship) keeps every program.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ _lock = threading.Lock()
 _state = {"listening": False, "programs": 0, "warned": False}
 
 
-def _count(*_args, **_kwargs) -> None:
+def _count() -> None:
     _state["programs"] += 1
 
 
