@@ -193,9 +193,11 @@ class LLMEngine:
         text, ids = self._prompt_ids(prompt)
         next(self._ids)  # the request's own internal id: unseeded sampling keys stay what they were
         seqs = [Sequence(next(self._ids), ids, params, child_index=child) for child in range(params.n)]
-        request = RequestState(request_id, text, ids, params, seqs, self.tokenizer, time.perf_counter(), output_kind)
-        self._requests[request_id] = request
         error = self._content_error(ids, params)
+        # No decoder for a request that fails here: its ids may not even decode (a negative id overflows).
+        request = RequestState(request_id, text, ids, params, seqs, self.tokenizer if error is None else None,
+                               time.perf_counter(), output_kind)
+        self._requests[request_id] = request
         if error is None and params.structured_outputs is not None:
             error = self.grammars.add([seq.seq_id for seq in seqs], params.structured_outputs)
         if error is None:

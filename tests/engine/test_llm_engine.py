@@ -186,12 +186,14 @@ def test_request_errors(engine):
         engine.add_request("ok", [5, 6, 7])
     engine.add_request("empty", [])
     engine.add_request("vocab", [1, vocab], SamplingParams(n=2))
+    engine.add_request("negative", [1, -1])  # ids the tokenizer cannot even decode (it takes u32)
+    engine.add_request("huge", [2**40])
     engine.add_request("logprobs", [1], SamplingParams(logprobs=engine.config.max_logprobs + 1))
     engine.add_request("long", [1] * (engine.config.max_model_len + 1))
     first = {o.request_id: o for o in engine.step()}
-    assert {"empty", "vocab", "logprobs", "long"} <= set(first)  # errors come back with the next step
-    for rid, what in [("empty", "empty prompt"), ("vocab", f"token id {vocab}"), ("logprobs", "max_logprobs"),
-                      ("long", "max_model_len")]:
+    assert {"empty", "vocab", "negative", "huge", "logprobs", "long"} <= set(first)  # errors: with the next step
+    for rid, what in [("empty", "empty prompt"), ("vocab", f"token id {vocab}"), ("negative", "token id -1"),
+                      ("huge", f"token id {2**40}"), ("logprobs", "max_logprobs"), ("long", "max_model_len")]:
         out = first[rid]
         assert out.finished and all(c.finish_reason == "error" and what in c.error for c in out.outputs)
         assert out.metrics["ttft_s"] is None and out.metrics["num_output_tokens"] == 0
