@@ -6,8 +6,14 @@ Random workloads of the embedded model, in float32, go through two engines that 
                finish reasons and logprobs must be equal (speculation changes no greedy output: docs/architecture.md);
   --mode pd    a co-located 1x1 engine and prefill/decode disaggregation in one process (prefill 1x2, decode 2x2),
                greedy and seeded sampling: the same tokens (seeded samples equal the co-located engine's);
-  --mode seed  one engine: a seeded sampling request alone and inside a batch of others gets the same tokens.
---mesh sets the engines' mesh in the spec and seed modes (e.g. 2x4: DP attention, expert parallelism).
+  --mode pdremote  as pd, the pair across two processes (this one prefills on 1x1, a child process decodes on
+               2x2, engine/pd_remote.py);
+  --mode seed  one engine: a seeded sampling request alone and inside a batch of others gets the same tokens;
+  --mode config  a default engine and --variants engines of random options that promise the same outputs
+               (moe_path, num_scheduler_steps, greedy_screening, prefill_layout, attention_backend,
+               async_scheduling, prefix caching, the KV storage tier, chunk size, pages, max_num_seqs), greedy
+               requests as in spec mode, each workload run twice on every variant (prefix and storage-tier hits).
+--mesh sets the engines' mesh in the spec, seed and config modes (e.g. 2x4: DP attention, expert parallelism).
 Few KV pages force preemption, and repeated prompt pieces hit the prefix cache. Mismatches are printed; the exit
 status is 1 if there was any.
 
@@ -19,7 +25,10 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import socket
+import subprocess
 import sys
+import tempfile
 
 PIECES = ["The with statement is used to", "def fib(n):", "Return a list of", "import os\nimport sys\n",
           "class Foo:\n    def __init__(self):", "The following example shows how", "x = [i for i in range(",
@@ -54,13 +63,43 @@ def request_params(rng: random.Random, tokenizer, sampled: bool):
         kw["repetition_penalty"] = 1.3
     if rng.random() < 0.1:
         kw["frequency_penalty"] = 0.5
+    if rng.random() < 0.1:
+        kw["presence_penalty"] = rng.choice([-0.5, 1.0])
     if rng.random() < 0.15:
         kw["n"] = 2
     if sampled and rng.random() < 0.2:
-        kw.update(temperature=rng.choice([0.5, 1.0]), top_k=rng.choice([-1, 20]), seed=rng.randrange(10**6))
+        kw.update(temperature=rng.choice([0.5, 1.0]), top_k=rng.choice([-1, 20]), top_p=rng.choice([1.0, 0.8]),
+                  min_p=rng.choice([0.0, 0.05]), seed=rng.randrange(10**6))
     if rng.random() < 0.1:
         kw["structured_outputs"] = rng.choice(CONSTRAINTS)
     return SamplingParams(**kw)
+
+
+def variant_options(rng: random.Random, tmp: str) -> dict:
+    """Random engine options whose outputs must equal the default engine's (EngineConfig's docstring)."""
+    options = dict(
+        num_kv_pages=rng.choice([12, 16, 24, 64]), max_num_seqs=rng.choice([2, 3, 8]),
+        max_num_batched_tokens=rng.choice([32, 64, 200, 2048]), enable_prefix_caching=rng.random() < 0.7,
+        async_scheduling=rng.random() < 0.5, num_scheduler_steps=rng.choice([None, 1, 3]),
+        greedy_screening=rng.choice([None, True, False]), prefill_layout=rng.choice(["blocks", "grid"]),
+        moe_path=rng.choice([None, "gather", "dense", "capacity", "grouped", "ragged"]),
+        attention_backend=rng.choice([None, None, None, "pallas"]))
+    if options["enable_prefix_caching"] and rng.random() < 0.6:
+        options["kv_cache_dir"] = tempfile.mkdtemp(prefix="kv_", dir=tmp)
+        if rng.random() < 0.3:
+            options["kv_cache_max_bytes"] = rng.choice([1, 8]) << 20
+    return options
+
+
+def decode_process(options: dict):
+    """(a child process serving a DecodeServer of these engine options, its address)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    code = ("import sys\nfrom jaxinfer.engine.config import EngineConfig\n"
+            "from jaxinfer.engine.pd_remote import DecodeServer\n"
+            f"sys.exit(DecodeServer(EngineConfig(**{options!r}), {address!r}).run())")
+    return subprocess.Popen([sys.executable, "-c", code], env=os.environ.copy()), address
 
 
 def compare(a, b, params, label: str) -> list[str]:
@@ -80,13 +119,14 @@ def compare(a, b, params, label: str) -> list[str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mode", choices=["spec", "pd", "seed"], default="spec")
+    ap.add_argument("--mode", choices=["spec", "pd", "pdremote", "seed", "config"], default="spec")
     ap.add_argument("--iters", type=int, default=8, help="workloads")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--k", type=int, default=3, help="drafts per round (spec, pd)")
     ap.add_argument("--verify", choices=["all", "confidence"], default="all")
     ap.add_argument("--pages", type=int, default=24, help="KV pages per rank (few: preemption)")
-    ap.add_argument("--mesh", default="1x1", help="the engines' mesh (spec, seed)")
+    ap.add_argument("--mesh", default="1x1", help="the engines' mesh (spec, seed, config)")
+    ap.add_argument("--variants", type=int, default=3, help="engines of random options (config)")
     args = ap.parse_args(argv)
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     import jaxinfer
@@ -101,8 +141,20 @@ def main(argv=None) -> int:
     elif args.mode == "pd":
         first = jaxinfer.LLM(mesh="1x1", **common, speculative_config=spec)
         second = jaxinfer.LLM(prefill_mesh="1x2", decode_mesh="2x2", **common, speculative_config=spec)
-    else:
+    elif args.mode == "pdremote":
+        first = jaxinfer.LLM(mesh="1x1", **common, speculative_config=spec)
+        decode, address = decode_process(dict(mesh="2x2", **common, speculative_config=spec))
+        second = jaxinfer.LLM(mesh="1x1", pd_address=address, **common, speculative_config=spec)
+    elif args.mode == "seed":
         first = second = jaxinfer.LLM(mesh=args.mesh, **common, speculative_config=spec)
+    else:
+        tmp = tempfile.mkdtemp(prefix="fuzz_engine_")
+        first = jaxinfer.LLM(mesh=args.mesh, dtype="float32", num_kv_pages=64, max_num_seqs=8)
+        variants = []
+        for v in range(args.variants):
+            options = variant_options(rng, tmp)
+            print(f"variant {v}: {options}", flush=True)
+            variants.append(jaxinfer.LLM(mesh=args.mesh, dtype="float32", **options))
     tokenizer = first.tokenizer
     bad = []
     for it in range(args.iters):
@@ -121,13 +173,24 @@ def main(argv=None) -> int:
             batch_params.insert(at, params)
             together = second.generate(batch, batch_params, use_tqdm=False)[at:at + 1]
             bad += compare(alone, together, [params], f"workload {it}")
+        elif args.mode == "config":
+            prompts = [prompt(rng) for _ in range(rng.randint(1, 10))]
+            params = [request_params(rng, tokenizer, sampled=False) for _ in prompts]
+            a = first.generate(prompts, params, use_tqdm=False)
+            for v, llm in enumerate(variants):
+                for run in range(2):
+                    b = llm.generate(prompts, params, use_tqdm=False)
+                    bad += compare(a, b, params, f"workload {it} variant {v} run {run}")
         else:
             prompts = [prompt(rng) for _ in range(rng.randint(1, 10))]
-            params = [request_params(rng, tokenizer, sampled=args.mode == "pd") for _ in prompts]
+            params = [request_params(rng, tokenizer, sampled=args.mode.startswith("pd")) for _ in prompts]
             a = first.generate(prompts, params, use_tqdm=False)
             b = second.generate(prompts, params, use_tqdm=False)
             bad += compare(a, b, params, f"workload {it}")
         print(f"workload {it}: {len(bad)} mismatches so far", flush=True)
+    if args.mode == "pdremote":
+        second.close()
+        print(f"decode process exit status {decode.wait(60)}")
     print("\n".join(bad) if bad else "no mismatches")
     return 1 if bad else 0
 
