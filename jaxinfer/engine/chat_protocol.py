@@ -3,7 +3,7 @@ OpenAI's shapes, checked and turned into what a checkpoint's chat template reads
 
 - Messages: ``role`` one of ROLES; ``content`` a string, a list of ``{"type": "text", "text": ...}`` parts (joined
   with "\\n" into one string, as vLLM does for templates that read content as a string: DeepSeek's concatenate
-  it) or None (an assistant message with ``tool_calls`` only, as OpenAI's API allows). Assistant ``tool_calls``:
+  it) or None or left out (an assistant message with ``tool_calls`` only, as OpenAI's API allows). Assistant ``tool_calls``:
   ``[{"id", "type": "function", "function": {"name", "arguments"}}]``, arguments a JSON object as text or as a
   dict; templates get dicts (transformers' convention for tool-call arguments; vLLM parses OpenAI's JSON text the
   same way before rendering). A ``tool`` message names the call it answers (``tool_call_id``), which must be one
@@ -97,7 +97,10 @@ def normalize_messages(messages) -> list[dict]:
         if calls is not None and role != "assistant":
             raise ValueError(f"messages[{i}]: only assistant messages carry tool_calls (role {role!r})")
         if "content" not in m:
-            raise ValueError(f"messages[{i}]['content'] is missing (None is allowed with tool_calls)")
+            if calls is None:
+                raise ValueError(f"messages[{i}]['content'] is missing (it may be left out or None only beside "
+                                 "tool_calls)")
+            m["content"] = None  # OpenAI's API: an assistant message with tool_calls may leave content out
         if m["content"] is None:
             if calls is None:
                 raise ValueError(f"messages[{i}]['content'] must be a string or text parts (None only for an "

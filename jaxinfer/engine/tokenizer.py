@@ -275,6 +275,8 @@ class Tokenizer:
 
     def _render_escaped(self, messages, add_generation_prompt: bool, tools, template_kwargs) -> str:
         messages = normalize_messages(messages)
+        if template_kwargs is not None and not isinstance(template_kwargs, dict):
+            raise ValueError(f"chat_template_kwargs must be a dict, got {type(template_kwargs).__name__}")
         template_kwargs = dict(template_kwargs or {})
         reserved = {"messages", "tools", "documents", "add_generation_prompt"} & set(template_kwargs)
         if reserved:
@@ -289,16 +291,16 @@ class Tokenizer:
                 self._compiled = _jinja_environment().from_string(self.chat_template)
             except jinja2.TemplateSyntaxError as e:
                 raise ValueError(f"chat template does not compile: {e}") from e
+        arguments = dict(messages=self._escape(messages), add_generation_prompt=add_generation_prompt,
+                         tools=self._escape(tools), documents=None,
+                         **{**self._template_tokens, **self._escape(template_kwargs)})
         try:
-            return self._compiled.render(
-                messages=self._escape(messages),
-                add_generation_prompt=add_generation_prompt,
-                tools=self._escape(tools),
-                documents=None,
-                **{**self._template_tokens, **self._escape(template_kwargs)},
-            )
+            return self._compiled.render(**arguments)
         except jinja2.TemplateError as e:  # raise_exception(...) in the template, or a render error
             raise ValueError(f"chat template rejected the messages: {e}") from e
+        except TypeError as e:  # the template's own operations, e.g. '<｜Assistant｜>' + content with content None
+            raise ValueError(f"chat template failed on the messages (TypeError: {e}); a template that concatenates "
+                             "content cannot render content None (an assistant message with tool_calls only)") from e
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, tools: list[dict] | None = None,
                             template_kwargs: dict | None = None) -> list[int]:

@@ -16,6 +16,7 @@ import hf_oracle
 import jsonschema
 import pytest
 
+from jaxinfer.default_model import path as default_model_path
 from jaxinfer.engine.chat_output import (DeepSeekToolCalls, DeepSeekV31ToolCalls, HermesToolCalls, parse_completion,
                                          reasoning_format, tool_call_format, tool_call_grammar)
 from jaxinfer.engine.chat_protocol import normalize_messages, tool_choice_name, validate_tools
@@ -74,6 +75,12 @@ CONVERSATIONS = {
          {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
          {"role": "tool", "tool_call_id": "call_2", "content": "rain"},
          {"role": "tool", "tool_call_id": "call_3", "content": "09:00"}]),
+    "a_call_without_content": (  # OpenAI's API lets an assistant message of calls leave content out: None
+        [{"role": "user", "content": "Time?"}, {"role": "assistant", "tool_calls": [_call(1, "now", "{}")]},
+         {"role": "tool", "tool_call_id": "call_1", "content": "09:00"}],
+        [{"role": "user", "content": "Time?"}, {"role": "assistant", "tool_calls": [_call(1, "now", {})],
+                                                "content": None},
+         {"role": "tool", "tool_call_id": "call_1", "content": "09:00"}]),
 }
 
 
@@ -163,6 +170,7 @@ def test_special_token_strings_in_messages_and_tools_stay_text(ours):
       {"role": "tool", "tool_call_id": "call_9", "content": "y"}],
      r"messages\[1\]\['tool_call_id'\] 'call_9' names none of the calls"),
     ([{"role": "user", "content": None}], r"messages\[0\]\['content'\] must be a string or text parts"),
+    ([{"role": "user"}], r"messages\[0\]\['content'\] is missing"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
      r"messages\[0\]\['content'\]\[0\] must be .*'image_url'"),
     ([{"role": "assistant", "content": None, "tool_calls": [_call(1, "now", "{oops")]}],
@@ -174,6 +182,17 @@ def test_special_token_strings_in_messages_and_tools_stay_text(ours):
 def test_bad_messages(ours, messages, match):
     with pytest.raises(ValueError, match=match):
         ours.apply_chat_template(messages)
+
+
+def test_what_a_template_cannot_render_is_a_value_error(ours):
+    """The embedded model's template writes '<｜Assistant｜>' + content: content None (calls only) is a TypeError in
+    the template, raised as a ValueError that says so; chat_template_kwargs that are not a dict are named."""
+    plain = Tokenizer.from_dir(default_model_path())
+    calls = [{"role": "user", "content": "Time?"}, {"role": "assistant", "tool_calls": [_call(1, "now", {})]}]
+    with pytest.raises(ValueError, match=r"chat template failed on the messages \(TypeError: .*content None"):
+        plain.apply_chat_template(calls)
+    with pytest.raises(ValueError, match="chat_template_kwargs must be a dict, got str"):
+        ours.apply_chat_template([{"role": "user", "content": "x"}], template_kwargs="thinking")
 
 
 @pytest.mark.parametrize(("tools", "match"), [
