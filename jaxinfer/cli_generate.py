@@ -156,19 +156,29 @@ def _percentile(values, q):
     return float(np.percentile(values, q)) if values else 0.0
 
 
-def write_expert_load(path, llm) -> None:
-    """``LLM.expert_load()`` as JSON (``expert_load`` [num_moe_layers][n_routed_experts], as in the embedded model's
-    expert_load.json). Every process computes it (a collective read); process 0 writes."""
-    from jaxinfer.parallel import multihost
+def _open_for_writing(path, flag: str):
+    """``path`` opened for writing (None: None), or ValueError naming ``flag``."""
+    if path is None:
+        return None
+    try:
+        return open(path, "w")
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot write it ({e.strerror})") from None
 
+
+def write_expert_load(file, llm) -> None:
+    """``LLM.expert_load()`` as JSON (``expert_load`` [num_moe_layers][n_routed_experts], as in the embedded model's
+    expert_load.json) into ``file`` (open for writing; None on processes other than 0). Every process computes it
+    (a collective read); process 0 writes."""
     config = llm.model.config
     load = llm.expert_load()
-    if multihost.is_primary():
-        pathlib.Path(path).write_text(json.dumps({
-            "description": "(token, expert) choices routed to each logical expert per MoE layer over the engine's "
-                           f"last {llm.config.expert_load_window} steps (padding excluded)",
-            "moe_layers": [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)],
-            "expert_load": load.tolist()}, indent=1) + "\n")
+    if file is not None:
+        with file:
+            file.write(json.dumps({
+                "description": "(token, expert) choices routed to each logical expert per MoE layer over the "
+                               f"engine's last {llm.config.expert_load_window} steps (padding excluded)",
+                "moe_layers": [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)],
+                "expert_load": load.tolist()}, indent=1) + "\n")
 
 
 def check_pd(args) -> None:
@@ -206,6 +216,9 @@ def run(args) -> int | None:
         return serve(args)
     requests = read_requests(args)
     constraint = structured_outputs(args)
+    # The output files are opened before the model loads: an unwritable path fails now, not after the generation.
+    output = _open_for_writing(args.output, "--output") if multihost.is_primary() else None
+    load_file = _open_for_writing(args.expert_load_json, "--expert-load-json") if multihost.is_primary() else None
     # compilation_cache="off": the CLI has configured JAX's cache from --compilation-cache (cli._start_jax).
     # compile_ahead off: one generate call, then the process exits; other prefill block counts are not needed.
     pd = dict(pd_address=args.pd_address, pd_timeout=args.pd_timeout, pd_connect_timeout=args.pd_connect_timeout)
@@ -257,10 +270,11 @@ def run(args) -> int | None:
             lines.append(json.dumps(line))
     if multihost.is_primary():  # all processes compute, process 0 writes
         print("\n".join(lines))
-        if args.output:
-            pathlib.Path(args.output).write_text("".join(line + "\n" for line in lines))
+        if output is not None:
+            with output:
+                output.write("".join(line + "\n" for line in lines))
     if args.expert_load_json:
-        write_expert_load(args.expert_load_json, llm)
+        write_expert_load(load_file, llm)
     n_in = sum(o.metrics["num_prompt_tokens"] for o in outputs)
     n_out = sum(o.metrics["num_output_tokens"] for o in outputs)
     ttft = [o.metrics["ttft_s"] * 1e3 for o in outputs if o.metrics["ttft_s"] is not None]  # None: an error

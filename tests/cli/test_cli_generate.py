@@ -43,6 +43,15 @@ def test_missing_prompt_file(case, capsys):
     assert "cannot read prompts file Hello there" in err and 'jaxinfer generate "TEXT"' in err
 
 
+@pytest.mark.parametrize("flag", ["--output", "--expert-load-json"])
+def test_an_unwritable_output_fails_before_the_model_loads(tmp_path, capsys, flag):
+    """The path is checked first: with a model directory that does not exist, the error still names the flag."""
+    bad = tmp_path / "missing_dir" / "out.json"
+    assert main(["generate", "hello", "--model", str(tmp_path / "no_model"), flag, str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{flag} {bad}: cannot write it (No such file or directory)" in err[0], err
+
+
 def test_generate_embedded_model_end_to_end(tmp_path, capsys):
     """No --model: the embedded default model; text prompts from arguments and JSONL (messages + overrides);
     JSONL output; completions equal LLM.generate's / LLM.chat's (the first run with the KV storage tier on); the
