@@ -1,6 +1,6 @@
 """Differential fuzz of the engine's feature combinations (not part of the test suite: minutes per run).
 
-Random workloads of the embedded model, in float32, go through two engines that must agree:
+Random workloads of the embedded model (float32 unless --dtype says otherwise) go through two engines that must agree:
   --mode spec  a plain engine and an MTP speculative one (K drafts, verify "all" or "confidence"): greedy requests
                with stop strings, stop token ids, logprobs, penalties, n = 2 and structured output; tokens, text,
                finish reasons and logprobs must be equal (speculation changes no greedy output: docs/architecture.md);
@@ -8,6 +8,9 @@ Random workloads of the embedded model, in float32, go through two engines that 
                greedy and seeded sampling: the same tokens (seeded samples equal the co-located engine's);
   --mode pdremote  as pd, the pair across two processes (this one prefills on 1x1, a child process decodes on
                2x2, engine/pd_remote.py);
+  --mode stream  one MTP speculative engine (--k 0: plain): requests streamed through LLMEngine.step as DELTA or
+               CUMULATIVE outputs add up to what LLM.generate returns (greedy and seeded), and no cumulative text is
+               later cut;
   --mode seed  one engine: a seeded sampling request alone and inside a batch of others gets the same tokens;
   --mode config  a default engine and --variants engines of random options that promise the same outputs
                (moe_path, num_scheduler_steps, greedy_screening, prefill_layout, attention_backend,
@@ -91,6 +94,37 @@ def variant_options(rng: random.Random, tmp: str) -> dict:
     return options
 
 
+def streamed(engine, prompts, params, kind: str):
+    """The requests run through engine.step() with output_kind ``kind``; each request's outputs put together as
+    one final RequestOutput (deltas concatenated, or the last cumulative output, after checking that every
+    cumulative text is a prefix of the final one)."""
+    import copy
+
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"s{i}", p, sp, output_kind=kind)
+    seen: dict[str, list] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).append(out)
+    results = []
+    for i in range(len(prompts)):
+        outs = seen[f"s{i}"]
+        assert sum(o.finished for o in outs) == 1 and outs[-1].finished, f"request {i}: finished flags"
+        final = copy.deepcopy(outs[-1])
+        for j, c in enumerate(final.outputs):
+            if kind == "delta":
+                c.token_ids = [t for o in outs for t in o.outputs[j].token_ids]
+                c.text = "".join(o.outputs[j].text for o in outs)
+                if c.logprobs is not None:
+                    c.logprobs = [x for o in outs for x in o.outputs[j].logprobs]
+            else:
+                assert all(c.text.startswith(o.outputs[j].text) for o in outs), f"request {i}: text later cut"
+                assert all(c.token_ids[:len(o.outputs[j].token_ids)] == list(o.outputs[j].token_ids)
+                           for o in outs), f"request {i}: tokens later changed"
+        results.append(final)
+    return results
+
+
 def decode_process(options: dict):
     """(a child process serving a DecodeServer of these engine options, its address)."""
     with socket.socket() as s:
@@ -119,13 +153,14 @@ def compare(a, b, params, label: str) -> list[str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mode", choices=["spec", "pd", "pdremote", "seed", "config"], default="spec")
+    ap.add_argument("--mode", choices=["spec", "pd", "pdremote", "seed", "config", "stream"], default="spec")
     ap.add_argument("--iters", type=int, default=8, help="workloads")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--k", type=int, default=3, help="drafts per round (spec, pd)")
     ap.add_argument("--verify", choices=["all", "confidence"], default="all")
     ap.add_argument("--pages", type=int, default=24, help="KV pages per rank (few: preemption)")
     ap.add_argument("--mesh", default="1x1", help="the engines' mesh (spec, seed, config)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--variants", type=int, default=3, help="engines of random options (config)")
     args = ap.parse_args(argv)
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -133,7 +168,7 @@ def main(argv=None) -> int:
     from jaxinfer import SamplingParams
 
     rng = random.Random(args.seed)
-    common = dict(dtype="float32", num_kv_pages=args.pages, max_num_seqs=8)
+    common = dict(dtype=args.dtype, num_kv_pages=args.pages, max_num_seqs=8)
     spec = {"method": "mtp", "num_speculative_tokens": args.k, "verify": args.verify}
     if args.mode == "spec":
         first = jaxinfer.LLM(mesh=args.mesh, **common)
@@ -145,16 +180,18 @@ def main(argv=None) -> int:
         first = jaxinfer.LLM(mesh="1x1", **common, speculative_config=spec)
         decode, address = decode_process(dict(mesh="2x2", **common, speculative_config=spec))
         second = jaxinfer.LLM(mesh="1x1", pd_address=address, **common, speculative_config=spec)
+    elif args.mode == "stream":
+        first = second = jaxinfer.LLM(mesh=args.mesh, **common, speculative_config=spec if args.k else None)
     elif args.mode == "seed":
         first = second = jaxinfer.LLM(mesh=args.mesh, **common, speculative_config=spec)
     else:
         tmp = tempfile.mkdtemp(prefix="fuzz_engine_")
-        first = jaxinfer.LLM(mesh=args.mesh, dtype="float32", num_kv_pages=64, max_num_seqs=8)
+        first = jaxinfer.LLM(mesh=args.mesh, dtype=args.dtype, num_kv_pages=64, max_num_seqs=8)
         variants = []
         for v in range(args.variants):
             options = variant_options(rng, tmp)
             print(f"variant {v}: {options}", flush=True)
-            variants.append(jaxinfer.LLM(mesh=args.mesh, dtype="float32", **options))
+            variants.append(jaxinfer.LLM(mesh=args.mesh, dtype=args.dtype, **options))
     tokenizer = first.tokenizer
     bad = []
     for it in range(args.iters):
@@ -173,9 +210,15 @@ def main(argv=None) -> int:
             batch_params.insert(at, params)
             together = second.generate(batch, batch_params, use_tqdm=False)[at:at + 1]
             bad += compare(alone, together, [params], f"workload {it}")
+        elif args.mode == "stream":
+            prompts = [prompt(rng) for _ in range(rng.randint(1, 10))]
+            params = [request_params(rng, tokenizer, sampled=True) for _ in prompts]
+            a = first.generate(prompts, params, use_tqdm=False)
+            kind = rng.choice(["delta", "cumulative"])
+            bad += compare(a, streamed(first.engine, prompts, params, kind), params, f"workload {it} {kind}")
         elif args.mode == "config":
             prompts = [prompt(rng) for _ in range(rng.randint(1, 10))]
-            params = [request_params(rng, tokenizer, sampled=False) for _ in prompts]
+            params = [request_params(rng, tokenizer, sampled=True) for _ in prompts]
             a = first.generate(prompts, params, use_tqdm=False)
             for v, llm in enumerate(variants):
                 for run in range(2):
