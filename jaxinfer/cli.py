@@ -173,9 +173,12 @@ def _convert(args) -> None:
     from jaxinfer.model import is_jaxinfer_orbax
     from jaxinfer.parallel import multihost
 
-    keep_fp8 = args.keep_fp8
-    if keep_fp8 is None and is_jaxinfer_orbax(args.hf_dir):
-        keep_fp8 = False  # an orbax dir keeps the layout it was saved with
+    keep_fp8, fp8_note = args.keep_fp8, None
+    if is_jaxinfer_orbax(args.hf_dir):  # an orbax dir keeps the layout it was saved with (load_model)
+        if keep_fp8 is not None:
+            raise ValueError(f"--keep-fp8 / --no-keep-fp8 choose how an HF checkpoint's FP8 weights load; "
+                             f"{args.hf_dir} is a jaxinfer orbax directory, which keeps the layout it was saved with")
+        keep_fp8, fp8_note = False, "as saved"
     elif keep_fp8 is None:
         keep_fp8 = checkpoint_layout(ModelConfig.from_hf_config(args.hf_dir),
                                      SafetensorsCheckpoint(args.hf_dir))["has_fp8"]
@@ -185,7 +188,7 @@ def _convert(args) -> None:
     if multihost.is_primary():
         print(str(pathlib.Path(out).absolute()))
     print(f"[jaxinfer] converted {args.hf_dir} -> {out} on {_where(model)} (dtype {args.dtype}, fp8 kept: "
-          f"{keep_fp8}) in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+          f"{fp8_note or keep_fp8}) in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

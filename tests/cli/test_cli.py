@@ -91,7 +91,11 @@ def test_convert_then_score_orbax(tmp_path, capsys):
     model = jaxinfer.Model.random(jaxinfer.ModelConfig.tiny(num_hidden_layers=2), mesh="1x1", dtype="float32")
     model.save(tmp_path / "a")  # an orbax dir is also a valid `convert` input
     assert main(["convert", str(tmp_path / "a"), str(tmp_path / "b"), "--mesh", "1x1", "--dtype", "float32"]) == 0
-    assert capsys.readouterr().out.strip().endswith("b")
+    captured = capsys.readouterr()
+    assert captured.out.strip().endswith("b") and "fp8 kept: as saved" in captured.err
+    for flag in ("--keep-fp8", "--no-keep-fp8"):  # the orbax dir's own layout: the flags have nothing to choose
+        assert main(["convert", str(tmp_path / "a"), str(tmp_path / "c"), "--mesh", "1x1", flag]) == 2
+        assert "is a jaxinfer orbax directory, which keeps the layout it was saved with" in capsys.readouterr().err
     ids = [[2, 7, 1, 8]]
     np.testing.assert_array_equal(jaxinfer.load_model(tmp_path / "b", mesh="1x1", dtype="float32").logits(ids),
                                   model.logits(ids))
