@@ -109,7 +109,11 @@ class Model:
 
     # ---- inputs ------------------------------------------------------------------------------------
     def check_token_ids(self, token_ids, name: str = "token_ids") -> np.ndarray:
-        ids = np.asarray(token_ids)
+        try:
+            ids = np.asarray(token_ids)
+        except ValueError:  # numpy's "inhomogeneous shape": rows of different lengths
+            raise ValueError(f"{name} must be a 2-D integer array [B, T]: its rows have different lengths (pad them "
+                             "to one length; every row is scored from position 0)") from None
         if ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] < 1:
             raise ValueError(f"{name} must be a non-empty 2-D integer array [B, T], got shape {ids.shape}")
         if not np.issubdtype(ids.dtype, np.integer):

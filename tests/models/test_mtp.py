@@ -146,6 +146,8 @@ def test_mtp_bad_token_ids(tmp_path_factory):
         model.mtp_logits(ids, bad)
     with pytest.raises(ValueError):
         model.mtp_logits(ids, nxt[:, :-1])  # next_ids must have the shape of token_ids
+    with pytest.raises(ValueError, match="token_ids must be a 2-D integer array .*rows have different lengths"):
+        model.logits([[1, 2], [3]])
 
 
 def test_config_announces_mtp_without_tensors(tmp_path_factory):
