@@ -59,7 +59,7 @@ class EngineConfig:
       platform's (pallas on GPU).
     moe_path: the routed experts' compute path: None (the cheapest for each step's shape by a cost model of the
       shape, models/moe_cost.py) or one of "gather", "dense", "capacity", "grouped", "ragged" (forced: for tests
-      and benchmarks; every path computes the same per-token results).
+      and benchmarks; every path computes the same per-token results, to rounding).
     speculative_config: None, or MTP speculative decoding as vLLM's dict {"method": "mtp" | "deepseek_mtp",
       "num_speculative_tokens": K in [1, 16], "verify": "all" | "confidence"} (engine/speculative.py; stored as a
       SpeculativeConfig). A speculative decode step runs up to num_scheduler_steps draft-verify rounds on device

@@ -58,7 +58,8 @@ class SamplingParams:
       top_k: -1 or 0 = off, else keep the k most likely tokens (ties with the k-th are kept).
       min_p: in [0, 1]; drop tokens whose probability is below min_p times the most likely token's.
       max_tokens: >= 1 generated tokens at most.
-      seed: None (engine randomness) or an int; the same seed gives the same tokens whatever the batch.
+      seed: None (engine randomness) or an int; the same seed gives the same tokens whatever the batch (up to
+        ties that the batch's rounding flips: docs/architecture.md "Reference semantics").
       stop: None, a string or a list of strings -> tuple of non-empty strings (trimmed from the text).
       stop_token_ids: None or a list of token ids -> tuple of ints >= 0.
       ignore_eos: only "do not stop at EOS" (EOS is not masked).
