@@ -208,10 +208,11 @@ class LLMEngine:
                     break
                 self._seqs[seq.seq_id] = (request, child)
         if error is None and params.structured_outputs is not None:
-            for seq in seqs:  # a grammar's forced start is computed with the prompt (its first token: after it)
-                ended = self._fast_forward(seq)
+            for child, seq in enumerate(seqs):  # a grammar's forced start is computed with the prompt (its first
+                ended = self._fast_forward(seq)      # token: after it), and may complete a stop string
                 if ended is not None:
                     self._finish_late(seq, *ended)
+                self._stop_at_stop_string(request, child)
             self._close_finished([seq.seq_id for seq in seqs])
         if error is not None:
             for seq in seqs:
@@ -355,10 +356,7 @@ class LLMEngine:
                 self._advance_grammar(seq, update.num)
             logprobs = result.logprobs.get(seq.seq_id)
             request.tokens_arrived(child, t1, None if logprobs is None else logprobs[:update.num])
-            keep = request.find_stop_string(child) if request.params.stop else None
-            if keep is not None:
-                self._finish_late(seq, "stop")
-                del seq.output_token_ids[keep:]  # outputs after the stop string's (their logprobs: ``close``)
+            self._stop_at_stop_string(request, child)
             self._ready[request.request_id] = request
         self._close_finished([u.seq.seq_id for u in updates])
         if self.role == "prefill":
@@ -441,6 +439,15 @@ class LLMEngine:
             return None
         n = self.scheduler.append_outputs(seq, forced)
         return self.grammars.consume(seq.seq_id, forced[:n])
+
+    def _stop_at_stop_string(self, request: RequestState, child: int) -> None:
+        """Finishes sample ``child`` with "stop" if its outputs so far complete a stop string, dropping the outputs
+        after the one that completed it (RequestState.find_stop_string)."""
+        keep = request.find_stop_string(child) if request.params.stop else None
+        if keep is not None:
+            seq = request.completions[child].seq
+            self._finish_late(seq, "stop")
+            del seq.output_token_ids[keep:]  # outputs after the stop string's (their logprobs: ``close``)
 
     def _finish_late(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         """Ends a sequence for what its applied tokens showed (a stop string, a grammar's end): it may already be

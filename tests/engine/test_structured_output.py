@@ -118,6 +118,26 @@ def test_greedy_outputs_are_the_masked_argmax_chain(llm):
     assert (one.outputs[0].text, one.outputs[0].finish_reason, llm.stats.steps) == ("dark magenta", "stop", 0)
 
 
+@pytest.mark.parametrize(("regex", "stop"), [("ab é😀éx done", "😀"), ("ab é😀éx done", "x"),
+                                           ("(yes|no) xyz done", "x")])
+def test_stop_strings_inside_forced_tokens(llm, regex, stop):
+    """A stop string ends the output inside tokens the grammar forces, whether forced from the start (appended with
+    the prompt, before any step: the first two cases, one regex of one string) or after a sampled token, as if each
+    token had been sampled: the outputs up to the first whose decoded prefix holds the stop string (computed here
+    with the tokenizer from the output without the stop string), the text cut before it."""
+    tok, constraint = llm.tokenizer, StructuredOutputsParams(regex=regex)
+    (full,) = llm.generate(["def f():"], SamplingParams(temperature=0, max_tokens=40, structured_outputs=constraint),
+                           use_tqdm=False)
+    ids = full.outputs[0].token_ids
+    text = tok.decode(ids)
+    assert re.fullmatch(regex, text), text
+    n = next(i for i in range(1, len(ids) + 1) if stop in tok.decode(ids[:i]))
+    (cut,) = llm.generate(["def f():"], SamplingParams(temperature=0, max_tokens=40, stop=[stop],
+                                                       structured_outputs=constraint), use_tqdm=False)
+    out = cut.outputs[0]
+    assert (out.token_ids, out.text, out.finish_reason) == (ids[:n], text[:text.index(stop)], "stop")
+
+
 def test_constrained_rows_on_a_dp_mesh(llm):
     """A 2x4 mesh (DP attention: each rank samples its own rows, masks sharded with the step's packed inputs): the
     outputs are valid and stop, and a seeded request gives the tokens it gives on one device."""
