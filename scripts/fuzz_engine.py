@@ -43,8 +43,9 @@ import tempfile
 
 PIECES = ["The with statement is used to", "def fib(n):", "Return a list of", "import os\nimport sys\n",
           "class Foo:\n    def __init__(self):", "The following example shows how", "x = [i for i in range(",
-          "Raise ValueError if"]
+          "Raise ValueError if", "s = 'naïve café' # Größe 😀 ü"]
 CONSTRAINTS = [{"choice": ["yes", "no", "maybe so"]}, {"regex": "[a-z]+ [0-9]{2,4}"},
+               {"regex": "The (answer|café): [0-9]{1,3}(\\.|!) é done"},  # forced runs holding stop strings
                {"json": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}]
 
 
@@ -65,7 +66,7 @@ def request_params(rng: random.Random, tokenizer, sampled: bool):
     kw = dict(temperature=0, max_tokens=rng.choice([1, 2, 3, 7, 16, 40, 90]), ignore_eos=rng.random() < 0.5)
     r = rng.random()
     if r < 0.15:
-        kw["stop"] = [rng.choice([" the", "\n", "(", ":", "."])]
+        kw["stop"] = [rng.choice([" the", "\n", "(", ":", ".", "é", "😀", "ö"])]
     elif r < 0.25:
         kw["stop_token_ids"] = [rng.randrange(tokenizer.vocab_size) for _ in range(3)] + tokenizer.encode(" the")[-1:]
     if rng.random() < 0.2:
