@@ -8,6 +8,7 @@ The fields are exactly ``LLM``'s and ``LLMEngine``'s parameters, with the same n
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import pathlib
 from typing import Any
@@ -111,6 +112,19 @@ class EngineConfig:
     kv_cache_dir: str | os.PathLike | None = None
     kv_cache_max_bytes: int | None = None
     async_scheduling: bool = True
+
+    @classmethod
+    def from_options(cls, caller: str, options: dict, other_names: tuple[str, ...] = ()) -> EngineConfig:
+        """``EngineConfig(**options)`` for ``caller`` (e.g. "LLM()"), whose other keyword arguments are
+        ``other_names``: an unknown option is a TypeError naming it and the closest known name (a misspelt option
+        must not be dropped or reach the dataclass's bare message)."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        for name in sorted(set(options) - set(names)):
+            close = difflib.get_close_matches(name, names + list(other_names), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise TypeError(f"{caller} got an unknown option {name!r}{hint}; the engine options are EngineConfig's "
+                            "fields (engine/config.py)")
+        return cls(**options)
 
     def __post_init__(self):
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))

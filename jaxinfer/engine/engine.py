@@ -58,7 +58,8 @@ class LLMEngine:
     """
 
     def __init__(self, model=None, mesh=None, dtype: str | None = None, **engine_options):
-        self._setup(EngineConfig(model=model, mesh=mesh, dtype=dtype, **engine_options))
+        self._setup(EngineConfig.from_options("LLMEngine()", dict(model=model, mesh=mesh, dtype=dtype,
+                                                                   **engine_options)))
 
     @classmethod
     def from_config(cls, config: EngineConfig, role: str = "colocated") -> LLMEngine:

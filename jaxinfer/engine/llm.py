@@ -38,7 +38,9 @@ class LLM:
     def __init__(self, model=None, mesh=None, dtype: str | None = None, *, prefill_mesh=None, decode_mesh=None,
                  pd_address: str | None = None, pd_timeout: float = DEFAULT_TIMEOUT_S,
                  pd_connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S, **engine_options):
-        config = EngineConfig(model=model, mesh=mesh, dtype=dtype, **engine_options)
+        config = EngineConfig.from_options("LLM()", dict(model=model, mesh=mesh, dtype=dtype, **engine_options),
+                                           ("prefill_mesh", "decode_mesh", "pd_address", "pd_timeout",
+                                            "pd_connect_timeout"))
         if pd_address is not None:  # the prefill process of a pair (engine/pd_remote.py)
             if prefill_mesh is not None or decode_mesh is not None:
                 raise ValueError("pd_address (a decode process elsewhere) excludes prefill_mesh / decode_mesh")

@@ -229,6 +229,12 @@ def test_engine_config_is_llm_options():
             LLM(**{name: bad})
     with pytest.raises(TypeError):
         EngineConfig(num_kv_page=8)
+    for build, name, meant in [(LLM, "max_num_batch_tokens", "max_num_batched_tokens"),
+                               (LLM, "prefil_mesh", "prefill_mesh"), (LLMEngine, "num_kv_page", "num_kv_pages")]:
+        with pytest.raises(TypeError, match=f"unknown option '{name}' \\(did you mean '{meant}'\\?\\)"):
+            build(**{name: 8})
+    with pytest.raises(TypeError, match="unknown option 'colour'; the engine options are EngineConfig's fields"):
+        LLM(colour=1)
     config = EngineConfig(**KW)
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.seed = 1
