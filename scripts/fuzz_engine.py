@@ -8,9 +8,9 @@ Random workloads of the embedded model (float32 unless --dtype says otherwise) g
                greedy and seeded sampling: the same tokens (seeded samples equal the co-located engine's);
   --mode pdremote  as pd, the pair across two processes (this one prefills on 1x1, a child process decodes on
                2x2, engine/pd_remote.py);
-  --mode stream  one MTP speculative engine (--k 0: plain): requests streamed through LLMEngine.step as DELTA or
-               CUMULATIVE outputs add up to what LLM.generate returns (greedy and seeded), and no cumulative text is
-               later cut;
+  --mode stream  one MTP speculative engine (--k 0: plain; --pd: PD in one process): requests streamed through
+               LLMEngine.step as DELTA or CUMULATIVE outputs add up to what LLM.generate returns (greedy and
+               seeded), and no cumulative text is later cut;
   --mode abort  requests added, stepped and aborted at random times through LLMEngine's API (plain, MTP with --k,
                or PD in one process with --pd): each request not aborted comes back once and equals a
                reference engine's generate (greedy and seeded), none comes back after its abort, and no pages stay
@@ -243,7 +243,8 @@ def main(argv=None) -> int:
     ap.add_argument("--verify", choices=["all", "confidence"], default="all")
     ap.add_argument("--pages", type=int, default=24, help="KV pages per rank (few: preemption)")
     ap.add_argument("--mesh", default="1x1", help="the engines' mesh (spec, seed, config)")
-    ap.add_argument("--pd", action="store_true", help="abort mode: PD in one process (prefill 1x2, decode 2x2)")
+    ap.add_argument("--pd", action="store_true", help="abort and stream modes: PD in one process (prefill 1x2, "
+                    "decode 2x2)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--variants", type=int, default=3, help="engines of random options (config)")
     args = ap.parse_args(argv)
@@ -270,7 +271,8 @@ def main(argv=None) -> int:
         second = (jaxinfer.LLM(prefill_mesh="1x2", decode_mesh="2x2", **options) if args.pd
                   else jaxinfer.LLM(mesh=args.mesh, **options))
     elif args.mode == "stream":
-        first = second = jaxinfer.LLM(mesh=args.mesh, **common, speculative_config=spec if args.k else None)
+        where = dict(prefill_mesh="1x2", decode_mesh="2x2") if args.pd else dict(mesh=args.mesh)
+        first = second = jaxinfer.LLM(**where, **common, speculative_config=spec if args.k else None)
     elif args.mode == "seed":
         first = second = jaxinfer.LLM(mesh=args.mesh, **common, speculative_config=spec)
     else:
