@@ -2,12 +2,12 @@
 OpenAI's shapes, checked and turned into what a checkpoint's chat template reads.
 
 - Messages: ``role`` one of ROLES; ``content`` a string, a list of ``{"type": "text", "text": ...}`` parts (joined
-  with "\\n" into one string, as vLLM does for templates that read content as a string: DeepSeek's concatenate
-  it) or None or left out (an assistant message with ``tool_calls`` only, as OpenAI's API allows). Assistant ``tool_calls``:
-  ``[{"id", "type": "function", "function": {"name", "arguments"}}]``, arguments a JSON object as text or as a
-  dict; templates get dicts (transformers' convention for tool-call arguments; vLLM parses OpenAI's JSON text the
-  same way before rendering). A ``tool`` message names the call it answers (``tool_call_id``), which must be one
-  of the calls of the assistant message before it (only tool messages between). Other keys pass through.
+  with "\\n" into one string, as vLLM does for templates that read content as a string: DeepSeek's concatenate it)
+  or None or left out (an assistant message with ``tool_calls`` only, as OpenAI's API allows). Assistant
+  ``tool_calls``: ``[{"id", "type": "function", "function": {"name", "arguments"}}]``, arguments a JSON object as
+  text or as a dict; templates get dicts (transformers' convention for tool-call arguments; vLLM parses OpenAI's
+  JSON text the same way before rendering). A ``tool`` message names the call it answers (``tool_call_id``), which
+  must be one of the calls of the assistant message before it (only tool messages between). Other keys pass through.
 - Tools: OpenAI function definitions, ``{"type": "function", "function": {"name", "description"?, "parameters"?:
   JSON Schema, "strict"?}}``, names unique and as OpenAI allows (a-z, A-Z, 0-9, _ and -, at most 64); the
   schemas are checked with jsonschema's meta-schema. They reach the template as ``tools``, as given.
