@@ -211,7 +211,7 @@ def tie_gap(first, second, prompts, params, i: int, j: int) -> float | None:
 def logprobs_agree(lx: dict, ly: dict, tol: float) -> bool:
     """One position's {token: logprob} of two engines agree: within ``tol`` where both have the token, and a token
     that only one has is within ``tol`` of the other's lowest (the top-N's boundary moved by rounding)."""
-    return (all(abs(lx[t] - ly[t]) <= tol for t in lx.keys() & ly.keys())
+    return (all(lx[t] == ly[t] or abs(lx[t] - ly[t]) <= tol for t in lx.keys() & ly.keys())  # -inf: masked
             and all(lx[t] <= min(ly.values()) + tol for t in lx.keys() - ly.keys())
             and all(ly[t] <= min(lx.values()) + tol for t in ly.keys() - lx.keys()))
 
