@@ -209,8 +209,10 @@ class LLMEngine:
                     break
                 self._seqs[seq.seq_id] = (request, child)
         if error is None and params.structured_outputs is not None:
-            for child, seq in enumerate(seqs):  # a grammar's forced start is computed with the prompt (its first
-                ended = self._fast_forward(seq)      # token: after it), and may complete a stop string
+            # A grammar's forced start is computed with the prompt (its first token: after it), and may complete a
+            # stop string.
+            for child, seq in enumerate(seqs):
+                ended = self._fast_forward(seq)
                 if ended is not None:
                     self._finish_late(seq, *ended)
                 self._stop_at_stop_string(request, child)
