@@ -87,6 +87,12 @@ def request_params(rng: random.Random, tokenizer, sampled: bool):
     return SamplingParams(**kw)
 
 
+def workload(rng: random.Random, tokenizer, sampled: bool, least: int = 1, most: int = 10):
+    """(prompts, their SamplingParams): between least and most random requests (request_params)."""
+    prompts = [prompt(rng) for _ in range(rng.randint(least, most))]
+    return prompts, [request_params(rng, tokenizer, sampled) for _ in prompts]
+
+
 def variant_options(rng: random.Random, tmp: str) -> dict:
     """Random engine options whose outputs must equal the default engine's (EngineConfig's docstring)."""
     options = dict(
@@ -138,7 +144,7 @@ def add_step_abort(engine, prompts, params, reference, rng: random.Random, dtype
     """Requests added over the first steps, some aborted at random moments; what goes wrong (see --mode abort)."""
     bad, returned, aborted, pending = [], {}, set(), list(range(len(prompts)))
     rng.shuffle(pending)
-    for step in range(10_000):
+    for _ in range(10_000):
         if pending and rng.random() < 0.5:
             for i in pending[:rng.randint(1, 3)]:
                 engine.add_request(f"a{i}", prompts[i], params[i], output_kind="final_only")
@@ -302,20 +308,17 @@ def main(argv=None) -> int:
             together = second.generate(batch, batch_params, use_tqdm=False)[at:at + 1]
             bad += compare(alone, together, [params], f"workload {it}", dtype=args.dtype)
         elif args.mode == "stream":
-            prompts = [prompt(rng) for _ in range(rng.randint(1, 10))]
-            params = [request_params(rng, tokenizer, sampled=True) for _ in prompts]
+            prompts, params = workload(rng, tokenizer, True)
             a = first.generate(prompts, params, use_tqdm=False)
             kind = rng.choice(["delta", "cumulative"])
             b = streamed(first.engine, prompts, params, kind)
             bad += compare(a, b, params, f"workload {it} {kind}", dtype=args.dtype)
         elif args.mode == "abort":
-            prompts = [prompt(rng) for _ in range(rng.randint(2, 12))]
-            params = [request_params(rng, tokenizer, sampled=True) for _ in prompts]
+            prompts, params = workload(rng, tokenizer, True, 2, 12)
             a = first.generate(prompts, params, use_tqdm=False)
             bad += [f"workload {it}: {m}" for m in add_step_abort(second.engine, prompts, params, a, rng, args.dtype)]
         elif args.mode == "config":
-            prompts = [prompt(rng) for _ in range(rng.randint(1, 10))]
-            params = [request_params(rng, tokenizer, sampled=True) for _ in prompts]
+            prompts, params = workload(rng, tokenizer, True)
             a = first.generate(prompts, params, use_tqdm=False)
             for v, llm in enumerate(variants):
                 for run in range(2):
@@ -323,8 +326,7 @@ def main(argv=None) -> int:
                     explain = functools.partial(tie_gap, first, llm, prompts, params)
                     bad += compare(a, b, params, f"workload {it} variant {v} run {run}", explain, args.dtype)
         else:
-            prompts = [prompt(rng) for _ in range(rng.randint(1, 10))]
-            params = [request_params(rng, tokenizer, sampled=args.mode.startswith("pd")) for _ in prompts]
+            prompts, params = workload(rng, tokenizer, args.mode.startswith("pd"))
             a = first.generate(prompts, params, use_tqdm=False)
             b = second.generate(prompts, params, use_tqdm=False)
             explain = functools.partial(tie_gap, first, second, prompts, params)

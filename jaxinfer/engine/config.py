@@ -119,11 +119,12 @@ class EngineConfig:
         ``other_names``: an unknown option is a TypeError naming it and the closest known name (a misspelt option
         must not be dropped or reach the dataclass's bare message)."""
         names = [f.name for f in dataclasses.fields(cls)]
-        for name in sorted(set(options) - set(names)):
-            close = difflib.get_close_matches(name, names + list(other_names), n=1)
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], names + list(other_names), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise TypeError(f"{caller} got an unknown option {name!r}{hint}; the engine options are EngineConfig's "
-                            "fields (engine/config.py)")
+            raise TypeError(f"{caller} got an unknown option {unknown[0]!r}{hint}; the engine options are "
+                            "EngineConfig's fields (engine/config.py)")
         return cls(**options)
 
     def __post_init__(self):
