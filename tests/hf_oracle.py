@@ -92,6 +92,8 @@ def randomize_(module: torch.nn.Module, seed: int, std_scale: float = 0.5, head_
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in module.named_parameters():
+            if p.numel() == 0:  # n_shared_experts 0: transformers builds a shared MLP of width 0
+                continue
             if name.endswith("embed_tokens.weight"):
                 std = 1.0
             elif name.endswith("lm_head.weight"):
@@ -483,12 +485,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
         num_experts_per_tok=3, n_group=1, topk_group=1, first_k_dense_replace=0, norm_topk_prob=False,
         routed_scaling_factor=1.5, rms_norm_eps=1e-2, max_position_embeddings=2048,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, num_mtp_layers=0),
-    # V3 with 2 dense layers, 3 groups of 2 experts, YaRN with mscale != mscale_all_dim (so HF's cos/sin
-    # attention_factor != 1 and the softmax scale uses mscale_all_dim only), theta 50000, v_head_dim > nope.
+    # V3 with 2 dense layers, 3 groups of 2 experts, no shared expert (transformers saves its width-0 MLP), YaRN
+    # with mscale != mscale_all_dim (so HF's cos/sin attention_factor != 1 and the softmax scale uses
+    # mscale_all_dim only), theta 50000, v_head_dim > nope.
     "v3_dense2_attnfactor": dict(
         model_type="deepseek_v3", vocab_size=113, hidden_size=96, intermediate_size=144, moe_intermediate_size=48,
         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=40, kv_lora_rank=48,
-        qk_nope_head_dim=24, qk_rope_head_dim=8, v_head_dim=32, n_routed_experts=6, n_shared_experts=1,
+        qk_nope_head_dim=24, qk_rope_head_dim=8, v_head_dim=32, n_routed_experts=6, n_shared_experts=0,
         num_experts_per_tok=2, n_group=3, topk_group=2, first_k_dense_replace=2, norm_topk_prob=True,
         routed_scaling_factor=1.0, rms_norm_eps=1e-6, max_position_embeddings=16384,
         rope_parameters=_yarn(8.0, orig=2048, theta=50000.0, mscale=1.0, mscale_all_dim=0.8), num_mtp_layers=0),

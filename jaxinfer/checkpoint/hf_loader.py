@@ -237,7 +237,10 @@ def load_hf_params(config: ModelConfig, ckpt: SafetensorsCheckpoint, abstract: d
         dtype = np.dtype(leaf.dtype)
         _check(ckpt, src, tuple(leaf.shape), dtype, problems)
         plan.append((path, leaf, src, dtype))
-    problems["unexpected"] = sorted(n for n in names - used if not ignorable(config, n, num_mtp_layers))
+    # A tensor with no elements holds nothing to read: transformers saves the width-0 shared MLP that
+    # n_shared_experts 0 gives (and loads it back), where DeepSeek's own checkpoints have none.
+    problems["unexpected"] = sorted(n for n in names - used if not ignorable(config, n, num_mtp_layers)
+                                    and math.prod(ckpt.info(n).shape) > 0)
     if any(problems.values()):
         lines = [f"checkpoint {ckpt.path} does not match the model config:"]
         for kind, items in problems.items():
