@@ -21,6 +21,7 @@ class ExpertLoadWindow:
 
     def __init__(self, shape: tuple[int, int, int], sharding, window: int):
         self.window = window
+        self._sharding = sharding
         self._zero = global_array(np.zeros(shape, np.int32), sharding)  # subtracted while the window fills up
         self.total = global_array(np.zeros(shape, np.int32), sharding)  # [ranks, L, E]
         self._steps: collections.deque = collections.deque()           # per-step counts, oldest first
@@ -35,6 +36,8 @@ class ExpertLoadWindow:
 
     def push(self, total: jax.Array, load: jax.Array) -> None:
         """The next step's new running total and its own counts."""
+        if not total.size:  # no MoE layer: XLA gives empty outputs no sharding, and compiled steps want theirs
+            total, load = jax.device_put((total, load), self._sharding)
         self.total = total
         self._steps.append(load)
 

@@ -67,6 +67,22 @@ def test_every_moe_path_generates_transformers_greedy_tokens(case, moe_path):
     assert got == [_hf_generate(case.model, p, 5) for p in prompts]
 
 
+def test_a_model_without_moe_layers_generates_transformers_greedy_tokens(tmp_path_factory):
+    # Every layer dense (first_k_dense_replace = num_hidden_layers): the expert-load arrays are empty, [ranks, 0, E],
+    # and XLA gives an empty step output no sharding; on a 1x2 mesh the step programs compiled ahead (prefill in
+    # blocks, prompts in 48-token chunks) refused the next step's load total before the fix.
+    base = O.CONFIGS["v3_noqlora_default"]
+    cfg = dict(base, first_k_dense_replace=base["num_hidden_layers"])
+    model = O.build_hf_model(cfg, seed=7)
+    path = O.save_checkpoint(model, tmp_path_factory.mktemp("all_dense"))
+    prompts = _prompts(cfg["vocab_size"], [89, 67, 2], seed=6)
+    llm = LLM(path, mesh="1x2", dtype="float32", num_kv_pages=16, max_num_batched_tokens=48, prefill_layout="blocks")
+    got = [o.outputs[0].token_ids for o in llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)]
+    assert got == [_hf_generate(model, p, 4) for p in prompts]
+    assert llm.expert_load().shape == (0, cfg["n_routed_experts"])
+
+
 def test_moe_path_must_be_a_known_path(case):
     with pytest.raises(ValueError, match="moe_path must be None or one of"):
         LLM(case.path, mesh="1x1", moe_path="tiled")
