@@ -34,15 +34,18 @@ def route(config: ModelConfig, logits: jax.Array, bias: jax.Array | None) -> tup
     if c.scoring_func == "sigmoid":  # V3 "noaux_tc"
         scores = jax.nn.sigmoid(logits)
         choice = scores + bias[None, :]
-        # group score = sum of the top-2 biased scores per group; keep topk_group groups
-        group_scores = jax.lax.top_k(choice.reshape(n, g, e // g), 2)[0].sum(-1)  # [N, G]
         fill = -jnp.inf
-    else:  # V2 softmax scores; group_limited_greedy uses the group max
+    else:  # V2 softmax scores
         scores = jax.nn.softmax(logits, axis=-1)
         choice = scores
-        group_scores = choice.reshape(n, g, e // g).max(-1)
         fill = 0.0  # HF DeepseekV2TopkRouter masks dropped groups with 0.0
+    # Groups matter only when some are dropped (DeepSeek's Gate skips them for n_groups == 1, where a group of one
+    # expert has no top 2; transformers' router computes them anyway and fails there).
     if c.topk_method != "greedy" and c.topk_group < g:
+        grouped = choice.reshape(n, g, e // g)
+        # V3: a group's score is the sum of its top-2 biased scores; V2's group_limited_greedy: its max
+        group_scores = (jax.lax.top_k(grouped, 2)[0].sum(-1) if c.scoring_func == "sigmoid"
+                        else grouped.max(-1))  # [N, G]
         top_groups = jax.lax.top_k(group_scores, c.topk_group)[1]  # [N, topk_group]
         keep = jnp.zeros((n, g), bool).at[jnp.arange(n)[:, None], top_groups].set(True)
         choice = jnp.where(jnp.repeat(keep, e // g, axis=1), choice, fill)
