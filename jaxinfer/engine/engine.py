@@ -107,7 +107,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, config.num_kv_pages, attention_backend=config.attention_backend,
                                   max_num_seqs=config.max_num_seqs, prefill_capacity=self.scheduler.prefill_capacity,
                                   min_prefill_t=self.scheduler.min_prefill_t, engine_seed=config.seed,
-                                  max_logprobs=config.max_logprobs, expert_load_window=config.expert_load_window,
+                                  # no wider than the vocabulary (add_request caps each request's logprobs alike)
+                                  max_logprobs=min(config.max_logprobs, self.model.config.vocab_size),
+                                  expert_load_window=config.expert_load_window,
                                   num_scheduler_steps=config.num_scheduler_steps, eos_token_id=eos,
                                   greedy_screening=config.greedy_screening, num_drafts=self.num_drafts,
                                   prefill_block=self.scheduler.prefill_block, compile_ahead=config.compile_ahead,
@@ -183,6 +185,9 @@ class LLMEngine:
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        vocab = self.model.config.vocab_size
+        if params.logprobs is not None and params.logprobs > vocab:  # a vocabulary has no more tokens to rank
+            params = dataclasses.replace(params, logprobs=vocab)
         if params.structured_outputs is not None and self.grammars is None:
             raise ValueError(f"structured_outputs needs the checkpoint's tokenizer.json, and {self.model_path} "
                              f"has none")

@@ -83,6 +83,35 @@ def test_a_model_without_moe_layers_generates_transformers_greedy_tokens(tmp_pat
     assert llm.expert_load().shape == (0, cfg["n_routed_experts"])
 
 
+def test_one_routed_expert_and_a_vocabulary_of_three(tmp_path_factory):
+    # The smallest shapes the config accepts. One routed expert (n_group 1: DeepSeek's Gate skips group scores, the
+    # top-2 of a one-expert group does not exist) is what a two-expert transformers model computes when its second
+    # expert is never chosen (router bias -1e4; top-1 weights normalised to 1 either way): the checkpoint drops it.
+    # Three tokens are fewer than the 20 logprobs the engine ranks by default and than the 5 a request asks for.
+    base = O.CONFIGS["v3_noqlora_default"]
+    cfg = dict(base, vocab_size=3, n_routed_experts=2, num_experts_per_tok=1, norm_topk_prob=True)
+    model = O.build_hf_model(cfg, seed=8)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.e_score_correction_bias[1] = -1e4
+    path = O.save_checkpoint(model, tmp_path_factory.mktemp("one_expert"))
+    tensors = {k: v for k, v in O.read_tensors(path).items() if ".experts.1." not in k}
+    for k in [k for k in tensors if k.endswith(("mlp.gate.weight", "mlp.gate.e_score_correction_bias"))]:
+        tensors[k] = tensors[k][:1].clone()
+    O.write_tensors(path, tensors)
+    O.write_config(path, dict(O.read_config(path), n_routed_experts=1))
+    prompts = _prompts(3, [9, 70], seed=9)
+    llm = LLM(path, mesh="1x1", dtype="float32", num_kv_pages=16)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=5),
+                        use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == _hf_generate(model, p, 5)
+        ref = torch.log_softmax(torch.as_tensor(O.reference_logits(model, [p + o.outputs[0].token_ids])[0]), -1)
+        for t, entry in enumerate(o.outputs[0].logprobs):
+            assert sorted(entry) == [0, 1, 2]
+            np.testing.assert_allclose([entry[v] for v in range(3)], ref[len(p) - 1 + t].numpy(), atol=1e-4)
+
+
 def test_moe_path_must_be_a_known_path(case):
     with pytest.raises(ValueError, match="moe_path must be None or one of"):
         LLM(case.path, mesh="1x1", moe_path="tiled")
