@@ -52,7 +52,7 @@ def draw_config(rng: random.Random) -> dict:
     """A config.json-style dict (transformers 5 form) that jaxinfer and transformers both accept."""
     v3 = rng.random() < 0.65
     layers = rng.randint(1, 3)
-    experts = rng.choice([2, 4, 6, 8, 12, 16])
+    experts = rng.choice([1, 2, 3, 4, 6, 8, 12, 16])
     top_k = rng.randint(1, min(experts, 6))
     if v3:
         groups = [g for g in _divisors(experts) if experts // g >= 2 or g == 1]  # noaux_tc: top-2 per group
@@ -79,15 +79,16 @@ def draw_config(rng: random.Random) -> dict:
             rope["mscale"], rope["mscale_all_dim"] = 1.0, rng.choice([0.8, 0.707])
     # transformers warns unless max_position_embeddings = factor x original_max_position_embeddings
     max_pos = int(rope.get("factor", 1) * rope.get("original_max_position_embeddings", 16384))
-    hidden = rng.choice([32, 48, 64, 80, 96, 136, 160])
+    hidden = rng.choice([32, 36, 48, 64, 72, 80, 96, 100, 136, 160])
     heads = rng.choice([h for h in range(1, 7) if hidden % h == 0])  # transformers' config insists
+    vocab = rng.randint(2, 39) if rng.random() < 0.15 else rng.randint(40, 400)
     cfg = dict(
-        model_type="deepseek_v3" if v3 else "deepseek_v2", vocab_size=rng.randint(40, 400),
+        model_type="deepseek_v3" if v3 else "deepseek_v2", vocab_size=vocab,
         hidden_size=hidden, intermediate_size=rng.choice([40, 64, 96, 136]),
         moe_intermediate_size=rng.choice([16, 24, 32, 72]), num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=heads, q_lora_rank=rng.choice([None, 16, 48, 96]),
-        kv_lora_rank=rng.choice([8, 16, 32, 64, 96]), qk_nope_head_dim=rng.choice([8, 16, 24, 32]),
-        qk_rope_head_dim=rng.choice([2, 4, 8, 16]), v_head_dim=rng.choice([8, 16, 24, 40]),
+        kv_lora_rank=rng.choice([8, 16, 24, 32, 40, 64, 96]), qk_nope_head_dim=rng.choice([8, 12, 16, 24, 32]),
+        qk_rope_head_dim=rng.choice([2, 4, 8, 16]), v_head_dim=rng.choice([8, 12, 16, 24, 40]),
         n_routed_experts=experts, n_shared_experts=rng.choice([0, 1, 2]), num_experts_per_tok=top_k,
         n_group=n_group, topk_group=topk_group, first_k_dense_replace=rng.randint(0, layers),
         norm_topk_prob=rng.random() < 0.5, routed_scaling_factor=rng.choice([1.0, 1.5, 2.5]),
