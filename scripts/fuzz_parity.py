@@ -12,7 +12,8 @@ holding the exactly dequantized weights: tests/fp8_oracle.py), and checks jaxinf
   engine  ``LLM.generate`` of greedy requests (random lengths, shared prefixes; random mesh, moe_path, page budget,
           chunk size, prefill layout, scheduler steps, async scheduling, attention backend, redundant experts
           re-placed by EPLB as it runs, MTP speculative decoding with K drafts verified "all" or "confidence"
-          where the checkpoint has the layer): each token
+          where the checkpoint has the layer, prefill/decode disaggregation in one process, the KV storage tier
+          with the workload run again on a fresh engine): each token
           must be the argmax of transformers' logits for the sequence so far (teacher-forced over the engine's own
           tokens, so one tie flipped by rounding does not derail the rest: a token within TIE_GAP of the maximum
           passes and is counted), and its logprob must equal transformers' log-softmax within LOGPROB_TOL.
@@ -123,7 +124,7 @@ def add_features(rng: random.Random, args, cfg: dict, ref_model, path) -> tuple[
     return ref_model, features
 
 
-def draw_engine_options(rng: random.Random, cfg: dict, features: dict, dtype: str) -> dict:
+def draw_engine_options(rng: random.Random, cfg: dict, features: dict, dtype: str, tmp: str) -> dict:
     moe = cfg["first_k_dense_replace"] < cfg["num_hidden_layers"]
     experts = cfg["n_routed_experts"]
     meshes = [f"{d}x{e}" for d in (1, 2) for e in (1, 2, 4) if not moe or experts % e == 0]
@@ -139,6 +140,13 @@ def draw_engine_options(rng: random.Random, cfg: dict, features: dict, dtype: st
             opts["rebalance_every_n_steps"] = rng.choice([None, 1, 3])
     if rng.random() < 0.2:
         opts["attention_backend"] = "pallas"
+    if rng.random() < 0.15:  # prefill/decode disaggregation in one process, on disjoint devices
+        for name in ("mesh", "num_redundant_experts", "rebalance_every_n_steps"):  # the slots follow one mesh
+            opts.pop(name, None)
+        ep = [e for e in (1, 2) if not moe or experts % e == 0]
+        opts.update(prefill_mesh=f"1x{rng.choice(ep)}", decode_mesh=f"{rng.choice([1, 2])}x{rng.choice(ep)}")
+    if rng.random() < 0.15:  # the KV storage tier: check_engine runs the workload again on a fresh engine
+        opts["kv_cache_dir"] = tempfile.mkdtemp(dir=tmp)
     if features.get("mtp") and rng.random() < 0.7:
         opts["speculative_config"] = {"method": "mtp", "num_speculative_tokens": rng.randint(1, 3),
                                       "verify": rng.choice(["all", "confidence"])}
@@ -180,12 +188,15 @@ def check_engine(path, ref_model, ref_bf16, cfg, opts: dict, rng: random.Random)
     number of ties passed."""
     from jaxinfer import LLM, SamplingParams
 
-    llm = LLM(str(path), **opts)
     prompts = draw_prompts(rng, cfg["vocab_size"])
     params = [SamplingParams(temperature=0, max_tokens=rng.randint(1, 12), ignore_eos=True, logprobs=1)
               for _ in prompts]
+    outs = LLM(str(path), **opts).generate(prompts, params, use_tqdm=False)
+    runs = [outs]
+    if "kv_cache_dir" in opts:  # the prompts' full pages now come from the storage tier
+        runs.append(LLM(str(path), **opts).generate(prompts, params, use_tqdm=False))
     bad, ties = [], 0
-    for i, (p, sp, out) in enumerate(zip(prompts, params, llm.generate(prompts, params, use_tqdm=False))):
+    for i, (p, sp, out) in enumerate((p, sp, out) for outs in runs for p, sp, out in zip(prompts, params, outs)):
         o = out.outputs[0]
         if o.finish_reason != "length" or len(o.token_ids) != sp.max_tokens:
             bad.append(f"request {i} (prompt {len(p)}): finish {o.finish_reason!r} {o.error or ''}, "
@@ -202,7 +213,7 @@ def check_engine(path, ref_model, ref_bf16, cfg, opts: dict, rng: random.Random)
                 bad.append(f"request {i} (prompt {len(p)}) token {t}: {tok} is {gap:.3g} below transformers' "
                            f"argmax {int(row.argmax())}")
                 break
-            ties += gap > 0
+            ties += int(gap > 0)
             if abs(o.logprobs[t][tok] - logprob) > max(LOGPROB_TOL, 2 * slack[len(p) - 1 + t]):
                 bad.append(f"request {i} token {t}: logprob {o.logprobs[t][tok]:.6f}, transformers {logprob:.6f}")
                 break
@@ -249,7 +260,7 @@ def main(argv=None) -> int:
             if path is None:
                 continue
             for _ in range(args.engines):
-                opts = draw_engine_options(rng, cfg, features, args.dtype)
+                opts = draw_engine_options(rng, cfg, features, args.dtype, tmp)
                 try:
                     bad, ties = check_engine(path, ref_model, ref_bf16, cfg, opts, rng)
                 except Exception:
