@@ -9,14 +9,15 @@ added, V3 only, and with --fp8's chance the checkpoint is rewritten in DeepSeek'
 holding the exactly dequantized weights: tests/fp8_oracle.py), and checks jaxinfer against it:
   logits  ``Model.logits`` of a random batch (FP8 weights kept or dequantized at load): max|diff| / max|ref| <=
           F32_TOL (the parity tests' metric);
-  engine  ``LLM.generate`` of greedy requests (random lengths, shared prefixes; random mesh, moe_path, page budget,
-          chunk size, prefill layout, scheduler steps, async scheduling, attention backend, redundant experts
-          re-placed by EPLB as it runs, MTP speculative decoding with K drafts verified "all" or "confidence"
-          where the checkpoint has the layer, prefill/decode disaggregation in one process, the KV storage tier
-          with the workload run again on a fresh engine): each token
-          must be the argmax of transformers' logits for the sequence so far (teacher-forced over the engine's own
-          tokens, so one tie flipped by rounding does not derail the rest: a token within TIE_GAP of the maximum
-          passes and is counted), and its logprob must equal transformers' log-softmax within LOGPROB_TOL.
+  engine  ``LLM.generate`` of greedy and seeded sampling requests (random lengths, shared prefixes, temperature,
+          top_k, top_p; random mesh, moe_path, page budget, chunk size, prefill layout, scheduler steps, async
+          scheduling, attention backend, redundant experts re-placed by EPLB as it runs, MTP speculative decoding
+          with K drafts verified "all" or "confidence" where the checkpoint has the layer, prefill/decode
+          disaggregation in one process, the KV storage tier with the workload run again on a fresh engine): each
+          greedy token must be the argmax of transformers' logits for the sequence so far (teacher-forced over the
+          engine's own tokens, so one tie flipped by rounding does not derail the rest: a token within TIE_GAP of
+          the maximum passes and is counted), each sampled token inside what top_k and top_p keep of them, and
+          every token's logprob must equal transformers' log-softmax within LOGPROB_TOL.
 Failures print the configuration and the engine's options; the exit status is 1 if there was any.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/fuzz_parity.py --iters 10
@@ -183,14 +184,41 @@ def teacher_forced(model, seq: list[int]) -> np.ndarray:
         return model(input_ids=torch.tensor([seq]), use_cache=False).logits[0].double().numpy()
 
 
+def outside_filters(row: np.ndarray, tok: int, sp, tol: float) -> str | None:
+    """Why ``tok`` cannot come from transformers' logits ``row`` under ``sp``, or None; a token ahead of ``tok`` by
+    ``tol`` or less counts as a tie. Greedy: the maximum. Sampled: among the top_k, and inside the top_p nucleus of
+    what top_k keeps, renormalised at the temperature (vLLM's order): the tokens ahead hold less than top_p."""
+    if sp.temperature == 0:
+        gap = row.max() - row[tok]
+        return None if gap <= tol else f"{gap:.3g} below transformers' argmax {int(row.argmax())}"
+    ahead = row > row[tok] + tol
+    if sp.top_k > 0 and ahead.sum() >= sp.top_k:
+        return f"{int(ahead.sum())} tokens ahead, top_k={sp.top_k}"
+    if sp.top_p < 1:
+        kept = row >= np.sort(row)[-sp.top_k] - tol if 0 < sp.top_k < len(row) else np.ones(len(row), bool)
+        prob = np.where(kept, np.exp((row - row.max()) / sp.temperature), 0)
+        mass = prob[ahead].sum() / prob.sum()
+        if mass >= sp.top_p + 1e-3:
+            return f"the tokens ahead hold {mass:.4f}, top_p={sp.top_p}"
+    return None
+
+
+def draw_params(rng: random.Random, SamplingParams):
+    """Greedy, or (a third of the requests) seeded sampling with random temperature, top_k and top_p."""
+    common = dict(max_tokens=rng.randint(1, 12), ignore_eos=True, logprobs=1)
+    if rng.random() < 2 / 3:
+        return SamplingParams(temperature=0, **common)
+    return SamplingParams(temperature=rng.choice([0.6, 1.0, 1.5]), top_k=rng.choice([0, 1, 3, 5]),
+                          top_p=rng.choice([1.0, 0.9, 0.5]), seed=rng.randrange(2**31), **common)
+
+
 def check_engine(path, ref_model, ref_bf16, cfg, opts: dict, rng: random.Random) -> tuple[list[str], int]:
-    """Mismatches of the engine's greedy tokens and logprobs against transformers' teacher-forced logits, and the
-    number of ties passed."""
+    """Mismatches of the engine's tokens and logprobs against transformers' teacher-forced logits, and the number
+    of ties passed."""
     from jaxinfer import LLM, SamplingParams
 
     prompts = draw_prompts(rng, cfg["vocab_size"])
-    params = [SamplingParams(temperature=0, max_tokens=rng.randint(1, 12), ignore_eos=True, logprobs=1)
-              for _ in prompts]
+    params = [draw_params(rng, SamplingParams) for _ in prompts]
     outs = LLM(str(path), **opts).generate(prompts, params, use_tqdm=False)
     runs = [outs]
     if "kv_cache_dir" in opts:  # the prompts' full pages now come from the storage tier
@@ -207,13 +235,12 @@ def check_engine(path, ref_model, ref_bf16, cfg, opts: dict, rng: random.Random)
                  BF16_SLACK * np.abs(teacher_forced(ref_bf16, p + list(o.token_ids)) - logits).max(-1))
         for t, tok in enumerate(o.token_ids):
             row = logits[len(p) - 1 + t]
-            gap = row.max() - row[tok]
             logprob = row[tok] - row.max() - np.log(np.exp(row - row.max()).sum())
-            if gap > max(TIE_GAP, slack[len(p) - 1 + t]):
-                bad.append(f"request {i} (prompt {len(p)}) token {t}: {tok} is {gap:.3g} below transformers' "
-                           f"argmax {int(row.argmax())}")
+            why = outside_filters(row, tok, sp, max(TIE_GAP, slack[len(p) - 1 + t]))
+            if why is not None:
+                bad.append(f"request {i} (prompt {len(p)}, {sp}) token {t}: {tok}: {why}")
                 break
-            ties += int(gap > 0)
+            ties += int(sp.temperature == 0 and row[tok] < row.max())
             if abs(o.logprobs[t][tok] - logprob) > max(LOGPROB_TOL, 2 * slack[len(p) - 1 + t]):
                 bad.append(f"request {i} token {t}: logprob {o.logprobs[t][tok]:.6f}, transformers {logprob:.6f}")
                 break
