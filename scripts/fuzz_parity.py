@@ -7,8 +7,9 @@ YaRN with and without mscales, rope_interleave, tied embeddings, norm eps, vocab
 transformers model of it (tests/hf_oracle.py, the suite's oracle), saves it (with --mtp's chance an MTP layer is
 added, V3 only, and with --fp8's chance the checkpoint is rewritten in DeepSeek's FP8 release format, the oracle then
 holding the exactly dequantized weights: tests/fp8_oracle.py), and checks jaxinfer against it:
-  logits  ``Model.logits`` of a random batch (FP8 weights kept or dequantized at load): max|diff| / max|ref| <=
-          F32_TOL (the parity tests' metric);
+  logits  ``Model.logits`` of a random batch (FP8 weights kept or dequantized at load), and ``Model.mtp_logits``
+          against transformers' MtpLayer (tests/models/test_parity_hf.py and test_mtp.py's oracles; float32):
+          max|diff| / max|ref| <= F32_TOL;
   engine  ``LLM.generate`` of greedy and seeded sampling requests (random lengths, shared prefixes, temperature,
           top_k, top_p; random mesh, moe_path, page budget, chunk size, prefill layout, scheduler steps, async
           scheduling, attention backend, redundant experts re-placed by EPLB as it runs, MTP speculative decoding
@@ -104,25 +105,29 @@ def draw_config(rng: random.Random) -> dict:
     return cfg
 
 
-def add_features(rng: random.Random, args, cfg: dict, ref_model, path) -> tuple[object, dict]:
-    """Maybe an MTP layer (V3) and DeepSeek's FP8 release format for the checkpoint at ``path``; returns the model
-    that is the oracle of the main logits (the FP8 weights exactly dequantized into a copy of ``ref_model``) and
-    what was added."""
+def add_features(rng: random.Random, args, cfg: dict, ref_model, path):
+    """Maybe an MTP layer (V3) and DeepSeek's FP8 release format for the checkpoint at ``path``. Returns the oracle
+    of the main logits (with FP8, a copy of ``ref_model`` holding the exactly dequantized weights), the MTP layer's
+    oracle (hf_oracle.MtpOracle, likewise) or None, and what was added."""
     import hf_oracle as O
     from fp8_oracle import dequantize_checkpoint
 
-    features = {}
+    features, mtp = {}, None
     if cfg["model_type"] == "deepseek_v3" and rng.random() < args.mtp:
-        O.add_mtp_to_checkpoint(path, O.build_mtp_oracle(ref_model, seed=rng.randrange(2**31)))
+        mtp = O.build_mtp_oracle(ref_model, seed=rng.randrange(2**31))
+        O.add_mtp_to_checkpoint(path, mtp)
         features["mtp"] = True
     if not cfg["tie_word_embeddings"] and rng.random() < args.fp8:  # the release format has a head of its own
         features["fp8"] = rng.choice([None, "ue8m0"])
         O.convert_to_fp8(path, scale_fmt=features["fp8"], shards=rng.choice([1, 2]))
+        values = dequantize_checkpoint(O.read_tensors(path))
         mtp_layer = f"model.layers.{cfg['num_hidden_layers']}."
-        tensors = {k: v for k, v in dequantize_checkpoint(O.read_tensors(path)).items() if not k.startswith(mtp_layer)}
         ref_model = copy.deepcopy(ref_model)
-        O.load_state_into_hf(ref_model, tensors)
-    return ref_model, features
+        O.load_state_into_hf(ref_model, {k: v for k, v in values.items() if not k.startswith(mtp_layer)})
+        if mtp is not None:
+            mtp = O.MtpOracle(main=ref_model, layer=copy.deepcopy(mtp.layer))
+            O.load_mtp_tensors(mtp, {k: v for k, v in values.items() if k.startswith(mtp_layer)})
+    return ref_model, mtp, features
 
 
 def draw_engine_options(rng: random.Random, cfg: dict, features: dict, dtype: str, tmp: str) -> dict:
@@ -154,17 +159,24 @@ def draw_engine_options(rng: random.Random, cfg: dict, features: dict, dtype: st
     return opts
 
 
-def check_logits(model, ref_model, ref_bf16, cfg, rng: random.Random) -> list[str]:
+def check_logits(model, ref_model, ref_bf16, mtp, cfg, rng: random.Random) -> list[str]:
+    """The main logits against ``ref_model``'s (and against ``mtp``'s, the MTP layer's logits, float32 only)."""
     import hf_oracle as O
 
-    ids = O.random_ids(cfg["vocab_size"], rng.randint(1, 3), rng.randint(1, 40), rng.randrange(2**31))
+    batch, length = rng.randint(1, 3), rng.randint(1, 40)
+    ids = O.random_ids(cfg["vocab_size"], batch, length, rng.randrange(2**31))
     ref = O.reference_logits(ref_model, ids)
     got = model.logits(ids)
     err = O.rel_err(got, ref)
     bound = F32_TOL
     if ref_bf16 is not None:
         bound = max(bound, BF16_SLACK * O.rel_err(O.reference_logits(ref_bf16, ids), ref))
-    return [] if err <= bound else [f"logits {ids.shape}: max|diff|/max|ref| = {err:.3e} (bound {bound:.3e})"]
+    bad = [] if err <= bound else [f"logits {ids.shape}: max|diff|/max|ref| = {err:.3e} (bound {bound:.3e})"]
+    if mtp is not None and ref_bf16 is None:
+        next_ids = O.random_ids(cfg["vocab_size"], batch, length, rng.randrange(2**31))
+        err = O.rel_err(model.mtp_logits(ids, next_ids), mtp.logits(ids, next_ids))
+        bad += [] if err <= F32_TOL else [f"MTP logits {ids.shape}: max|diff|/max|ref| = {err:.3e}"]
+    return bad
 
 
 def draw_prompts(rng: random.Random, vocab: int) -> list[list[int]]:
@@ -273,12 +285,12 @@ def main(argv=None) -> int:
             try:
                 ref_model = O.build_hf_model(cfg, seed=rng.randrange(2**31))
                 path = O.save_checkpoint(ref_model, pathlib.Path(tmp) / f"m{it}")
-                ref_model, features = add_features(rng, args, cfg, ref_model, path)
+                ref_model, mtp, features = add_features(rng, args, cfg, ref_model, path)
                 label += f" {features}"
                 keep_fp8 = "fp8" in features and rng.random() < 0.5
                 ref_bf16 = copy.deepcopy(ref_model).to(torch.bfloat16) if args.dtype == "bfloat16" else None
                 model = jaxinfer.load_model(str(path), mesh="1x1", dtype=args.dtype, keep_fp8=keep_fp8)
-                bad = check_logits(model, ref_model, ref_bf16, cfg, rng)
+                bad = check_logits(model, ref_model, ref_bf16, mtp, cfg, rng)
                 del model
             except Exception:
                 bad = ["exception:\n" + traceback.format_exc()]
