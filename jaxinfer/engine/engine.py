@@ -185,8 +185,8 @@ class LLMEngine:
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        vocab = self.model.config.vocab_size
-        if params.logprobs is not None and params.logprobs > vocab:  # a vocabulary has no more tokens to rank
+        vocab = self.model.config.vocab_size  # a vocabulary has no more tokens to rank (max_logprobs still applies)
+        if params.logprobs is not None and vocab < params.logprobs <= self.config.max_logprobs:
             params = dataclasses.replace(params, logprobs=vocab)
         if params.structured_outputs is not None and self.grammars is None:
             raise ValueError(f"structured_outputs needs the checkpoint's tokenizer.json, and {self.model_path} "

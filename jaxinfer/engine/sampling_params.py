@@ -64,7 +64,8 @@ class SamplingParams:
       stop_token_ids: None or a list of token ids -> tuple of ints >= 0.
       ignore_eos: only "do not stop at EOS" (EOS is not masked).
       n: >= 1 samples per prompt.
-      logprobs: None, or N >= 0: the top-N logprobs per generated token plus the sampled token's.
+      logprobs: None, or N >= 0: the top-N logprobs per generated token plus the sampled token's (a vocabulary of
+        fewer than N tokens: all of them).
       presence_penalty, frequency_penalty: in [-2, 2] (OpenAI API, as vLLM), on generated tokens.
       repetition_penalty: > 0 (1 = off), on tokens of the prompt or the output (vLLM, CTRL paper).
       structured_outputs: None, or a StructuredOutputsParams (or its fields as a dict): the output follows a JSON
