@@ -66,6 +66,10 @@ def _build(config: ModelConfig, dtype, plan: ParallelPlan, **layout) -> tuple[nn
     """The module's graph and an abstract state (no memory allocated)."""
     if config.num_moe_layers or layout.get("num_mtp_layers"):
         check_slots(config.n_routed_experts + plan.num_redundant_experts, plan.expert_ranks)
+    elif plan.num_redundant_experts:
+        raise ValueError(f"num_redundant_experts={plan.num_redundant_experts}: the model has no MoE layers "
+                         f"(first_k_dense_replace = num_hidden_layers = {config.num_hidden_layers}), so no expert "
+                         f"slots to add")
     abstract = nnx.eval_shape(
         lambda: DeepseekForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype, plan=plan, **layout))
     return nnx.split(abstract)

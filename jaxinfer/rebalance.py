@@ -101,6 +101,9 @@ def rebalance_model(model, load, num_nodes: int = 1) -> tuple[np.ndarray, np.nda
     EPLB's (phy2log [L, S], log2phy [L, E, max_replicas], logcnt [L, E]). Callers that cache the state's
     leaves (the engine's Runner) must read them again."""
     config = model.config
+    if not config.num_moe_layers:
+        raise ValueError(f"the model has no MoE layers (first_k_dense_replace = num_hidden_layers = "
+                         f"{config.num_hidden_layers}): there are no experts to rebalance")
     num_slots = config.n_routed_experts + model.plan.num_redundant_experts
     placement = eplb_placement(load, config, num_slots, model.plan.expert_ranks, num_nodes)
     model.state = rebalanced_state(model.state, config, placement[0])

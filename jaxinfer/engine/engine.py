@@ -83,6 +83,9 @@ class LLMEngine:
                                 num_redundant_experts=config.num_redundant_experts,
                                 moe_path=config.moe_path or "auto")
         self.config = config = config.resolve(self.model)
+        if config.rebalance_every_n_steps and not self.model.config.num_moe_layers:
+            raise ValueError(f"rebalance_every_n_steps={config.rebalance_every_n_steps}: {config.model} has no MoE "
+                             f"layers, so no experts to rebalance")
         self.model_path = config.model
         self.tokenizer = Tokenizer.from_dir(config.model)
         eos = self.tokenizer.eos_token_id if self.tokenizer else (self.model.config.eos_token_ids or (None,))[0]

@@ -81,6 +81,13 @@ def test_a_model_without_moe_layers_generates_transformers_greedy_tokens(tmp_pat
         prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)]
     assert got == [_hf_generate(model, p, 4) for p in prompts]
     assert llm.expert_load().shape == (0, cfg["n_routed_experts"])
+    # Nothing for EPLB to place: said at once, not at the first rebalance in the middle of a generate.
+    with pytest.raises(ValueError, match="no MoE layers, so no experts to rebalance"):
+        LLM(path, mesh="1x2", dtype="float32", num_kv_pages=16, rebalance_every_n_steps=2)
+    with pytest.raises(ValueError, match="num_redundant_experts=2: the model has no MoE layers"):
+        LLM(path, mesh="1x2", dtype="float32", num_kv_pages=16, num_redundant_experts=2)
+    with pytest.raises(ValueError, match="there are no experts to rebalance"):
+        llm.rebalance_experts()
 
 
 def test_one_routed_expert_and_a_vocabulary_of_three(tmp_path_factory):
