@@ -42,8 +42,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 F32_TOL = 1e-4  # max|diff| / max|ref| of float32 logits (tests/models/test_parity_hf.py)
 TIE_GAP = 1e-3  # logits: a generated token this close to transformers' maximum is a tie, not a mismatch
 LOGPROB_TOL = 1e-3
-# --dtype bfloat16: the bounds grow to BF16_SLACK x the error of transformers' own bfloat16 forward (the f32 model
-# cast to bfloat16) on the same input: max|diff| / max|ref| for the logits, each row's max |diff| for the engine
+# --dtype bfloat16: the bounds are BF16_SLACK x the error of transformers' own bfloat16 forward (the f32 model cast
+# to bfloat16) on the same input. Logits: the median over positions of max|diff| / max|ref| (one expert choice that
+# rounding flips moves a position's logits by up to ~0.1 of their range, in either implementation: the maximum
+# measures the flips); the engine: its sequence's largest row error bounds each gap and logprob.
 BF16_SLACK = 2.0
 
 
@@ -167,11 +169,15 @@ def check_logits(model, ref_model, ref_bf16, mtp, cfg, rng: random.Random) -> li
     ids = O.random_ids(cfg["vocab_size"], batch, length, rng.randrange(2**31))
     ref = O.reference_logits(ref_model, ids)
     got = model.logits(ids)
-    err = O.rel_err(got, ref)
-    bound = F32_TOL
-    if ref_bf16 is not None:
-        bound = max(bound, BF16_SLACK * O.rel_err(O.reference_logits(ref_bf16, ids), ref))
-    bad = [] if err <= bound else [f"logits {ids.shape}: max|diff|/max|ref| = {err:.3e} (bound {bound:.3e})"]
+    if ref_bf16 is None:
+        err, bound, what = O.rel_err(got, ref), F32_TOL, "max|diff|/max|ref|"
+    else:
+        def median_error(x):
+            return float(np.median(np.abs(x - ref).max(-1)) / np.abs(ref).max())
+
+        err, what = median_error(got), "median over positions of max|diff|/max|ref|"
+        bound = BF16_SLACK * median_error(O.reference_logits(ref_bf16, ids))
+    bad = [] if err <= bound else [f"logits {ids.shape}: {what} = {err:.3e} (bound {bound:.3e})"]
     if mtp is not None and ref_bf16 is None:
         next_ids = O.random_ids(cfg["vocab_size"], batch, length, rng.randrange(2**31))
         err = O.rel_err(model.mtp_logits(ids, next_ids), mtp.logits(ids, next_ids))
@@ -243,8 +249,9 @@ def check_engine(path, ref_model, ref_bf16, cfg, opts: dict, rng: random.Random)
                        f"{len(o.token_ids)} of {sp.max_tokens} tokens")
             continue
         logits = teacher_forced(ref_model, p + list(o.token_ids))
-        slack = (np.zeros(len(logits)) if ref_bf16 is None else
-                 BF16_SLACK * np.abs(teacher_forced(ref_bf16, p + list(o.token_ids)) - logits).max(-1))
+        slack = np.zeros(len(logits))
+        if ref_bf16 is not None:
+            slack += BF16_SLACK * np.abs(teacher_forced(ref_bf16, p + list(o.token_ids)) - logits).max()
         for t, tok in enumerate(o.token_ids):
             row = logits[len(p) - 1 + t]
             logprob = row[tok] - row.max() - np.log(np.exp(row - row.max()).sum())
