@@ -133,7 +133,8 @@ def add_features(rng: random.Random, args, cfg: dict, ref_model, path):
 
 
 def draw_engine_options(rng: random.Random, cfg: dict, features: dict, dtype: str, tmp: str) -> dict:
-    moe = cfg["first_k_dense_replace"] < cfg["num_hidden_layers"]
+    """``LLM`` options that promise the same outputs; meshes whose expert axis divides the experts."""
+    moe = cfg["first_k_dense_replace"] < cfg["num_hidden_layers"] or features.get("mtp")  # MTP's block is MoE
     experts = cfg["n_routed_experts"]
     meshes = [f"{d}x{e}" for d in (1, 2) for e in (1, 2, 4) if not moe or experts % e == 0]
     opts = dict(mesh=rng.choice(meshes), dtype=dtype, num_kv_pages=rng.choice([6, 8, 16]),
