@@ -134,14 +134,15 @@ def add_features(rng: random.Random, args, cfg: dict, ref_model, path):
 
 def draw_engine_options(rng: random.Random, cfg: dict, features: dict, dtype: str, tmp: str) -> dict:
     """``LLM`` options that promise the same outputs; meshes whose expert axis divides the experts."""
-    moe = cfg["first_k_dense_replace"] < cfg["num_hidden_layers"] or features.get("mtp")  # MTP's block is MoE
+    main_moe = cfg["first_k_dense_replace"] < cfg["num_hidden_layers"]
+    moe = main_moe or features.get("mtp")  # the MTP block is MoE
     experts = cfg["n_routed_experts"]
     meshes = [f"{d}x{e}" for d in (1, 2) for e in (1, 2, 4) if not moe or experts % e == 0]
     opts = dict(mesh=rng.choice(meshes), dtype=dtype, num_kv_pages=rng.choice([6, 8, 16]),
                 max_num_batched_tokens=rng.choice([16, 48, 2048]), prefill_layout=rng.choice(["blocks", "grid"]),
                 num_scheduler_steps=rng.choice([None, 1, 3]), async_scheduling=rng.random() < 0.5,
                 greedy_screening=rng.choice([None, True, False]), max_num_seqs=rng.choice([2, 8, 64]))
-    if moe:
+    if main_moe:  # EPLB counts the main model's MoE layers
         opts["moe_path"] = rng.choice([None, "gather", "dense", "capacity", "grouped", "ragged"])
         if rng.random() < 0.3:  # EPLB: redundant slots (a multiple of the expert axis), re-placed as it runs
             ep = int(opts["mesh"].split("x")[1])
