@@ -21,6 +21,7 @@ import math
 import pathlib
 import re
 import shutil
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -81,7 +82,9 @@ def build_hf_model(cfg: dict[str, Any], seed: int = 0, std_scale: float = 0.5, h
     """
     config = hf_config(cfg)
     torch.manual_seed(seed)
-    model = (DeepseekV3ForCausalLM if config.model_type == "deepseek_v3" else DeepseekV2ForCausalLM)(config)
+    with warnings.catch_warnings():  # n_shared_experts 0: torch's default init of the width-0 shared MLP says so
+        warnings.filterwarnings("ignore", "Initializing zero-element tensors is a no-op", UserWarning)
+        model = (DeepseekV3ForCausalLM if config.model_type == "deepseek_v3" else DeepseekV2ForCausalLM)(config)
     randomize_(model, seed, std_scale=std_scale, head_std=head_std, bias_std=bias_std)
     return model.eval()
 
