@@ -196,14 +196,6 @@ def draw_prompts(rng: random.Random, vocab: int) -> list[list[int]]:
     return prompts
 
 
-def teacher_forced(model, seq: list[int]) -> np.ndarray:
-    """float64 [len(seq), V]: ``model``'s logits over ``seq``."""
-    import torch
-
-    with torch.no_grad():
-        return model(input_ids=torch.tensor([seq]), use_cache=False).logits[0].double().numpy()
-
-
 def outside_filters(row: np.ndarray, tok: int, sp, tol: float) -> str | None:
     """Why ``tok`` cannot come from transformers' logits ``row`` under ``sp``, or None; a token ahead of ``tok`` by
     ``tol`` or less counts as a tie. Greedy: the maximum. Sampled: among the top_k, and inside the top_p nucleus of
@@ -235,6 +227,8 @@ def draw_params(rng: random.Random, SamplingParams):
 def check_engine(path, ref_model, ref_bf16, cfg, opts: dict, rng: random.Random) -> tuple[list[str], int]:
     """Mismatches of the engine's tokens and logprobs against transformers' teacher-forced logits, and the number
     of ties passed."""
+    import hf_oracle as O
+
     from jaxinfer import LLM, SamplingParams
 
     prompts = draw_prompts(rng, cfg["vocab_size"])
@@ -250,19 +244,18 @@ def check_engine(path, ref_model, ref_bf16, cfg, opts: dict, rng: random.Random)
             bad.append(f"request {i} (prompt {len(p)}): finish {o.finish_reason!r} {o.error or ''}, "
                        f"{len(o.token_ids)} of {sp.max_tokens} tokens")
             continue
-        logits = teacher_forced(ref_model, p + list(o.token_ids))
-        slack = np.zeros(len(logits))
-        if ref_bf16 is not None:
-            slack += BF16_SLACK * np.abs(teacher_forced(ref_bf16, p + list(o.token_ids)) - logits).max()
+        seq = [p + list(o.token_ids)]
+        logits = O.reference_logits(ref_model, seq)[0].astype(np.float64)  # [len(seq), V], teacher-forced
+        slack = 0.0 if ref_bf16 is None else BF16_SLACK * np.abs(O.reference_logits(ref_bf16, seq)[0] - logits).max()
         for t, tok in enumerate(o.token_ids):
             row = logits[len(p) - 1 + t]
             logprob = row[tok] - row.max() - np.log(np.exp(row - row.max()).sum())
-            why = outside_filters(row, tok, sp, max(TIE_GAP, slack[len(p) - 1 + t]))
+            why = outside_filters(row, tok, sp, max(TIE_GAP, slack))
             if why is not None:
                 bad.append(f"request {i} (prompt {len(p)}, {sp}) token {t}: {tok}: {why}")
                 break
             ties += int(sp.temperature == 0 and row[tok] < row.max())
-            if abs(o.logprobs[t][tok] - logprob) > max(LOGPROB_TOL, 2 * slack[len(p) - 1 + t]):
+            if abs(o.logprobs[t][tok] - logprob) > max(LOGPROB_TOL, 2 * slack):
                 bad.append(f"request {i} token {t}: logprob {o.logprobs[t][tok]:.6f}, transformers {logprob:.6f}")
                 break
     return bad, ties

@@ -5,8 +5,8 @@ The configurations (hf_oracle.CONFIGS) together vary: q_lora_rank null / int; n_
 4/2); norm_topk_prob true / false; YaRN (mscale = mscale_all_dim, mscale != mscale_all_dim, no mscale) vs default
 RoPE, rope_theta 10000 / 20000 / 50000; first_k_dense_replace 0, 1, 2; v_head_dim != qk_nope_head_dim; 3, 4 and 5
 heads; 0, 1 and 2 shared experts; vocab 97, 101, 113, 131; non-zero e_score_correction_bias; hidden / intermediate /
-projection dims above 128; the V2 family (softmax router, greedy and group_limited_greedy); a sharded checkpoint with an index; a
-config.json in the legacy rope_theta + rope_scaling form.
+projection dims above 128; the V2 family (softmax router, greedy and group_limited_greedy); a sharded checkpoint
+with an index; a config.json in the legacy rope_theta + rope_scaling form.
 
 Metrics: f32 -- max|jaxinfer - HF| / max|HF| <= 1e-4 over the whole [B, T, vocab] logits; bf16 -- greedy (argmax)
 agreement with the f32 HF logits on >= 99% of the positions whose reference margin is resolvable in bf16 (see
